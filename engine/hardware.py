@@ -1,0 +1,303 @@
+"""Device facts, calibration microbenchmarks and telemetry sampling.
+
+No GPU or no NVIDIA driver is a normal state, reported as such."""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+
+import psutil
+import torch
+
+CALIBRATION_VERSION = 1
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_facts() -> dict:
+    return {
+        "model": _cpu_model(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "torch_threads": torch.get_num_threads(),
+        "ram_bytes": psutil.virtual_memory().total,
+    }
+
+
+def _nvml():
+    """The pynvml module, initialised, or a reason why not."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, None
+    except Exception as exc:  # no driver, no library, no GPU: all normal here
+        return None, f"NVML unavailable ({type(exc).__name__}: {str(exc)[:80] or 'no detail'})"
+
+
+def _nvml_or_none(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+def gpu_facts() -> dict:
+    nvml, reason = _nvml()
+    if nvml is None:
+        return {"available": False, "reason": reason, "gpus": []}
+    gpus = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        gen = _nvml_or_none(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        width = _nvml_or_none(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+        max_gen = _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h)
+        max_width = _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkWidth, h)
+        bus_width = _nvml_or_none(nvml.nvmlDeviceGetMemoryBusWidth, h)
+        max_mem_clock = _nvml_or_none(nvml.nvmlDeviceGetMaxClockInfo, h, nvml.NVML_CLOCK_MEM)
+        nvlinks = 0
+        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            if _nvml_or_none(nvml.nvmlDeviceGetNvLinkState, h, link) == 1:
+                nvlinks += 1
+        gpus.append({
+            "index": i,
+            "name": nvml.nvmlDeviceGetName(h),
+            "memory_total_bytes": mem.total,
+            "memory_used_bytes": mem.used,
+            "pcie_gen": gen, "pcie_width": width, "pcie_max_gen": max_gen, "pcie_max_width": max_width,
+            "pcie_bandwidth_gbps": pcie_bandwidth_gbps(gen, width),
+            "pcie_max_bandwidth_gbps": pcie_bandwidth_gbps(max_gen, max_width),
+            "memory_bus_width_bits": bus_width,
+            "memory_max_clock_mhz": max_mem_clock,
+            # DDR/HBM transfer data on both clock edges: 2 transfers per clock per bus bit
+            "memory_theoretical_gbps": (2 * max_mem_clock * 1e6 * bus_width / 8 / 1e9)
+            if bus_width and max_mem_clock else None,
+            "nvlink_links_up": nvlinks,
+        })
+    return {"available": True, "reason": None, "gpus": gpus}
+
+
+# usable bandwidth per lane per direction in GB/s, after line encoding
+_PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def pcie_bandwidth_gbps(gen: int | None, width: int | None) -> float | None:
+    if not gen or not width or gen not in _PCIE_LANE_GBPS:
+        return None
+    return _PCIE_LANE_GBPS[gen] * width
+
+
+def hardware_summary(device: torch.device) -> dict:
+    facts = {"device": str(device), "torch": torch.__version__, "cpu": cpu_facts()}
+    if device.type == "cuda":
+        facts["cuda_device"] = torch.cuda.get_device_name(device)
+        facts["gpu"] = gpu_facts()
+    return facts
+
+
+def device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "mps":
+        return f"mps:{platform.machine()}"
+    return f"cpu:{_cpu_model()}:{torch.get_num_threads()}threads"
+
+
+# --- calibration -----------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _weights_budget_bytes(device: torch.device) -> int:
+    """Enough distinct weights that they cannot sit in a last-level cache (300 MiB on this CPU's host,
+    tens of MB on GPUs), so every pass reads them from main memory."""
+    return 1 << 30
+
+
+def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """GB/s reading cold weights through matrix-vector products, the access pattern of decoding."""
+    rows, cols = 4096, 4096
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(2, _weights_budget_bytes(device) // (rows * cols * elem))
+    mats = [torch.randn(rows, cols, device=device).to(dtype) for _ in range(count)]
+    x = torch.randn(1, cols, device=device, dtype=dtype)
+
+    def run():
+        for w in mats:
+            torch.nn.functional.linear(x, w)
+
+    seconds = _best_seconds(run, device, repeats=3)
+    return count * rows * cols * elem / seconds / 1e9
+
+
+def measure_stream_bandwidth(device: torch.device) -> float:
+    """GB/s of a plain streaming read (a sum over a large buffer)."""
+    buf = torch.ones(_weights_budget_bytes(device) // 4, device=device)
+    seconds = _best_seconds(lambda: buf.sum(), device, repeats=3)
+    return buf.nbytes / seconds / 1e9
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Peak GFLOP/s of a square matmul at this dtype."""
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _best_seconds(lambda: a @ b, device, repeats=5)
+    return 2 * n ** 3 / seconds / 1e9
+
+
+def measure_dispatch_us(device: torch.device) -> float:
+    """Microseconds per tiny op: the fixed cost every kernel launch or dispatch pays."""
+    x = torch.ones(8, device=device)
+    n = 2000
+
+    def run():
+        for _ in range(n):
+            torch.add(x, 1.0)
+
+    return _best_seconds(run, device, repeats=3) / n * 1e6
+
+
+def measure_host_link(device: torch.device) -> dict:
+    """Host-to-device and device-to-host bandwidth (pinned, 256 MB) and latency (4 bytes)."""
+    host = torch.empty(64 << 20, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    tiny_host, tiny_dev = torch.ones(1).pin_memory(), torch.ones(1, device=device)
+    h2d = _best_seconds(lambda: dev.copy_(host, non_blocking=True), device, 3)
+    d2h = _best_seconds(lambda: host.copy_(dev, non_blocking=True), device, 3)
+    lat_h2d = _best_seconds(lambda: tiny_dev.copy_(tiny_host), device, 20)
+    lat_d2h = _best_seconds(lambda: tiny_host.copy_(tiny_dev), device, 20)
+    return {"h2d_gbps": host.nbytes / h2d / 1e9, "d2h_gbps": host.nbytes / d2h / 1e9,
+            "h2d_latency_us": lat_h2d * 1e6, "d2h_latency_us": lat_d2h * 1e6}
+
+
+def engine_dtypes(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cpu":
+        return [torch.float32, torch.bfloat16]
+    return [torch.float32, torch.bfloat16, torch.float16]
+
+
+def calibrate(device: torch.device) -> dict:
+    start = time.perf_counter()
+    results = {
+        "version": CALIBRATION_VERSION,
+        "device_key": device_key(device),
+        "memory_gbps": measure_gemv_bandwidth(device),
+        "stream_read_gbps": measure_stream_bandwidth(device),
+        "matmul_gflops": {str(d).removeprefix("torch."): measure_matmul_flops(device, d)
+                          for d in engine_dtypes(device)},
+        "dispatch_us": measure_dispatch_us(device),
+    }
+    if device.type == "cuda":
+        results["host_link"] = measure_host_link(device)
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
+    table = calibration["matmul_gflops"]
+    return table.get(str(dtype).removeprefix("torch."), table["float32"])
+
+
+_session_calibrations: dict[str, dict] = {}
+
+
+def calibration_for(device: torch.device, store=None, fresh: bool = False) -> dict:
+    """The stored calibration of this device, else one this process already made, else a new one
+    (stored when a store is given)."""
+    key = device_key(device)
+    if not fresh:
+        stored = store.latest_calibration(key) if store is not None else None
+        if stored and stored.get("version") == CALIBRATION_VERSION:
+            return stored
+        if key in _session_calibrations:
+            results = _session_calibrations[key]
+            if store is not None:
+                store.save_calibration(key, results)
+            return results
+    results = _session_calibrations[key] = calibrate(device)
+    if store is not None:
+        store.save_calibration(key, results)
+    return results
+
+
+# --- telemetry -------------------------------------------------------------------------------
+
+class TelemetrySampler:
+    """Samples CPU use and resident memory (and NVML GPU figures on CUDA) in a background thread."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.1):
+        self.interval_s = interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenpath-telemetry")
+        self._process = psutil.Process(os.getpid())
+        self._gpu = None
+        if device.type == "cuda":
+            nvml, _ = _nvml()
+            if nvml is not None:
+                self._gpu = (nvml, nvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+        self._t0 = 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        psutil.cpu_percent(interval=None)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(self.sample())
+
+    def sample(self) -> dict:
+        row = {"t_ms": (time.perf_counter() - self._t0) * 1e3,
+               "cpu_percent": psutil.cpu_percent(interval=None),
+               "rss_bytes": self._process.memory_info().rss,
+               "gpu_util_percent": None, "gpu_mem_used_bytes": None, "gpu_power_w": None,
+               "gpu_sm_clock_mhz": None, "gpu_mem_clock_mhz": None, "gpu_temp_c": None}
+        if self._gpu:
+            nvml, h = self._gpu
+            util = _nvml_or_none(nvml.nvmlDeviceGetUtilizationRates, h)
+            mem = _nvml_or_none(nvml.nvmlDeviceGetMemoryInfo, h)
+            power = _nvml_or_none(nvml.nvmlDeviceGetPowerUsage, h)
+            row.update({
+                "gpu_util_percent": util.gpu if util else None,
+                "gpu_mem_used_bytes": mem.used if mem else None,
+                "gpu_power_w": power / 1000 if power is not None else None,
+                "gpu_sm_clock_mhz": _nvml_or_none(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM),
+                "gpu_mem_clock_mhz": _nvml_or_none(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_MEM),
+                "gpu_temp_c": _nvml_or_none(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU),
+            })
+        return row

@@ -1,0 +1,107 @@
+"""The decode loop on a tiny random Llama: exactness, sampling, streaming, cancellation, bad input."""
+import pytest
+import torch
+
+from engine.generate import Generation, GenConfig, GenerationError, TextStream, prompt_ids, select_token
+
+PROMPTS = ["Hello there", "def add(a, b):", "The weather today is"]
+
+
+def generate_ids(lm, prompt, calibration, **kw):
+    gen = Generation(lm, GenConfig(prompt, raw=True, **kw), calibration=calibration, telemetry=False)
+    return gen.run()["token_ids"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_kv_on_equals_kv_off_equals_hf_generate(tiny_lm, calibration, prompt):
+    on = generate_ids(tiny_lm, prompt, calibration, max_new_tokens=12)
+    off = generate_ids(tiny_lm, prompt, calibration, max_new_tokens=12, kv_cache=False)
+    ids = torch.tensor([prompt_ids(tiny_lm, prompt, raw=True)])
+    hf = tiny_lm.model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=0)[0, ids.shape[1]:]
+    assert on == off
+    assert on == hf.tolist()[: len(on)]
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_lm, calibration):
+    a = generate_ids(tiny_lm, "Once upon", calibration, max_new_tokens=10, temperature=1.0, seed=7)
+    b = generate_ids(tiny_lm, "Once upon", calibration, max_new_tokens=10, temperature=1.0, seed=7)
+    c = generate_ids(tiny_lm, "Once upon", calibration, max_new_tokens=10, temperature=1.0, seed=8)
+    assert a == b
+    assert a != c
+
+
+def test_top_k_one_is_greedy(tiny_lm, calibration):
+    greedy = generate_ids(tiny_lm, "Once upon", calibration, max_new_tokens=8)
+    topk = generate_ids(tiny_lm, "Once upon", calibration, max_new_tokens=8, temperature=0.7, top_k=1, seed=1)
+    assert greedy == topk
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    cfg = GenConfig("x", temperature=1.0, top_p=0.7)
+    gen = torch.Generator().manual_seed(0)
+    picks = {select_token(logits, cfg, gen) for _ in range(300)}
+    assert picks == {0, 1}
+
+
+def test_stream_events_tile_the_run(tiny_lm, calibration, store):
+    gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=16), store=store, calibration=calibration)
+    events = list(gen)
+    result = gen.result
+    assert len(events) == result["n_new_tokens"] == len(gen.steps)
+    times = [e.t_ms for e in events]
+    assert times == sorted(times)
+    assert result["total_ms"] == pytest.approx(sum(s["wall_ms"] for s in gen.steps), rel=1e-9)
+    assert "".join(e.piece for e in events) == result["text"]
+    row = store.run(result["run_id"])
+    assert row["status"] == "ok" and row["n_new_tokens"] == len(events)
+    assert len(store.tokens(result["run_id"])) == len(events)
+    assert len(store.steps(result["run_id"])) == len(events)
+
+
+def test_closing_the_stream_records_a_cancelled_run(tiny_lm, calibration, store):
+    gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=50), store=store, calibration=calibration)
+    it = iter(gen)
+    for _ in range(3):
+        next(it)
+    it.close()
+    row = store.run(gen.run_id)
+    assert row["status"] == "cancelled"
+    assert row["n_new_tokens"] == 3
+    assert len(store.tokens(gen.run_id)) == 3
+
+
+def test_an_engine_failure_is_a_recorded_error_run(tiny_lm, calibration, store, monkeypatch):
+    gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=5), store=store, calibration=calibration)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(tiny_lm.model, "forward", broken)
+    with pytest.raises(RuntimeError):
+        gen.run()
+    row = store.run(gen.run_id)
+    assert row["status"] == "error"
+    assert "simulated kernel failure" in row["error"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt="   "), "empty"),
+    (dict(prompt="hi", max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt="hi", max_new_tokens=100000), "max_new_tokens"),
+    (dict(prompt="hi", temperature=-1), "temperature"),
+    (dict(prompt="hi", top_p=0), "top_p"),
+    (dict(prompt="hi " * 400, max_new_tokens=200), "context"),
+])
+def test_bad_input_is_one_sentence_and_records_nothing(tiny_lm, calibration, store, kwargs, message):
+    with pytest.raises(GenerationError, match=message):
+        Generation(tiny_lm, GenConfig(raw=True, **kwargs), store=store, calibration=calibration)
+    assert store.runs().empty
+
+
+def test_text_stream_never_splits_a_character(tiny_lm):
+    ids = tiny_lm.tokenizer("naïve 東京 🙂 done")["input_ids"]
+    stream = TextStream(tiny_lm.tokenizer)
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) == tiny_lm.tokenizer.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
