@@ -1,0 +1,129 @@
+"""The real default model: exact greedy decoding, the command line, attribution that responds."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.accounting import cache_nbytes, model_shape
+from engine.generate import Generation, GenConfig, prompt_ids
+from engine.store import BUCKETS
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "List three colours of the rainbow.",
+]
+
+
+def run(lm, calibration, prompt, store=None, **kw):
+    gen = Generation(lm, GenConfig(prompt, **kw), store=store, calibration=calibration, telemetry=False)
+    gen.run()
+    return gen
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_is_identical_with_and_without_cache_and_to_hf_generate(default_lm, calibration, prompt):
+    on = run(default_lm, calibration, prompt, max_new_tokens=24).token_ids
+    off = run(default_lm, calibration, prompt, max_new_tokens=24, kv_cache=False).token_ids
+    ids = torch.tensor([prompt_ids(default_lm, prompt, raw=False)])
+    hf = default_lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                   do_sample=False)[0, ids.shape[1]:].tolist()
+    assert on == off == hf
+
+
+def test_stop_string_ends_the_text_before_it(default_lm, calibration):
+    full = run(default_lm, calibration, PROMPTS[2], max_new_tokens=40).text
+    stop = full.split()[2]
+    gen = run(default_lm, calibration, PROMPTS[2], max_new_tokens=40, stop=[stop])
+    assert gen.stop_reason == "stop_string"
+    assert stop not in gen.text and full.startswith(gen.text)
+
+
+def test_buckets_sum_to_each_steps_wall_time_and_physical_is_near_zero(default_lm, calibration, store):
+    gen = run(default_lm, calibration, PROMPTS[1], store=store, max_new_tokens=20)
+    for step in gen.steps:
+        total = sum(step[f"{b}_ms"] for b in BUCKETS)
+        assert total == pytest.approx(step["wall_ms"], rel=0.01)
+        assert all(step[f"{b}_ms"] >= 0 for b in BUCKETS)
+        assert step["physical_ms"] < 0.02 * step["wall_ms"]
+    stored = store.tokens(gen.run_id)
+    assert sum(stored[f"{b}_ms"].sum() for b in BUCKETS) == pytest.approx(gen.result["total_ms"], rel=0.01)
+    run_row = store.run(gen.run_id)
+    assert run_row["memory_ms"] == pytest.approx(stored["memory_ms"].sum(), rel=1e-6)
+
+
+def test_kv_accounting_equals_the_real_cache_at_several_lengths(default_lm, calibration):
+    shape = model_shape(default_lm.model)
+    for prompt, new in [("Hi", 1), (PROMPTS[0], 9), (PROMPTS[1] * 6, 17)]:
+        gen = run(default_lm, calibration, prompt, max_new_tokens=new)
+        context = len(gen.prompt_ids) + len(gen.token_ids) - 1
+        assert cache_nbytes(gen.cache) == shape.kv_bytes_per_token * context == 46080 * context
+
+
+def decode_steps(gen):
+    return [s for s in gen.steps if s["kind"] == "decode"]
+
+
+def test_without_cache_the_decision_share_grows_with_context(default_lm, calibration):
+    short = run(default_lm, calibration, "Say hello.", max_new_tokens=6, kv_cache=False)
+    long = run(default_lm, calibration, "Say hello. " + "The quick brown fox jumps over the lazy dog. " * 30,
+               max_new_tokens=6, kv_cache=False)
+    share = lambda g: sum(s["decision_ms"] for s in decode_steps(g)) / sum(s["wall_ms"] for s in decode_steps(g))  # noqa: E731
+    assert share(long) > share(short) > 0
+    cached = run(default_lm, calibration, "Say hello.", max_new_tokens=6)
+    assert sum(s["decision_ms"] for s in cached.steps) == 0
+
+
+def test_memory_per_token_grows_with_context(default_lm, calibration):
+    short = run(default_lm, calibration, "Say hello.", max_new_tokens=8)
+    long = run(default_lm, calibration, "Say hello. " + "The quick brown fox jumps over the lazy dog. " * 60,
+               max_new_tokens=8)
+    mean_memory = lambda g: sum(s["memory_ms"] for s in decode_steps(g)) / len(decode_steps(g))  # noqa: E731
+    assert mean_memory(long) > mean_memory(short)
+
+
+def cli(*args, db):
+    env = dict(os.environ, TOKENPATH_DB=str(db))
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_cli_generate_json_and_runs(tmp_path):
+    db = tmp_path / "cli.duckdb"
+    out = cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "8", "--json", "--tokens", db=db)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    for key in ("run_id", "text", "token_ids", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms",
+                "tokens_per_s", "status", "distances_ms"):
+        assert key in result
+    assert set(result["distances_ms"]) == set(BUCKETS)
+    assert len(result["tokens"]) == result["n_new_tokens"]
+    runs = cli("runs", "--json", db=db)
+    assert json.loads(runs.stdout)[0]["run_id"] == result["run_id"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompt", ""], "empty"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "hi", "--model", "./no/such/folder"], "No model folder"),
+    (["--prompt", "hi " * 5000, "--max-new-tokens", "4000"], "context"),
+])
+def test_cli_bad_input_exits_2_with_one_sentence(tmp_path, args, words):
+    out = cli("generate", *args, db=tmp_path / "cli.duckdb")
+    assert out.returncode == 2
+    assert words in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cli_refuses_an_unreadable_database(tmp_path):
+    bad = tmp_path / "bad.duckdb"
+    bad.write_text("hello")
+    out = cli("runs", db=bad)
+    assert out.returncode == 2 and "not a readable DuckDB database" in out.stderr
+    assert bad.read_text() == "hello"

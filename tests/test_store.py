@@ -1,0 +1,115 @@
+"""The DuckDB store: schema, crash recovery, concurrent writers, refusing files that are not ours."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from engine.store import SCHEMA_VERSION, Store, StoreError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_new_database_has_the_current_schema(store):
+    version = store.query("SELECT value FROM tokenpath_meta WHERE key = 'schema_version'").iloc[0, 0]
+    assert int(version) == SCHEMA_VERSION
+    tables = set(store.query("SELECT table_name FROM information_schema.tables")["table_name"])
+    assert {"runs", "steps", "tokens", "telemetry", "calibration"} <= tables
+
+
+def test_reopening_keeps_every_run(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    first = Store(path)
+    ids = [first.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt=f"p{i}")
+           for i in range(3)]
+    for run_id in ids:
+        first.finish_run(run_id, status="ok", output="x", token_ids=[1, 2])
+    again = Store(path)
+    assert sorted(again.runs()["run_id"]) == sorted(ids)
+
+
+def test_a_crashed_run_is_marked_interrupted(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    crashed = run_python(f"""
+        import os
+        from engine.store import Store
+        s = Store({str(path)!r})
+        print(s.start_run(model="m", device="cpu", dtype="float32", config={{}}, hardware={{}}, prompt="p"))
+        os._exit(9)
+    """)
+    run_id = int(crashed.stdout.strip())
+    store = Store(path)
+    row = store.run(run_id)
+    assert row["status"] == "interrupted"
+    assert "ended" in row["error"]
+
+
+def test_a_live_run_of_this_process_stays_running(store):
+    run_id = store.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt="p")
+    assert store.mark_interrupted() == 0
+    assert store.run(run_id)["status"] == "running"
+
+
+def test_two_processes_record_runs_into_one_file(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    Store(path)
+    code = f"""
+        from engine import hardware
+        from engine.generate import Generation, GenConfig
+        from engine.models import tiny_model
+        from engine.store import Store
+        import torch
+        lm = tiny_model()
+        store = Store({str(path)!r})
+        cal = hardware.calibrate(torch.device("cpu"))
+        for i in range(6):
+            Generation(lm, GenConfig("count " + str(i), raw=True, max_new_tokens=70), store=store,
+                       calibration=cal).run()
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
+    store = Store(path)
+    runs = store.runs(100)
+    assert len(runs) == 12
+    assert set(runs["status"]) == {"ok"}
+    counts = store.query("SELECT run_id, count(*) AS n FROM tokens GROUP BY run_id")
+    assert len(counts) == 12
+    merged = runs.merge(counts, on="run_id")
+    assert (merged["n"] == merged["n_new_tokens"]).all()
+
+
+def test_a_corrupt_file_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    path.write_bytes(b"not a database at all" * 100)
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a readable DuckDB database"):
+        Store(path)
+    assert path.read_bytes() == before
+
+
+def test_a_foreign_duckdb_file_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE invoices (id INTEGER)")
+    con.execute("INSERT INTO invoices VALUES (42)")
+    con.close()
+    with pytest.raises(StoreError, match="something else"):
+        Store(path)
+    con = duckdb.connect(str(path))
+    assert con.execute("SELECT * FROM invoices").fetchall() == [(42,)]
+    assert con.execute("SELECT count(*) FROM information_schema.tables").fetchone()[0] == 1
+    con.close()
+
+
+def test_a_folder_at_the_path_is_refused(tmp_path):
+    with pytest.raises(StoreError, match="folder"):
+        Store(tmp_path)
