@@ -1,0 +1,75 @@
+"""What every page shares: the cached model, the store, the generation lock, bucket colours.
+Pages stay thin: they call the engine and read DuckDB through these."""
+from __future__ import annotations
+
+import os
+import threading
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine import hardware
+from engine.models import ModelError, load_model, pick_device
+from engine.store import BUCKETS, Store, StoreError
+
+BUCKET_COLOURS = {"physical": "#8c564b", "memory": "#1f77b4", "compute": "#2ca02c", "time": "#ff7f0e",
+                  "decision": "#d62728"}
+BUCKET_MEANING = {
+    "physical": "crossing a link: upload to the device, download and device sync",
+    "memory": "streaming the forward's bytes (weights, KV cache) at the calibrated bandwidth, capped by the "
+              "forward time",
+    "compute": "forward time beyond the memory time that the FLOPs at the calibrated peak explain",
+    "time": "serial waiting: forward time neither bytes nor FLOPs explain (dispatch, launch), token "
+            "selection, host bookkeeping",
+    "decision": "the share of the above spent on work whose result was thrown away (recomputing the prefix "
+                "without a KV cache, rejected guesses, multiplying zeros)",
+}
+
+
+@st.cache_resource(max_entries=2, show_spinner=False)
+def cached_model(model_id: str, device: str, dtype: str):
+    return load_model(model_id, device=device, dtype=dtype)
+
+
+@st.cache_resource(show_spinner=False)
+def generation_lock() -> threading.Lock:
+    """One generation at a time per process: runs on one device are never interleaved."""
+    return threading.Lock()
+
+
+def open_store() -> Store | None:
+    try:
+        return Store()
+    except StoreError as exc:
+        st.error(str(exc))
+        return None
+
+
+@st.cache_data(show_spinner=False)
+def device_facts(device: str) -> dict:
+    return hardware.hardware_summary(pick_device(device))
+
+
+def default_model_id() -> str:
+    return os.environ.get("TOKENPATH_MODEL", "default")
+
+
+def get_model(model_id: str, device: str = "auto", dtype: str = "fp32"):
+    """The loaded model, or None after showing the one-sentence reason."""
+    try:
+        with st.spinner(f"Loading {model_id} (first time only)..."):
+            return cached_model(model_id, device, dtype)
+    except ModelError as exc:
+        st.error(str(exc))
+        return None
+
+
+def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
+    """Per-token stacked bars of the five buckets (ms)."""
+    fig = go.Figure()
+    xs = [row["idx"] for row in token_rows]
+    for b in BUCKETS:
+        fig.add_bar(x=xs, y=[row[f"{b}_ms"] for row in token_rows], name=b, marker_color=BUCKET_COLOURS[b])
+    fig.update_layout(barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
+                      height=340, margin=dict(l=40, r=10, t=50, b=40), legend_orientation="h")
+    return fig
