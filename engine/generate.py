@@ -6,6 +6,7 @@ host phase and the per-token buckets add up to the run's end-to-end time."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ class GenConfig:
     seed: int | None = None
     raw: bool = False
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
 
     def check(self) -> None:
         if not self.prompt or not self.prompt.strip():
@@ -155,6 +157,8 @@ class Generation:
         self.cache = None
         self.result: dict | None = None
         self._flushed_steps = self._flushed_tokens = 0
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list = []
 
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
@@ -237,7 +241,7 @@ class Generation:
         self.stop_reason = "max_new_tokens"
 
     def _stop_check(self, token: int, piece: str) -> str | None:
-        if token in self.eos:
+        if token in self.eos and not self.cfg.ignore_eos:
             return "eos"
         # a stop string that appeared now ends within the last piece
         if any(s and s in self.text[-(len(s) + len(piece)):] for s in self.cfg.stop):
@@ -281,12 +285,24 @@ class Generation:
                             **{f"{b}_ms": token_buckets[b] for b in BUCKETS}})
         return {**row, "t_ms": t_ms, "t_end_ns": t_end, "token_buckets": token_buckets}
 
-    def _flush(self) -> None:
-        if self.store is None or self.run_id is None:
-            return
-        self.store.insert("steps", [{"run_id": self.run_id, **r} for r in self.steps[self._flushed_steps:]])
-        self.store.insert("tokens", [{"run_id": self.run_id, **r} for r in self.tokens[self._flushed_tokens:]])
+    def _unflushed(self) -> dict[str, list[dict]]:
+        batches = {"steps": [{"run_id": self.run_id, **r} for r in self.steps[self._flushed_steps:]],
+                   "tokens": [{"run_id": self.run_id, **r} for r in self.tokens[self._flushed_tokens:]]}
         self._flushed_steps, self._flushed_tokens = len(self.steps), len(self.tokens)
+        return batches
+
+    def _flush(self) -> None:
+        """Write the rows so far from a background thread, so the database never stalls a token."""
+        if self.store is not None and self.run_id is not None:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenpath-store")
+            self._writes.append(self._writer.submit(self.store.insert, self._unflushed()))
+
+    def _wait_for_writes(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            for write in self._writes:
+                write.result()
 
     def _finish(self) -> None:
         metrics = run_metrics([t["t_ms"] for t in self.tokens], len(self.prompt_ids))
@@ -305,10 +321,12 @@ class Generation:
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": list(self.token_ids), **metrics}
         if self.store is not None and self.run_id is not None:
-            self._flush()
-            self.store.insert("telemetry", [{"run_id": self.run_id, **r} for r in self.telemetry_rows])
+            self._wait_for_writes()
+            batches = self._unflushed()
+            batches["telemetry"] = [{"run_id": self.run_id, **r} for r in self.telemetry_rows]
             self.store.finish_run(self.run_id, status=self.status, output=self.text, token_ids=self.token_ids,
-                                  metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error)
+                                  metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error,
+                                  batches=batches)
 
     def run(self) -> dict:
         for _ in self:

@@ -154,7 +154,7 @@ def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.floa
         for w in mats:
             torch.nn.functional.linear(x, w)
 
-    seconds = _best_seconds(run, device, repeats=3)
+    seconds = _best_seconds(run, device, repeats=5)
     return count * rows * cols * elem / seconds / 1e9
 
 

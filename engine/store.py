@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 import psutil
 
 from .models import REPO_ROOT
@@ -149,7 +150,8 @@ class Store:
             ).fetchone()[0]
 
     def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
-                   error: str | None = None) -> None:
+                   error: str | None = None, batches: dict[str, list[dict]] | None = None) -> None:
+        """Complete the run row, writing its last batches of rows in the same connection."""
         metrics = dict(metrics or {})
         columns = ["n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s",
                    "total_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"]
@@ -159,20 +161,17 @@ class Store:
         values += [distances.get(b) for b in BUCKETS]
         assignments = ", ".join(f"{c} = ?" for c in columns)
         with self.connect() as con:
+            _insert_batches(con, batches or {})
             con.execute(
                 f"UPDATE runs SET finished_at = ?, status = ?, output = ?, token_ids = ?, metrics = ?, error = ?, "
                 f"{assignments} WHERE run_id = ?",
                 [utcnow(), status, output, list(token_ids), json.dumps(metrics), error, *values, run_id],
             )
 
-    def insert(self, table: str, rows: list[dict]) -> None:
-        if not rows:
-            return
-        columns = list(rows[0])
-        placeholders = ", ".join("?" for _ in columns)
+    def insert(self, batches: dict[str, list[dict]]) -> None:
+        """Rows for several tables ({table: [row dict, ...]}) in one connection."""
         with self.connect() as con:
-            con.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({placeholders})",
-                            [[row[c] for c in columns] for row in rows])
+            _insert_batches(con, batches)
 
     def query(self, sql: str, params=None):
         """A pandas DataFrame of any read query."""
@@ -206,6 +205,14 @@ class Store:
         if not row:
             return None
         return {**json.loads(row[0]), "created_at": row[1].isoformat(timespec="seconds")}
+
+
+def _insert_batches(con, batches: dict[str, list[dict]]) -> None:
+    for table, rows in batches.items():
+        if rows:
+            con.register("batch", pd.DataFrame(rows))
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM batch")
+            con.unregister("batch")
 
 
 def _process_alive(pid: int | None, started: float | None) -> bool:

@@ -1,0 +1,88 @@
+"""Our instrumented loop against transformers' model.generate, greedy, same prompt and token count,
+alternating in one run. Our loop runs three ways per round: instrumented with the telemetry
+sampler off, instrumented (timing, attribution, telemetry), and instrumented plus recorded to
+DuckDB (a run row, every step and token). Prints
+tokens/s of each, the ratios, and the fraction of the memory roofline reached (weight bytes per
+token / calibrated read bandwidth).
+
+    .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import hardware  # noqa: E402
+from engine.accounting import model_shape  # noqa: E402
+from engine.generate import Generation, GenConfig, prompt_ids  # noqa: E402
+from engine.models import load_model  # noqa: E402
+from engine.store import Store  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def time_ours(lm, store, calibration, n, telemetry=True):
+    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), store=store, calibration=calibration,
+                     telemetry=telemetry)
+    start = time.perf_counter()
+    gen.run()
+    return n / (time.perf_counter() - start), gen.result
+
+
+def time_hf(lm, n):
+    ids = torch.tensor([prompt_ids(lm, PROMPT, raw=False)], device=lm.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False)
+    assert out.shape[1] - ids.shape[1] == n
+    return n / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    lm = load_model()
+    calibration = hardware.calibrate(lm.device)
+    store = Store(Path(tempfile.mkdtemp()) / "bench.duckdb")
+    time_ours(lm, store, calibration, 8), time_hf(lm, 8)  # warm up both paths
+    runners = {
+        "no-telemetry": lambda: time_ours(lm, None, calibration, args.tokens, telemetry=False),
+        "ours": lambda: time_ours(lm, None, calibration, args.tokens),
+        "recorded": lambda: time_ours(lm, store, calibration, args.tokens),
+        "hf": lambda: (time_hf(lm, args.tokens), None),
+    }
+    rates = {name: [] for name in runners}
+    decode = []
+    order = list(runners)
+    for i in range(args.rounds):
+        for name in order[i % 4:] + order[: i % 4]:  # rotate who goes first
+            rate, result = runners[name]()
+            rates[name].append(rate)
+            if name == "ours":
+                decode.append(result["decode_tokens_per_s"])
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    shape = model_shape(lm.model)
+    roofline_tps = calibration["memory_gbps"] * 1e9 / shape.weight_bytes
+    print(f"model {lm.name} on {lm.device}, fp32 greedy, {args.tokens} new tokens, {args.rounds} rounds alternating")
+    print(f"ours, instrumented, telemetry sampler off:       median {med['no-telemetry']:.2f} tok/s end to end")
+    print(f"ours, instrumented (timing, buckets, telemetry): median {med['ours']:.2f} tok/s end to end")
+    print(f"ours, instrumented and recorded to DuckDB:        median {med['recorded']:.2f} tok/s end to end")
+    print(f"transformers model.generate:                      median {med['hf']:.2f} tok/s end to end")
+    print(f"telemetry on / off: {med['ours'] / med['no-telemetry']:.3f}")
+    for name in ("ours", "recorded"):
+        per_round = ", ".join(f"{a / b:.3f}" for a, b in zip(rates[name], rates["hf"]))
+        print(f"ratio {name} / generate: {med[name] / med['hf']:.3f} (per round: {per_round})")
+    print(f"memory roofline: {shape.weight_bytes / 1e6:.0f} MB of weights per token at {calibration['memory_gbps']:.1f} "
+          f"GB/s -> {roofline_tps:.1f} tok/s; our decode steps reached {statistics.median(decode) / roofline_tps:.0%} of it")
+
+
+if __name__ == "__main__":
+    main()
