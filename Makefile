@@ -7,13 +7,19 @@ STAMP := $(VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench
+.PHONY: run test setup bench browser
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
 
-test: setup
+test: setup browser
 	$(PY) -m pytest
+
+# Debian's Chromium for the browser tests (Playwright never downloads a browser of its own here).
+browser:
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
+		echo "Chromium is not installed and cannot be installed here: the browser tests will be skipped."
 
 setup: $(STAMP) $(MODEL_STAMP)
 

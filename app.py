@@ -3,7 +3,8 @@ import streamlit as st
 
 from engine.generate import Generation, GenConfig, GenerationError
 from engine.store import BUCKETS
-from ui import BUCKET_MEANING, bucket_chart, default_model_id, device_facts, generation_lock, get_model, open_store
+from ui import (BUCKET_MEANING, bucket_chart, default_model_id, device_facts, generation_lock, get_model, open_store,
+                throttled)
 
 st.set_page_config(page_title="Tokenpath", page_icon=":material/route:", layout="wide")
 
@@ -69,7 +70,7 @@ if submitted and store is not None:
             waiting.empty()
             output = st.empty()
             try:
-                for event in gen:
+                for _ in throttled(gen):
                     output.code(gen.text + " ▌", language=None, wrap_lines=True)
                 output.code(gen.text, language=None, wrap_lines=True)
             except Exception as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import plotly.graph_objects as go
 import streamlit as st
@@ -62,6 +63,22 @@ def get_model(model_id: str, device: str = "auto", dtype: str = "fp32"):
     except ModelError as exc:
         st.error(str(exc))
         return None
+
+
+def throttled(events, every_s: float = 0.2):
+    """Pass on at most one event per interval (and always the last): each page update costs the
+    browser and the server CPU time that the model, on the same cores, would otherwise use."""
+    last = 0.0
+    pending = None
+    for event in events:
+        pending = event
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            pending = None
+            yield event
+    if pending is not None:
+        yield pending
 
 
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
