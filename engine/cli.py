@@ -109,6 +109,64 @@ def cmd_hardware(args) -> int:
     return 0
 
 
+def kv_spec_from_args(args):
+    from . import kvcalc
+
+    if args.preset:
+        presets = kvcalc.load_presets()
+        matches = [name for name in presets if args.preset.lower() in name.lower()]
+        exact = [name for name in matches if name.lower() == args.preset.lower()]
+        if len(exact or matches) != 1:
+            raise kvcalc.KVCalcError(f"Preset '{args.preset}' matches {len(matches)} presets; choose one of: "
+                                     + "; ".join(presets) + ".")
+        s = presets[(exact or matches)[0]]
+    elif args.config:
+        s = kvcalc.spec_from_config(kvcalc.read_config_file(args.config), name=args.config)
+    elif args.model:
+        s = kvcalc.spec_from_model_folder(args.model)
+    elif None not in (args.layers, args.kv_heads, args.head_dim):
+        s = kvcalc.spec(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        attention_heads=args.heads)
+    else:
+        raise kvcalc.KVCalcError("Give --preset NAME, --config PATH, --model default|FOLDER, or all of --layers, "
+                                 "--kv-heads and --head-dim.")
+    if args.window:
+        s = kvcalc.with_window(s, args.window, args.sliding_layers)
+    if args.params is not None:
+        s = kvcalc.replace(s, params=args.params)
+    return s
+
+
+def cmd_kvcalc(args) -> int:
+    from . import kvcalc
+
+    if args.list_presets:
+        for name, s in kvcalc.load_presets().items():
+            print(f"{name}: {s.kind}, {s.layers} layers, {s.kv_heads} kv heads x {s.head_dim}")
+        return 0
+    s = kv_spec_from_args(args)
+    result = kvcalc.calculate(s, context=args.context, dtype=args.dtype, batch=args.batch, tp=args.tp,
+                              group=args.group, weight_dtype=args.weight_dtype)
+    if args.json:
+        _print_json(result)
+        return 0
+    print(f"{s.name}: {s.kind}, KV in {args.dtype} ({result['bits_per_value']:g} bits per value)")
+    print(f"  per token: {result['values_per_token']:,} values = {kvcalc.human(result['bytes_per_token'])}")
+    print(f"  at {args.context} tokens x batch {args.batch}{f' per GPU of {args.tp}' if args.tp > 1 else ''}: "
+          f"{kvcalc.human(result['total_bytes'])}")
+    print(f"  = {kvcalc.formula(s, args.dtype, args.context, args.batch, args.tp, args.group)}")
+    if result["weights_bytes"]:
+        print(f"  weights ({args.weight_dtype}{', per GPU' if args.tp > 1 else ''}): {kvcalc.human(result['weights_bytes'])}")
+    else:
+        print("  weights: unknown (give --params); the fits below count the KV cache alone")
+    for g in result["gpus"]:
+        fit = "fits" if g["fits"] else "does not fit"
+        cap = " (the model's limit)" if g["longest_context"] == g["context_search_limit"] else ""
+        print(f"  {g['gpu']:<30} {fit:>12}; reading the cache once takes {g['kv_read_ms_per_step']:.3f} ms; "
+              f"longest context {g['longest_context']:,}{cap}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from .models import default_model_dir
 
@@ -155,6 +213,27 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--device", default="auto")
     h.set_defaults(func=cmd_hardware)
 
+    k = sub.add_parser("kvcalc", help="KV-cache and memory calculator")
+    k.add_argument("--preset", help="a shipped model preset (substring of its name); --list-presets lists them")
+    k.add_argument("--config", help="a model's config.json")
+    k.add_argument("--model", help="'default' or a local model folder: its config.json and real parameter count")
+    k.add_argument("--layers", type=int)
+    k.add_argument("--kv-heads", type=int)
+    k.add_argument("--heads", type=int, help="attention heads (default: --kv-heads)")
+    k.add_argument("--head-dim", type=int)
+    k.add_argument("--window", type=int, help="sliding-window length")
+    k.add_argument("--sliding-layers", type=int, help="layers that use the window (default: all)")
+    k.add_argument("--dtype", default="fp16", choices=["fp32", "bf16", "fp16", "fp8", "int8", "int4"])
+    k.add_argument("--group", type=int, default=64, help="values per 16-bit scale for int8/int4 KV")
+    k.add_argument("--context", type=int, default=2048)
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (per-GPU share)")
+    k.add_argument("--params", type=float, help="parameter count, for the weights memory")
+    k.add_argument("--weight-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8", "int4"])
+    k.add_argument("--list-presets", action="store_true")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_kvcalc)
+
     p = sub.add_parser("prepare", help="convert the embedded default model once")
     p.set_defaults(func=cmd_prepare)
     return parser
@@ -162,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from .generate import GenerationError
+    from .kvcalc import KVCalcError
     from .models import ModelError
     from .store import StoreError
 
@@ -169,6 +249,6 @@ def main(argv=None) -> int:
     _quiet_libraries()
     try:
         return args.func(args)
-    except (GenerationError, ModelError, StoreError) as exc:
+    except (GenerationError, KVCalcError, ModelError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR

@@ -31,8 +31,8 @@ def test_generate_in_the_browser_and_find_the_run(tmp_path):
         page.get_by_text("TTFT").wait_for(timeout=180_000)
         streamed = page.locator("[data-testid='stCode']").first.inner_text()
         assert len(streamed.strip()) > 3
-        assert page.locator(".js-plotly-plot").count() >= 1
-        assert page.get_by_text("Where each token's time went").count() == 1
+        page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+        page.get_by_text("Where each token's time went").wait_for(timeout=30_000)
         page.locator("[data-testid='stDataFrame']").wait_for(timeout=30_000)
         assert page.locator("[data-testid='stException']").count() == 0
         assert shot(page, "home-after-generate").stat().st_size > 10_000

@@ -1,0 +1,150 @@
+"""KV-cache and memory calculator, checked against the live model's real cache."""
+import json
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine import kvcalc
+from engine.generate import Generation, GenConfig
+from engine.kvcalc import KVCalcError, human
+from ui import default_model_id, get_model, open_store
+
+st.set_page_config(page_title="KV calculator · Tokenpath", layout="wide")
+st.title("KV-cache and memory calculator")
+st.markdown(
+    "Every decode step reads the whole KV cache once, so its size is a **memory distance**: bytes that must "
+    "travel to the compute units for every token. Per token the cache holds "
+    "`2 (K and V) x layers x kv_heads x head_dim` values (MLA: one latent of `kv_lora_rank + rope head dim` "
+    "per layer; sliding-window layers keep at most the window). GB = 10^9 bytes, GiB = 2^30 bytes."
+)
+
+
+def pick_spec() -> kvcalc.AttentionSpec | None:
+    presets = kvcalc.load_presets()
+    source = st.radio("Model", ["Preset", "Custom shape", "config.json", "Loaded default model"], horizontal=True)
+    if source == "Preset":
+        name = st.selectbox("Preset", list(presets), index=0)
+        return presets[name]
+    if source == "Custom shape":
+        c = st.columns(5)
+        layers = c[0].number_input("Layers", value=96, step=1)
+        heads = c[1].number_input("Attention heads", value=96, step=1)
+        kv_heads = c[2].number_input("KV heads", value=96, step=1)
+        head_dim = c[3].number_input("Head dim", value=128, step=1)
+        window = c[4].number_input("Sliding window (0 = none)", value=0, step=1)
+        s = kvcalc.spec(layers=int(layers), kv_heads=int(kv_heads), head_dim=int(head_dim),
+                        attention_heads=int(heads))
+        return kvcalc.with_window(s, int(window)) if window else s
+    if source == "config.json":
+        upload = st.file_uploader("A model's config.json", type=["json"])
+        path = st.text_input("...or a local path to one")
+        if upload is not None:
+            try:
+                config = json.loads(upload.getvalue())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise KVCalcError("The uploaded file is not valid JSON, so it is not a config.json.") from None
+            return kvcalc.spec_from_config(config, name=upload.name)
+        if path.strip():
+            return kvcalc.spec_from_config(kvcalc.read_config_file(path.strip()), name=path.strip())
+        st.info("Upload a config.json or type a path to one.")
+        return None
+    return kvcalc.spec_from_model_folder("default")
+
+
+try:
+    spec = pick_spec()
+    c = st.columns(6)
+    dtype = c[0].selectbox("KV precision", list(kvcalc.KV_BITS), index=2)
+    group = c[1].number_input("Group size (int8/int4 scales)", value=kvcalc.DEFAULT_GROUP, step=1,
+                              disabled=dtype not in kvcalc.GROUPED)
+    context = c[2].number_input("Context (tokens)", value=2048, step=256)
+    batch = c[3].number_input("Batch", value=1, step=1)
+    tp = c[4].number_input("Tensor-parallel GPUs", value=1, step=1)
+    weight_dtype = c[5].selectbox("Weights precision", list(kvcalc.WEIGHT_BITS), index=1)
+    if spec is not None:
+        params = st.number_input("Parameters (for the weights' memory; 0 = unknown)",
+                                 value=float(spec.params or 0), step=1e6, format="%.0f")
+        spec = kvcalc.replace(spec, params=params or None)
+        result = kvcalc.calculate(spec, context=int(context), dtype=dtype, batch=int(batch), tp=int(tp),
+                                  group=int(group), weight_dtype=weight_dtype)
+except KVCalcError as exc:
+    st.error(str(exc))
+    st.stop()
+
+if spec is None:
+    st.stop()
+
+st.subheader(f"{spec.name}: {spec.kind}")
+m = st.columns(4)
+m[0].metric("Values per token", f"{result['values_per_token']:,}")
+m[1].metric("Bytes per token", human(result["bytes_per_token"]))
+m[2].metric(f"KV cache at {int(context):,} tokens x {int(batch)}", human(result["total_bytes"]))
+m[3].metric("Weights" + (" per GPU" if tp > 1 else ""), human(result["weights_bytes"]))
+st.markdown("**Formula:** `" + kvcalc.formula(spec, dtype, int(context), int(batch), int(tp), int(group)) + "`"
+            + (f"  \nPer GPU: the KV heads are split over {int(tp)} GPUs." if tp > 1 else ""))
+
+st.subheader("Against GPU memory")
+gpus = pd.DataFrame(result["gpus"])
+fig = go.Figure()
+fig.add_bar(x=gpus["gpu"], y=(gpus["weights_bytes"].fillna(0)) / 2**30, name="weights", marker_color="#7f7f7f")
+fig.add_bar(x=gpus["gpu"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker_color="#1f77b4")
+fig.add_scatter(x=gpus["gpu"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
+                marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
+fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
+                  margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
+st.plotly_chart(fig, use_container_width=True)
+if result["weights_bytes"] is None:
+    st.caption("Parameter count unknown: the bars show the KV cache alone.")
+table = pd.DataFrame({
+    "GPU": gpus["gpu"],
+    "memory": gpus["memory_bytes"].map(human),
+    "bandwidth (GB/s, vendor)": gpus["bandwidth_gbps"],
+    "fits": gpus["fits"],
+    "longest context that fits": gpus["longest_context"],
+    "largest batch at this context": gpus["largest_batch"],
+    "read the KV cache once (ms per decode step)": gpus["kv_read_ms_per_step"].round(3),
+    "read the weights once (ms per decode step)": gpus["weights_read_ms_per_step"].round(3),
+})
+st.dataframe(table, hide_index=True, use_container_width=True)
+st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
+           "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
+
+st.subheader("KV size against context")
+presets = kvcalc.load_presets()
+chosen = st.multiselect("Compare presets", list(presets), default=list(presets)[:3])
+points = [2**k for k in range(7, 18)]
+line = go.Figure()
+for s in [spec] + [presets[n] for n in chosen if n != spec.name]:
+    line.add_scatter(x=points, y=[kvcalc.kv_bytes(s, n, dtype, int(batch), int(tp), int(group)) / 2**30 for n in points],
+                     name=s.name, mode="lines+markers")
+line.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log scale)",
+                   yaxis_title=f"KV cache, GiB ({dtype}, batch {int(batch)})", height=380,
+                   margin=dict(l=40, r=10, t=30, b=40))
+st.plotly_chart(line, use_container_width=True)
+
+st.subheader("Checked against the live model")
+st.markdown("The loaded default model's real cache after recorded runs, beside the calculator's prediction for "
+            "the same context (context = prompt tokens + new tokens - 1: the last token is never fed back).")
+store = open_store()
+if store is not None:
+    live = kvcalc.spec_from_model_folder("default")
+    if st.button("Measure now (a short recorded run)"):
+        lm = get_model(default_model_id())
+        if lm is not None:
+            Generation(lm, GenConfig("Describe a lighthouse.", max_new_tokens=16), store=store).run()
+    runs = store.query(
+        "SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' AND model = ? "
+        "AND kv_cache ORDER BY run_id DESC LIMIT 10", [live.name])
+    if runs.empty:
+        st.info("No recorded runs of the default model with a KV cache yet: press the button above.")
+    else:
+        rows = []
+        for r in runs.itertuples():
+            measured = json.loads(r.metrics).get("kv_cache_bytes")
+            kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+            context_len = r.n_prompt_tokens + r.n_new_tokens - 1
+            predicted = kvcalc.kv_bytes(live, context_len, kv_dtype)
+            rows.append({"run": r.run_id, "cache dtype": kv_dtype, "context": context_len, "measured bytes": measured,
+                         "predicted bytes": int(predicted), "equal": measured == predicted})
+        st.dataframe(pd.DataFrame(rows), hide_index=True, use_container_width=True)

@@ -1,0 +1,40 @@
+"""The KV calculator page through AppTest."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+PAGE = "../pages/3_KV_calculator.py"
+
+
+@pytest.fixture(autouse=True)
+def app_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_DB", str(tmp_path / "kv.duckdb"))
+
+
+def test_preset_renders_with_formula_and_charts():
+    at = AppTest.from_file(PAGE, default_timeout=60).run()
+    assert not at.exception
+    assert "GPT-3 175B" in at.subheader[0].value
+    formula = " ".join(m.value for m in at.markdown)
+    assert "9,663,676,416 bytes" in formula
+    assert any(m.label == "KV cache at 2,048 tokens x 1" and m.value == "9.66 GB (9.00 GiB)" for m in at.metric)
+
+
+def test_custom_shape_and_bad_input():
+    at = AppTest.from_file(PAGE, default_timeout=60).run()
+    at.radio[0].set_value("Custom shape").run()
+    at.number_input[0].set_value(0).run()
+    assert not at.exception
+    assert "layers must be" in at.error[0].value
+    at.number_input[0].set_value(30).run()
+    at.number_input[2].set_value(3).run()
+    at.number_input[3].set_value(64).run()
+    assert not at.error
+
+
+@pytest.mark.integration
+def test_live_model_measurement_matches_the_prediction():
+    at = AppTest.from_file(PAGE, default_timeout=180).run()
+    at.button[0].click().run()
+    assert not at.exception
+    table = at.dataframe[-1].value
+    assert len(table) == 1 and bool(table["equal"].iloc[0])
