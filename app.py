@@ -4,9 +4,9 @@ import streamlit as st
 from engine.generate import Generation, GenConfig, GenerationError
 from engine.store import BUCKETS
 from ui import (BUCKET_MEANING, bucket_chart, default_model_id, device_facts, generation_lock, get_model, open_store,
-                throttled)
+                page_setup, throttled)
 
-st.set_page_config(page_title="Tokenpath", page_icon=":material/route:", layout="wide")
+page_setup("Tokenpath")
 
 st.title("Tokenpath")
 st.markdown(

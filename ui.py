@@ -27,6 +27,19 @@ BUCKET_MEANING = {
 }
 
 
+# (file, label) of every page, in the order the sidebar lists them
+PAGES = [("app.py", "Home"), ("pages/kv_calculator.py", "KV calculator")]
+
+
+def page_setup(title: str) -> None:
+    """Page config and the sidebar's page links (Streamlit's own list would call the home page 'app')."""
+    st.set_page_config(page_title=f"{title} · Tokenpath" if title != "Tokenpath" else title,
+                       page_icon=":material/route:", layout="wide")
+    with st.sidebar:
+        for path, label in PAGES:
+            st.page_link(path, label=label)
+
+
 @st.cache_resource(max_entries=2, show_spinner=False)
 def cached_model(model_id: str, device: str, dtype: str):
     return load_model(model_id, device=device, dtype=dtype)

@@ -231,7 +231,8 @@ def calculate(s: AttentionSpec, context: int = 2048, dtype: str = "fp16", batch:
             "weights_read_ms_per_step": (weights / (gpu["bandwidth_gbps"] * 1e9) * 1e3) if weights else None,
             "longest_context": longest_context(s, free, dtype, batch, tp, group, limit) if free > 0 else 0,
             "context_search_limit": limit,
-            "largest_batch": int(free // kv_bytes(s, context, dtype, 1, tp, group)) if free > 0 and context else None,
+            "largest_batch": (int(free // kv_bytes(s, context, dtype, 1, tp, group)) if free > 0 else 0)
+            if context else None,
         }
         result["gpus"].append(row)
     return result

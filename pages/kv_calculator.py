@@ -8,9 +8,10 @@ import streamlit as st
 from engine import kvcalc
 from engine.generate import Generation, GenConfig
 from engine.kvcalc import KVCalcError, human
-from ui import default_model_id, get_model, open_store
+from ui import default_model_id, get_model, open_store, page_setup
 
-st.set_page_config(page_title="KV calculator · Tokenpath", layout="wide")
+page_setup("KV calculator")
+
 st.title("KV-cache and memory calculator")
 st.markdown(
     "Every decode step reads the whole KV cache once, so its size is a **memory distance**: bytes that must "
@@ -18,6 +19,15 @@ st.markdown(
     "`2 (K and V) x layers x kv_heads x head_dim` values (MLA: one latent of `kv_lora_rank + rope head dim` "
     "per layer; sliding-window layers keep at most the window). GB = 10^9 bytes, GiB = 2^30 bytes."
 )
+
+
+def both_units(column, label: str, n_bytes: float | None) -> None:
+    """A metric in decimal units with the binary figure under it (the pair is too wide for one line)."""
+    text = human(n_bytes)
+    decimal, _, binary = text.partition(" (")
+    column.metric(label, decimal)
+    if binary:
+        column.caption(binary.rstrip(")"))
 
 
 def pick_spec() -> kvcalc.AttentionSpec | None:
@@ -78,18 +88,20 @@ if spec is None:
 st.subheader(f"{spec.name}: {spec.kind}")
 m = st.columns(4)
 m[0].metric("Values per token", f"{result['values_per_token']:,}")
-m[1].metric("Bytes per token", human(result["bytes_per_token"]))
-m[2].metric(f"KV cache at {int(context):,} tokens x {int(batch)}", human(result["total_bytes"]))
-m[3].metric("Weights" + (" per GPU" if tp > 1 else ""), human(result["weights_bytes"]))
+both_units(m[1], "Bytes per token", result["bytes_per_token"])
+both_units(m[2], f"KV cache at {int(context):,} tokens x {int(batch)}" + (" per GPU" if tp > 1 else ""),
+           result["total_bytes"])
+both_units(m[3], "Weights" + (" per GPU" if tp > 1 else ""), result["weights_bytes"])
 st.markdown("**Formula:** `" + kvcalc.formula(spec, dtype, int(context), int(batch), int(tp), int(group)) + "`"
             + (f"  \nPer GPU: the KV heads are split over {int(tp)} GPUs." if tp > 1 else ""))
 
 st.subheader("Against GPU memory")
 gpus = pd.DataFrame(result["gpus"])
+gpus["short"] = gpus["gpu"].str.replace("NVIDIA ", "").str.replace("GeForce ", "")
 fig = go.Figure()
-fig.add_bar(x=gpus["gpu"], y=(gpus["weights_bytes"].fillna(0)) / 2**30, name="weights", marker_color="#7f7f7f")
-fig.add_bar(x=gpus["gpu"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker_color="#1f77b4")
-fig.add_scatter(x=gpus["gpu"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
+fig.add_bar(x=gpus["short"], y=(gpus["weights_bytes"].fillna(0)) / 2**30, name="weights", marker_color="#7f7f7f")
+fig.add_bar(x=gpus["short"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker_color="#1f77b4")
+fig.add_scatter(x=gpus["short"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
                 marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
 fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
                   margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
