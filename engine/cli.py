@@ -105,7 +105,7 @@ def cmd_hardware(args) -> int:
     from . import hardware
     from .models import pick_device
 
-    _print_json(hardware.hardware_summary(pick_device(args.device)) | {"gpu": hardware.gpu_facts()})
+    _print_json(hardware.hardware_summary(pick_device(args.device)))
     return 0
 
 

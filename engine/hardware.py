@@ -100,10 +100,9 @@ def pcie_bandwidth_gbps(gen: int | None, width: int | None) -> float | None:
 
 
 def hardware_summary(device: torch.device) -> dict:
-    facts = {"device": str(device), "torch": torch.__version__, "cpu": cpu_facts()}
+    facts = {"device": str(device), "torch": torch.__version__, "cpu": cpu_facts(), "gpu": gpu_facts()}
     if device.type == "cuda":
         facts["cuda_device"] = torch.cuda.get_device_name(device)
-        facts["gpu"] = gpu_facts()
     return facts
 
 
