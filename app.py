@@ -2,9 +2,10 @@
 import streamlit as st
 
 from engine.generate import Generation, GenConfig, GenerationError
+from engine.quant import LEVELS
 from engine.store import BUCKETS
-from ui import (BUCKET_MEANING, bucket_chart, default_model_id, device_facts, generation_lock, get_model, open_store,
-                page_setup, throttled)
+from ui import (BUCKET_MEANING, bucket_chart, default_model_id, device_facts, generation_lock, get_model,
+                level_table, open_store, page_setup, throttled)
 
 page_setup("Tokenpath")
 
@@ -44,16 +45,23 @@ with col_model:
 st.subheader("Generate")
 with st.form("generate"):
     prompt = st.text_area("Prompt", "Explain in two sentences why a KV cache speeds up text generation.")
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c4, c5 = st.columns(5)
     max_new = c1.number_input("Max new tokens", min_value=1, max_value=4096, value=48)
-    kv_cache = c2.toggle("KV cache", value=True)
-    temperature = c3.number_input("Temperature (0 = greedy)", min_value=0.0, max_value=5.0, value=0.0, step=0.1)
-    raw = c4.toggle("Raw completion (no chat template)", value=False)
+    level = c2.selectbox("Weights", LEVELS, help="Weight precision; see the table below for each level's kernel.")
+    kv_cache = c3.toggle("KV cache", value=True)
+    temperature = c4.number_input("Temperature (0 = greedy)", min_value=0.0, max_value=5.0, value=0.0, step=0.1)
+    raw = c5.toggle("Raw completion (no chat template)", value=False)
     submitted = st.form_submit_button("Generate", type="primary")
+with st.expander("Weight precision levels on this device: which kernel runs each"):
+    st.dataframe(level_table(facts["device"]), hide_index=True, use_container_width=True)
+    st.caption("Accelerated: the kernel reads the low-bit weights directly, so fewer bytes cross from memory. "
+               "Emulated: low-bit weights are stored but expanded to 16/32 bits on every forward, so memory "
+               "shrinks but speed does not improve. On a CPU, 16-bit levels can be slower than fp32 when the "
+               "arithmetic costs more than the bytes save.")
 
 store = open_store()
 if submitted and store is not None:
-    lm = get_model(model_id)
+    lm = get_model(model_id, level=level)
     if lm is not None:
         try:
             gen = Generation(lm, GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache,

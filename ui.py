@@ -6,11 +6,13 @@ import os
 import threading
 import time
 
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import hardware
+from engine import hardware, quant
 from engine.models import ModelError, load_model, pick_device
+from engine.quant import LEVELS, QuantError, level_info
 from engine.store import BUCKETS, Store, StoreError
 
 BUCKET_COLOURS = {"physical": "#8c564b", "memory": "#1f77b4", "compute": "#2ca02c", "time": "#ff7f0e",
@@ -40,9 +42,19 @@ def page_setup(title: str) -> None:
             st.page_link(path, label=label)
 
 
-@st.cache_resource(max_entries=2, show_spinner=False)
-def cached_model(model_id: str, device: str, dtype: str):
-    return load_model(model_id, device=device, dtype=dtype)
+@st.cache_resource(max_entries=1, show_spinner=False)
+def cached_model(model_id: str, device: str):
+    """The fp32 model; other precision levels are derived from it and cached by engine.quant."""
+    return load_model(model_id, device=device)
+
+
+def level_table(device: str):
+    rows = []
+    for level in LEVELS:
+        info = level_info(level, pick_device(device))
+        rows.append({"level": level, "kernel": info.kernel,
+                     "accelerated": "yes" if info.accelerated else "no (emulated)", "what it means": info.note})
+    return pd.DataFrame(rows)
 
 
 @st.cache_resource(show_spinner=False)
@@ -68,12 +80,12 @@ def default_model_id() -> str:
     return os.environ.get("TOKENPATH_MODEL", "default")
 
 
-def get_model(model_id: str, device: str = "auto", dtype: str = "fp32"):
-    """The loaded model, or None after showing the one-sentence reason."""
+def get_model(model_id: str, device: str = "auto", level: str = "fp32", group_size: int = 32):
+    """The loaded model at this weight precision, or None after showing the one-sentence reason."""
     try:
-        with st.spinner(f"Loading {model_id} (first time only)..."):
-            return cached_model(model_id, device, dtype)
-    except ModelError as exc:
+        with st.spinner(f"Loading {model_id} at {level} (first time only)..."):
+            return quant.variant(cached_model(model_id, device), level, group_size)
+    except (ModelError, QuantError) as exc:
         st.error(str(exc))
         return None
 

@@ -1,7 +1,9 @@
 """What one forward pass moves and computes, derived from the loaded model's real tensors.
 
-Weight bytes are the bytes of every distinct parameter tensor (a tied embedding and output head
-share one tensor and count once; an untied input embedding is only read for the rows looked up).
+Weight bytes are the bytes of every distinct parameter and buffer tensor, in whatever precision it
+is stored (a tied embedding and output head share one tensor and count once; an untied input
+embedding is only read for the rows looked up; quantized layers with opaque packed weights
+report their size).
 KV bytes follow transformers' DynamicCache, which the engine uses: each step concatenates the new
 keys and values onto the old ones, so it reads the old cache, writes the whole grown cache, and
 attention then reads the grown cache. FLOPs count the matrix multiplications (2 per
@@ -61,19 +63,21 @@ def model_shape(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
 
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    tied = getattr(head, "weight", None) is not None and head.weight.data_ptr() == embed.weight.data_ptr()
     seen: set[int] = set()
     weight_bytes = 0
-    for param in model.parameters():
-        ptr = param.data_ptr()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        ptr = tensor.data_ptr()
         if ptr in seen or (not tied and ptr == embed.weight.data_ptr()):
             continue
         seen.add(ptr)
-        weight_bytes += param.nbytes
+        weight_bytes += tensor.nbytes
+    # quantized layers whose packed weights are not visible as tensors report their own size
+    weight_bytes += sum(getattr(m, "packed_weight_nbytes", 0) for m in model.modules())
     body = sum(m.in_features * m.out_features for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and m is not head)
-    head_params = head.in_features * head.out_features if isinstance(head, torch.nn.Linear) else 0
-    elem = torch.empty((), dtype=kv_dtype or next(model.parameters()).dtype).element_size()
+               if hasattr(m, "in_features") and hasattr(m, "out_features") and m is not head)
+    head_params = head.in_features * head.out_features if hasattr(head, "in_features") else 0
+    elem = torch.empty((), dtype=kv_dtype or embed.weight.dtype).element_size()
     return ModelShape(
         layers=layers, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim, kv_elem_bytes=elem,
         body_linear_params=body, head_linear_params=head_params, weight_bytes=weight_bytes,

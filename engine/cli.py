@@ -21,9 +21,17 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
+def load_variant(args):
+    """The model at the asked weight precision (the fp32 load quantized once)."""
+    from . import quant
+    from .models import load_model
+
+    base = load_model(args.model, device=args.device, dtype="fp32")
+    return base, quant.variant(base, args.quant, args.group_size)
+
+
 def cmd_generate(args) -> int:
     from .generate import Generation, GenConfig
-    from .models import load_model
     from .store import Store
 
     cfg = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
@@ -31,7 +39,7 @@ def cmd_generate(args) -> int:
                     raw=args.raw, stop=args.stop or [])
     cfg.check()
     store = Store(args.db)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    _, lm = load_variant(args)
     gen = Generation(lm, cfg, store=store)
     try:
         for event in gen:
@@ -55,6 +63,28 @@ def cmd_generate(args) -> int:
               f"TPOT {result['tpot_ms'] or 0:.1f} ms, {result['tokens_per_s']:.1f} tok/s end to end "
               f"(stopped by {result['stop_reason']})", file=sys.stderr)
         print("distances (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in d.items()), file=sys.stderr)
+    return 0
+
+
+def cmd_quality(args) -> int:
+    from . import hardware, quality
+    from .store import Store
+
+    store = Store(args.db)
+    base, candidate = load_variant(args)
+    calibration = hardware.calibration_for(base.device, store)
+    result = quality.measure(base, candidate, candidate.quant, calibration, store=store,
+                             settings={"quant": args.quant, "group_size": args.group_size})
+    if args.json:
+        _print_json(result)
+        return 0
+    divergence = result["first_divergence"]
+    print(f"{base.name} at {candidate.quant} on {base.device}, {result['n_tokens']} tokens of data/eval.txt, "
+          f"teacher-forced against fp32:")
+    print(f"  perplexity {result['perplexity']:.3f}, mean KL {result['kl_mean']:.5f} nats, "
+          f"top-1 agreement {result['top1_agreement']:.1%}")
+    print("  greedy text identical to fp32 for 48 tokens" if divergence is None
+          else f"  greedy text departs from fp32 at token {divergence}")
     return 0
 
 
@@ -174,6 +204,13 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def add_quant_args(p) -> None:
+    from .quant import INT4_GROUPS, LEVELS
+
+    p.add_argument("--quant", default="fp32", choices=LEVELS, help="weight precision level")
+    p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="Tokenpath engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text token by token and record the run")
     g.add_argument("--prompt", required=True)
     g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    add_quant_args(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -199,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
     common(g)
     g.set_defaults(func=cmd_generate)
+
+    q = sub.add_parser("quality", help="perplexity, KL and top-1 agreement against fp32 on data/eval.txt")
+    q.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
+    add_quant_args(q)
+    common(q)
+    q.set_defaults(func=cmd_quality)
 
     r = sub.add_parser("runs", help="recorded runs, newest first")
     r.add_argument("--limit", type=int, default=20)
@@ -243,12 +286,13 @@ def main(argv=None) -> int:
     from .generate import GenerationError
     from .kvcalc import KVCalcError
     from .models import ModelError
+    from .quant import QuantError
     from .store import StoreError
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         return args.func(args)
-    except (GenerationError, KVCalcError, ModelError, StoreError) as exc:
+    except (GenerationError, KVCalcError, ModelError, QuantError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR

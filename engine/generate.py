@@ -162,7 +162,7 @@ class Generation:
 
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
-                **asdict(self.cfg)}
+                "quant": self.lm.quant, **asdict(self.cfg)}
 
     def __iter__(self):
         if self.store is not None:

@@ -29,6 +29,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     device: torch.device
+    quant: str = "fp32"  # weight precision level (engine.quant.LEVELS)
 
     @property
     def config(self):
@@ -193,7 +194,7 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
     except ValueError as exc:  # e.g. a config that is not a causal LM
         raise ModelError(f"'{model_id}' cannot be loaded as a causal language model: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, quant=dtype)
 
 
 def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu") -> LoadedModel:

@@ -18,7 +18,7 @@ import psutil
 
 from .models import REPO_ROOT
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 LOCK_WAIT_S = 60.0
 BUCKETS = ("physical", "memory", "compute", "time", "decision")
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
@@ -50,6 +50,13 @@ MIGRATIONS = {
             gpu_mem_used_bytes BIGINT, gpu_power_w DOUBLE, gpu_sm_clock_mhz DOUBLE,
             gpu_mem_clock_mhz DOUBLE, gpu_temp_c DOUBLE)""",
         "CREATE TABLE calibration (device_key VARCHAR, created_at TIMESTAMP, results VARCHAR)",
+    ],
+    2: [
+        "ALTER TABLE runs ADD COLUMN quant VARCHAR DEFAULT 'fp32'",
+        """CREATE TABLE quality (
+            created_at TIMESTAMP, model VARCHAR, device VARCHAR, variant VARCHAR, settings VARCHAR,
+            perplexity DOUBLE, kl_mean DOUBLE, top1_agreement DOUBLE, n_tokens INTEGER,
+            eval_text_sha VARCHAR, first_divergence INTEGER, seconds DOUBLE)""",
     ],
 }
 
@@ -141,11 +148,12 @@ class Store:
         me = psutil.Process()
         with self.connect() as con:
             return con.execute(
-                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, config,
+                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, config,
                    hardware, prompt, host, pid, pid_started)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
                 [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
-                 float(config.get("temperature", 0.0)), json.dumps(config), json.dumps(hardware), prompt,
+                 float(config.get("temperature", 0.0)), config.get("quant", "fp32"), json.dumps(config),
+                 json.dumps(hardware), prompt,
                  socket.gethostname(), me.pid, me.create_time()],
             ).fetchone()[0]
 
@@ -193,6 +201,11 @@ class Store:
 
     def telemetry(self, run_id: int):
         return self.query("SELECT * FROM telemetry WHERE run_id = ? ORDER BY t_ms", [run_id])
+
+    def save_quality(self, result: dict) -> None:
+        row = {k: result.get(k) for k in ("model", "device", "variant", "perplexity", "kl_mean", "top1_agreement",
+                                          "n_tokens", "eval_text_sha", "first_divergence", "seconds")}
+        self.insert({"quality": [{**row, "created_at": utcnow(), "settings": json.dumps(result.get("settings", {}))}]})
 
     def save_calibration(self, device_key: str, results: dict) -> None:
         with self.connect() as con:

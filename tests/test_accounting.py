@@ -12,7 +12,7 @@ from engine.generate import Generation, GenConfig
 
 def test_weight_bytes_count_a_tied_embedding_once(tiny_lm):
     shape = model_shape(tiny_lm.model)
-    unique = {p.data_ptr(): p.nbytes for p in tiny_lm.model.parameters()}
+    unique = {t.data_ptr(): t.nbytes for t in [*tiny_lm.model.parameters(), *tiny_lm.model.buffers()]}
     assert shape.weight_bytes == sum(unique.values())
     assert shape.embed_row_bytes == 0
     work = forward_work(shape, n_new=5, past_len=0)
@@ -25,7 +25,7 @@ def test_an_untied_embedding_is_read_only_for_the_looked_up_rows():
     model = LlamaForCausalLM(config)
     shape = model_shape(model)
     embed = model.get_input_embeddings().weight
-    everything = sum(p.nbytes for p in model.parameters())
+    everything = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     assert shape.weight_bytes == everything - embed.nbytes
     assert forward_work(shape, 3, 0).weight_bytes == shape.weight_bytes + 3 * embed[0].nbytes
 

@@ -28,8 +28,20 @@ def test_home_generates_and_lists_the_run(app_db):
     assert [e.value for e in at.error] == []
     assert at.code and at.code[-1].value.strip()
     assert any(m.label == "TTFT" for m in at.metric)
-    table = at.dataframe[0].value
+    table = at.dataframe[-1].value
     assert len(table) == 1 and table["status"].iloc[0] == "ok"
+
+
+def test_home_runs_a_quantized_level_and_records_it(app_db):
+    from engine.store import Store
+
+    at = AppTest.from_file("../app.py", default_timeout=180).run()
+    at.text_area[0].set_value("Name a colour.")
+    at.number_input[0].set_value(4)
+    at.selectbox[0].set_value("int4-wo")
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    assert list(Store(app_db).runs()["quant"]) == ["int4-wo g32"]
 
 
 def test_home_shows_one_sentence_for_an_empty_prompt(app_db):

@@ -127,3 +127,26 @@ def test_cli_refuses_an_unreadable_database(tmp_path):
     out = cli("runs", db=bad)
     assert out.returncode == 2 and "not a readable DuckDB database" in out.stderr
     assert bad.read_text() == "hello"
+
+
+def test_int8_moves_fewer_bytes_per_token_than_fp32(default_lm, calibration):
+    from engine.quant import variant
+
+    prompt = "Describe a quiet harbour at dawn."
+    fp32 = run(default_lm, calibration, prompt, max_new_tokens=8, ignore_eos=True)
+    int8 = run(variant(default_lm, "int8-wo"), calibration, prompt, max_new_tokens=8, ignore_eos=True)
+    mean = lambda g, key: sum(s[key] for s in decode_steps(g)) / len(decode_steps(g))  # noqa: E731
+    assert mean(int8, "weight_bytes") < mean(fp32, "weight_bytes") / 3
+    assert mean(int8, "memory_ms") < mean(fp32, "memory_ms")
+
+
+def test_cli_quality_json_is_recorded(tmp_path):
+    out = cli("quality", "--quant", "int4-wo", "--json", db=tmp_path / "q.duckdb")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["variant"] == "int4-wo g32" and result["n_tokens"] > 2000
+    assert 0 < result["kl_mean"] < 0.05 and result["top1_agreement"] > 0.9
+    from engine.store import Store
+
+    stored = Store(tmp_path / "q.duckdb").query("SELECT variant, perplexity FROM quality")
+    assert list(stored["variant"]) == ["int4-wo g32"]

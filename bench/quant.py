@@ -1,0 +1,69 @@
+"""Every weight precision level against fp32 on the default model, alternating levels in one run:
+decode tokens/s (from the median decode step), weight bytes per token, fraction of the memory roofline reached, and quality
+(perplexity, top-1 agreement, KL) teacher-forced on data/eval.txt.
+
+    .venv/bin/python bench/quant.py [--tokens 64] [--rounds 4] [--levels fp32,bf16,...]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import hardware, quality  # noqa: E402
+from engine.accounting import model_shape  # noqa: E402
+from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.models import load_model  # noqa: E402
+from engine.quant import available_levels, level_info, quantize  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def decode_rate(lm, calibration, n):
+    """Decode tokens/s from the median decode step (robust to the spikes of a shared machine) and the
+    mean memory bucket per token."""
+    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration)
+    gen.run()
+    decode = [s for s in gen.steps if s["kind"] == "decode"]
+    return 1e3 / statistics.median(s["wall_ms"] for s in decode), statistics.mean(s["memory_ms"] for s in decode)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--levels", help="comma-separated; default: every level this device runs")
+    args = parser.parse_args()
+    base = load_model()
+    levels = args.levels.split(",") if args.levels else available_levels(base.device)
+    variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in levels}
+    calibration = hardware.calibrate(base.device)
+    for lm in variants.values():
+        decode_rate(lm, calibration, 4)  # warm up
+    rates = {lv: [] for lv in levels}
+    memory = {lv: [] for lv in levels}
+    for i in range(args.rounds):
+        for lv in levels[i % len(levels):] + levels[: i % len(levels)]:
+            rate, mem = decode_rate(variants[lv], calibration, args.tokens)
+            rates[lv].append(rate)
+            memory[lv].append(mem)
+    print(f"{base.name} on {base.device}, greedy, {args.tokens} new tokens, {args.rounds} rounds alternating levels; "
+          f"calibrated read bandwidth {calibration['memory_gbps']:.1f} GB/s")
+    print(f"{'level':<10} {'weights MB/token':>16} {'decode tok/s':>12} {'vs fp32':>8} {'roofline':>9} "
+          f"{'memory ms/tok':>13} {'perplexity':>10} {'top-1':>7} {'KL nats':>8}  kernel")
+    fp32 = statistics.median(rates["fp32"]) if "fp32" in rates else None
+    for lv in levels:
+        lm = variants[lv]
+        weight_bytes = model_shape(lm.model).weight_bytes
+        rate = statistics.median(rates[lv])
+        roofline = calibration["memory_gbps"] * 1e9 / weight_bytes
+        q = quality.evaluate(base, lm)
+        info = level_info(lv, base.device)
+        print(f"{lm.quant:<10} {weight_bytes / 1e6:>16.1f} {rate:>12.2f} {rate / fp32 if fp32 else float('nan'):>7.2f}x "
+              f"{rate / roofline:>8.0%} {statistics.median(memory[lv]):>13.2f} {q['perplexity']:>10.3f} "
+              f"{q['top1_agreement']:>6.1%} {q['kl_mean']:>8.5f}  {info.kernel}"
+              f"{'' if info.accelerated else ' (emulated)'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Weight precision levels: real low-bit tensors, kernels that agree with their reference, honest bytes."""
+import pytest
+import torch
+
+from engine.accounting import model_shape
+from engine.generate import Generation, GenConfig
+from engine.quant import (LEVELS, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
+                          available_levels, level_info, quantize, variant)
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_int8_weight_only_matches_its_dequantized_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    q = Int8WeightOnlyLinear(linear)
+    assert q.weight_int8.dtype == torch.int8
+    x = torch.randn(3, 64)
+    reference = x @ (q.weight_int8.float() * q.scales.float()[:, None]).T
+    assert relative_error(q(x), reference) < 1e-2
+    assert relative_error(q(x), linear(x)) < 2e-2
+
+
+def test_int4_cpu_kernel_matches_the_portable_dequantized_path():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    kernel = Int4WeightOnlyLinear(linear, group_size=32)
+    portable = Int4WeightOnlyLinear(linear, group_size=32, cpu_kernel=False)
+    assert portable.weight_int4.dtype == torch.uint8 and portable.weight_int4.numel() == 128 * 64 // 2
+    x = torch.randn(2, 128)
+    assert relative_error(kernel(x), portable(x)) < 2e-2
+    assert relative_error(portable(x), linear(x)) < 0.1
+
+
+def test_int8_dynamic_smoothing_is_exact_before_rounding():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    smooth = torch.rand(64) + 0.5
+    q = Int8DynamicLinear(linear, smooth, folded=False)
+    x = torch.randn(5, 64)
+    assert relative_error(q(x), linear(x)) < 3e-2
+    assert relative_error(q(x[:1]), linear(x[:1])) < 3e-2
+
+
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "fp32"])
+def test_every_level_generates_and_shrinks_or_keeps_the_bytes(tiny_lm, calibration, level):
+    if level not in available_levels(tiny_lm.device):
+        pytest.skip(f"{level} does not run on this machine")
+    q = quantize(tiny_lm, level)
+    assert q.model is not tiny_lm.model and q.quant.startswith(level)
+    gen = Generation(q, GenConfig("Hello there", raw=True, max_new_tokens=6, ignore_eos=True), calibration=calibration,
+                     telemetry=False)
+    assert len(gen.run()["token_ids"]) == 6
+    assert model_shape(q.model).weight_bytes < model_shape(tiny_lm.model).weight_bytes
+    assert next(tiny_lm.model.parameters()).dtype == torch.float32  # the original is untouched
+
+
+def test_int8_weight_bytes_are_the_real_tensors(tiny_lm):
+    q = quantize(tiny_lm, "int8-wo")
+    layers = [m for m in q.model.modules() if isinstance(m, Int8WeightOnlyLinear)]
+    expected = sum(m.weight_int8.nbytes + m.scales.nbytes for m in layers)
+    embedding = q.model.get_input_embeddings().weight
+    norms = sum(p.nbytes for p in q.model.parameters()) - embedding.nbytes
+    rotary = sum(b.nbytes for n, b in q.model.named_buffers() if "inv_freq" in n)
+    shape = model_shape(q.model)
+    assert shape.weight_bytes == expected + norms + rotary
+    # the head no longer shares the embedding, which is read only for the looked-up rows
+    assert shape.embed_row_bytes == embedding[0].nbytes
+
+
+def test_bad_levels_get_one_sentence(tiny_lm):
+    with pytest.raises(QuantError, match="Unknown quantization level"):
+        quantize(tiny_lm, "int3")
+    with pytest.raises(QuantError, match="group size"):
+        quantize(tiny_lm, "int4-wo", group_size=48)
+    with pytest.raises(QuantError, match="does not divide"):
+        quantize(tiny_lm, "int4-wo", group_size=256)
+    meta = torch.device("meta")
+    with pytest.raises(QuantError, match="levels that work here"):
+        from engine.quant import check_level
+        check_level("int8-dyn", meta, tiny_lm.model)
+
+
+def test_variants_are_cached_and_old_ones_dropped(tiny_lm):
+    a = variant(tiny_lm, "int8-wo")
+    assert variant(tiny_lm, "int8-wo") is a
+    variant(tiny_lm, "bf16")
+    variant(tiny_lm, "int4-wo")
+    assert variant(tiny_lm, "int8-wo") is not a  # evicted after two newer variants
+    assert variant(tiny_lm, "fp32") is tiny_lm
+
+
+def test_every_level_says_its_kernel():
+    for level in LEVELS:
+        info = level_info(level, torch.device("cpu"))
+        assert info.kernel and info.note
+    assert not level_info("int8-wo", torch.device("cuda")).accelerated
