@@ -111,3 +111,9 @@ def forward_work(shape: ModelShape, n_new: int, past_len: int, logits_kept: int 
 def cache_nbytes(cache) -> int:
     """Bytes held by the real key and value tensors of a transformers cache."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+def reduce_work(work: ForwardWork, weight_bytes: int, flops: float) -> ForwardWork:
+    """The same forward with some weight bytes and FLOPs taken out (skipped, or counted as waste)."""
+    return ForwardWork(weight_bytes=work.weight_bytes - weight_bytes, kv_read_bytes=work.kv_read_bytes,
+                       kv_write_bytes=work.kv_write_bytes, flops=work.flops - flops)

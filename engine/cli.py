@@ -21,13 +21,14 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
-def load_variant(args):
-    """The model at the asked weight precision (the fp32 load quantized once)."""
-    from . import quant
+def load_variant(args, store=None):
+    """(the fp32 model, the model at the asked weight precision and activation sparsity)."""
+    from . import quant, sparsity
     from .models import load_model
 
     base = load_model(args.model, device=args.device, dtype="fp32")
-    return base, quant.variant(base, args.quant, args.group_size)
+    lm = quant.variant(base, args.quant, args.group_size)
+    return base, sparsity.variant(lm, args.sparsity, args.sparsity_mode, store)
 
 
 def cmd_generate(args) -> int:
@@ -39,7 +40,7 @@ def cmd_generate(args) -> int:
                     raw=args.raw, stop=args.stop or [])
     cfg.check()
     store = Store(args.db)
-    _, lm = load_variant(args)
+    _, lm = load_variant(args, store)
     gen = Generation(lm, cfg, store=store)
     try:
         for event in gen:
@@ -71,15 +72,17 @@ def cmd_quality(args) -> int:
     from .store import Store
 
     store = Store(args.db)
-    base, candidate = load_variant(args)
+    base, candidate = load_variant(args, store)
     calibration = hardware.calibration_for(base.device, store)
-    result = quality.measure(base, candidate, candidate.quant, calibration, store=store,
-                             settings={"quant": args.quant, "group_size": args.group_size})
+    name = candidate.quant + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
+    result = quality.measure(base, candidate, name, calibration, store=store,
+                             settings={"quant": args.quant, "group_size": args.group_size, "sparsity": args.sparsity,
+                                       "sparsity_mode": args.sparsity_mode})
     if args.json:
         _print_json(result)
         return 0
     divergence = result["first_divergence"]
-    print(f"{base.name} at {candidate.quant} on {base.device}, {result['n_tokens']} tokens of data/eval.txt, "
+    print(f"{base.name} at {name} on {base.device}, {result['n_tokens']} tokens of data/eval.txt, "
           f"teacher-forced against fp32:")
     print(f"  perplexity {result['perplexity']:.3f}, mean KL {result['kl_mean']:.5f} nats, "
           f"top-1 agreement {result['top1_agreement']:.1%}")
@@ -209,6 +212,9 @@ def add_quant_args(p) -> None:
 
     p.add_argument("--quant", default="fp32", choices=LEVELS, help="weight precision level")
     p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
+    p.add_argument("--sparsity", type=float, default=0.0, help="target activation sparsity, 0 to 0.9")
+    p.add_argument("--sparsity-mode", default="mask", choices=["mask", "skip", "2:4"],
+                   help="mask: zero small inputs, dense matmul; skip: do not read their weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,12 +293,13 @@ def main(argv=None) -> int:
     from .kvcalc import KVCalcError
     from .models import ModelError
     from .quant import QuantError
+    from .sparsity import SparsityError
     from .store import StoreError
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         return args.func(args)
-    except (GenerationError, KVCalcError, ModelError, QuantError, StoreError) as exc:
+    except (GenerationError, KVCalcError, ModelError, QuantError, SparsityError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR

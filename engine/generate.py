@@ -13,10 +13,11 @@ import torch
 from transformers import DynamicCache
 
 from . import hardware
-from .accounting import cache_nbytes, forward_work, model_shape
+from .accounting import cache_nbytes, forward_work, model_shape, reduce_work
 from .distances import PHASES, Roofline, attribute, split_over_tokens, sum_buckets, waste_fraction
 from .metrics import run_metrics
 from .models import LoadedModel
+from .sparsity import forward_savings, sparse_layers
 from .store import BUCKETS, Store
 
 MAX_NEW_TOKENS_CAP = 4096
@@ -143,6 +144,7 @@ class Generation:
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.roofline = Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype))
         self.shape = model_shape(lm.model)
+        self.sparse = bool(sparse_layers(lm.model))
         self.telemetry = telemetry
         self.eos = eos_ids(lm)
         self.run_id: int | None = None
@@ -162,7 +164,8 @@ class Generation:
 
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
-                "quant": self.lm.quant, **asdict(self.cfg)}
+                "quant": self.lm.quant, "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode,
+                **asdict(self.cfg)}
 
     def __iter__(self):
         if self.store is not None:
@@ -265,6 +268,11 @@ class Generation:
         }
         work = forward_work(self.shape, n_input, past, kv_cache=kv_cache)
         useful = forward_work(self.shape, 1, n_input - 1) if not kv_cache and step > 0 else None
+        if self.sparse:
+            saved = forward_savings(self.lm.model)
+            work = reduce_work(work, saved["skipped_bytes"], saved["skipped_flops"])
+            if saved["zero_bytes"] or saved["zero_flops"]:  # masked: zeros multiplied for nothing
+                useful = reduce_work(useful or work, saved["zero_bytes"], saved["zero_flops"])
         attributed = attribute(phases, work, self.roofline, waste_fraction(self.roofline, work, useful))
         wall = (t_end - marks[0]) / 1e6
         row = {

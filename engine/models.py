@@ -30,6 +30,8 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     quant: str = "fp32"  # weight precision level (engine.quant.LEVELS)
+    sparsity: float = 0.0  # target activation sparsity (engine.sparsity)
+    sparsity_mode: str | None = None
 
     @property
     def config(self):

@@ -301,18 +301,22 @@ def quantize(lm: LoadedModel, level: str, group_size: int = 32) -> LoadedModel:
 _variants: OrderedDict = OrderedDict()
 
 
-def variant(lm: LoadedModel, level: str, group_size: int = 32) -> LoadedModel:
-    """The model at this level, quantized once per (model, device, level) and kept while it is among
-    the MAX_VARIANTS most recently used; older variants are dropped and their memory released."""
-    if level == "fp32" and lm.dtype == torch.float32 and lm.quant == "fp32":
-        return lm
-    key = (id(lm.model), str(lm.device), level, group_size if level == "int4-wo" else None)
+def remember(key, make):
+    """A derived model (a quantized or sparse copy) made once per key and kept while it is among the
+    MAX_VARIANTS most recently used; older ones are dropped and their memory released."""
     if key in _variants:
         _variants.move_to_end(key)
         return _variants[key]
-    made = quantize(lm, level, group_size)
-    _variants[key] = made
+    made = _variants[key] = make()
     while len(_variants) > MAX_VARIANTS:
         _variants.popitem(last=False)
         gc.collect()
     return made
+
+
+def variant(lm: LoadedModel, level: str, group_size: int = 32) -> LoadedModel:
+    """The model at this level, quantized once per (model, device, level)."""
+    if level == "fp32" and lm.dtype == torch.float32 and lm.quant == "fp32":
+        return lm
+    key = (id(lm.model), str(lm.device), level, group_size if level == "int4-wo" else None)
+    return remember(key, lambda: quantize(lm, level, group_size))

@@ -18,7 +18,7 @@ import psutil
 
 from .models import REPO_ROOT
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 LOCK_WAIT_S = 60.0
 BUCKETS = ("physical", "memory", "compute", "time", "decision")
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
@@ -57,6 +57,12 @@ MIGRATIONS = {
             created_at TIMESTAMP, model VARCHAR, device VARCHAR, variant VARCHAR, settings VARCHAR,
             perplexity DOUBLE, kl_mean DOUBLE, top1_agreement DOUBLE, n_tokens INTEGER,
             eval_text_sha VARCHAR, first_divergence INTEGER, seconds DOUBLE)""",
+    ],
+    3: [
+        "ALTER TABLE runs ADD COLUMN sparsity DOUBLE DEFAULT 0",
+        "ALTER TABLE runs ADD COLUMN sparsity_mode VARCHAR",
+        """CREATE TABLE sparsity_thresholds (model VARCHAR, sparsity DOUBLE, text_sha VARCHAR,
+            created_at TIMESTAMP, thresholds VARCHAR)""",
     ],
 }
 
@@ -148,11 +154,12 @@ class Store:
         me = psutil.Process()
         with self.connect() as con:
             return con.execute(
-                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, config,
-                   hardware, prompt, host, pid, pid_started)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, sparsity,
+                   sparsity_mode, config, hardware, prompt, host, pid, pid_started)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
                 [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
-                 float(config.get("temperature", 0.0)), config.get("quant", "fp32"), json.dumps(config),
+                 float(config.get("temperature", 0.0)), config.get("quant", "fp32"), float(config.get("sparsity", 0.0)),
+                 config.get("sparsity_mode"), json.dumps(config),
                  json.dumps(hardware), prompt,
                  socket.gethostname(), me.pid, me.create_time()],
             ).fetchone()[0]
@@ -206,6 +213,17 @@ class Store:
         row = {k: result.get(k) for k in ("model", "device", "variant", "perplexity", "kl_mean", "top1_agreement",
                                           "n_tokens", "eval_text_sha", "first_divergence", "seconds")}
         self.insert({"quality": [{**row, "created_at": utcnow(), "settings": json.dumps(result.get("settings", {}))}]})
+
+    def sparsity_thresholds(self, model: str, sparsity: float, text_sha: str) -> dict | None:
+        with self.connect() as con:
+            row = con.execute("SELECT thresholds FROM sparsity_thresholds WHERE model = ? AND sparsity = ? AND "
+                              "text_sha = ? ORDER BY created_at DESC LIMIT 1", [model, sparsity, text_sha]).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def save_sparsity_thresholds(self, model: str, sparsity: float, text_sha: str, thresholds: dict) -> None:
+        with self.connect() as con:
+            con.execute("INSERT INTO sparsity_thresholds VALUES (?, ?, ?, ?, ?)",
+                        [model, sparsity, text_sha, utcnow(), json.dumps(thresholds)])
 
     def save_calibration(self, device_key: str, results: dict) -> None:
         with self.connect() as con:

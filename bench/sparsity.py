@@ -1,0 +1,65 @@
+"""Activation sparsity on the default model: dense against mask and skip at several sparsities,
+alternating in one run. Prints decode tokens/s (median decode step), weight bytes actually read
+per token, the ratio to dense, and quality (perplexity, top-1 agreement, KL against dense, on
+data/eval.txt; mask and skip compute the same function, so quality is measured once per sparsity).
+
+    .venv/bin/python bench/sparsity.py [--tokens 48] [--rounds 3] [--levels 0,0.25,0.5,0.7]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import hardware, quality, sparsity  # noqa: E402
+from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.models import load_model  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def decode(lm, calibration, n):
+    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration)
+    gen.run()
+    steps = [s for s in gen.steps if s["kind"] == "decode"]
+    return 1e3 / statistics.median(s["wall_ms"] for s in steps), statistics.mean(s["weight_bytes"] for s in steps)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--levels", default="0,0.25,0.5,0.7")
+    args = parser.parse_args()
+    base = load_model()
+    calibration = hardware.calibrate(base.device)
+    levels = [float(v) for v in args.levels.split(",")]
+    variants = {("dense", 0.0): base}
+    for s in levels:
+        for mode in sparsity.MODES:
+            variants[(mode, s)] = sparsity.sparsify(base, s, mode, sparsity.calibrate_thresholds(base, s))
+    for lm in variants.values():
+        decode(lm, calibration, 4)  # warm up
+    rates = {k: [] for k in variants}
+    bytes_read = {}
+    keys = list(variants)
+    for i in range(args.rounds):
+        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
+            rate, weight_bytes = decode(variants[key], calibration, args.tokens)
+            rates[key].append(rate)
+            bytes_read[key] = weight_bytes
+    dense = statistics.median(rates[("dense", 0.0)])
+    print(f"{base.name} on {base.device}, fp32 greedy, {args.tokens} new tokens, {args.rounds} rounds alternating")
+    print(f"{'mode':<6} {'sparsity':>8} {'weights MB/token':>16} {'decode tok/s':>12} {'vs dense':>8} "
+          f"{'perplexity':>10} {'top-1':>7} {'KL nats':>8}")
+    scores = {s: quality.evaluate(base, variants[("mask", s)]) for s in levels}
+    scores[0.0] = scores.get(0.0) or quality.evaluate(base, base)
+    for (mode, s), lm in variants.items():
+        rate = statistics.median(rates[(mode, s)])
+        q = scores[s]
+        print(f"{mode:<6} {s:>8.0%} {bytes_read[(mode, s)] / 1e6:>16.1f} {rate:>12.2f} {rate / dense:>7.2f}x "
+              f"{q['perplexity']:>10.3f} {q['top1_agreement']:>6.1%} {q['kl_mean']:>8.5f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Training-free activation sparsity: inputs to the linear layers whose magnitude is below a
+per-layer threshold are treated as zero. Two execution modes show when that becomes speed:
+
+- mask: the small inputs are zeroed and the dense matmul runs as before; the arithmetic
+  notionally shrinks, the weight bytes moved do not.
+- skip: the weights are stored transposed, so one input channel's weights are one contiguous row,
+  and a small C++ kernel (engine/kernels/sparse_gemv.cpp) reads only the rows of active inputs.
+  On the CPU the masking and counting is one pass of the same extension in both modes.
+  Only a single-token forward (decoding) can skip: with several tokens some token needs almost
+  every row, so multi-token forwards (the prefill) run the masked dense product.
+
+Thresholds are calibrated per layer on data/calibration.txt as the magnitude quantile equal to
+the target sparsity, and stored per (model, sparsity) in DuckDB."""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .models import REPO_ROOT, LoadedModel
+
+MODES = ("mask", "skip")
+CALIBRATION_TEXT = REPO_ROOT / "data" / "calibration.txt"
+_kernel = None
+
+
+class SparsityError(Exception):
+    """A sparsity setting that cannot run; the message is one sentence for the user."""
+
+
+def kernel():
+    """The compiled sparse GEMV extension (built once, about 30 s, then cached by PyTorch)."""
+    global _kernel
+    if _kernel is None:
+        from torch.utils.cpp_extension import load
+
+        source = Path(__file__).resolve().parent / "kernels" / "sparse_gemv.cpp"
+        _kernel = load(name="tokenpath_sparse_gemv", sources=[str(source)], extra_cflags=["-O3", "-march=native"],
+                       verbose=False)
+    return _kernel
+
+
+class SparseLinear(torch.nn.Module):
+    """A linear layer that ignores inputs below `threshold` and counts what that saved."""
+
+    def __init__(self, linear: torch.nn.Linear, threshold: float, mode: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.threshold, self.mode = float(threshold), mode
+        weight = linear.weight.detach()
+        if mode == "skip":
+            self.weight_t = torch.nn.Parameter(weight.t().contiguous(), requires_grad=False)
+        else:
+            self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        self.bias = linear.bias
+        self.row_bytes = weight.element_size() * self.out_features  # one input channel's weights
+        self.reset_counts()
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight_t.t() if self.mode == "skip" else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs_seen += x.numel()
+        if x.device.type != "cpu":
+            keep = x.abs() >= self.threshold
+            self.inputs_zeroed += int(keep.numel() - keep.sum())
+            y = F.linear(x * keep, self.dense_weight())
+        elif self.mode == "skip" and x.numel() == self.in_features and x.dtype == torch.float32:
+            y, active = kernel().sparse_gemv(x.reshape(-1), self.weight_t, self.threshold)
+            self.inputs_zeroed += self.in_features - active
+            self.rows_skipped += self.in_features - active
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            masked, zeroed = kernel().mask_small(x, self.threshold)
+            self.inputs_zeroed += zeroed
+            y = F.linear(masked, self.dense_weight())
+        return y + self.bias if self.bias is not None else y
+
+    def reset_counts(self) -> None:
+        self.inputs_seen = self.inputs_zeroed = self.rows_skipped = 0
+
+
+def sparse_layers(model: torch.nn.Module) -> list[SparseLinear]:
+    return [m for m in model.modules() if isinstance(m, SparseLinear)]
+
+
+def forward_savings(model: torch.nn.Module) -> dict:
+    """What the sparse layers did with zeroed inputs since the last call (then reset the counts):
+    weight bytes and FLOPs skipped (never read, never computed), and weight bytes and FLOPs spent
+    multiplying zeros (masked). For several tokens a weight row counts as wasted in proportion to
+    the tokens whose input for it was zero."""
+    totals = dict.fromkeys(("skipped_bytes", "skipped_flops", "zero_bytes", "zero_flops"), 0)
+    for layer in sparse_layers(model):
+        tokens = max(layer.inputs_seen // layer.in_features, 1)
+        masked = layer.inputs_zeroed - layer.rows_skipped
+        totals["skipped_bytes"] += layer.rows_skipped * layer.row_bytes
+        totals["skipped_flops"] += 2 * layer.rows_skipped * layer.out_features
+        totals["zero_bytes"] += masked * layer.row_bytes // tokens
+        totals["zero_flops"] += 2 * masked * layer.out_features
+        layer.reset_counts()
+    return totals
+
+
+@torch.inference_mode()
+def calibrate_thresholds(lm: LoadedModel, sparsity: float, window: int = 512, sample: int = 1 << 20) -> dict:
+    """Per linear layer, the input magnitude below which a fraction `sparsity` of inputs falls on
+    the calibration text."""
+    magnitudes: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name):
+        def record(module, inputs):
+            magnitudes.setdefault(name, []).append(inputs[0].detach().abs().flatten().float().cpu())
+        return record
+
+    targets = {n: m for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)
+               and m is not lm.model.get_output_embeddings()}
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in targets.items()]
+    ids = lm.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
+    try:
+        for start in range(0, len(ids), window):
+            lm.model(input_ids=torch.tensor([ids[start:start + window]], device=lm.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    generator = torch.Generator().manual_seed(0)
+    thresholds = {}
+    for name, chunks in magnitudes.items():
+        values = torch.cat(chunks)
+        if values.numel() > sample:  # torch.quantile takes at most 16 M values; a sample is plenty
+            values = values[torch.randint(values.numel(), (sample,), generator=generator)]
+        thresholds[name] = float(torch.quantile(values, sparsity)) if sparsity > 0 else 0.0
+    return thresholds
+
+
+def check(lm: LoadedModel, sparsity: float, mode: str) -> None:
+    if not 0 <= sparsity <= 0.9:
+        raise SparsityError(f"Sparsity must be between 0 and 0.9 (0-90%), not {sparsity}.")
+    if mode == "2:4":
+        if lm.device.type != "cuda":
+            raise SparsityError("2:4 semi-structured sparsity needs an NVIDIA GPU with sparse tensor cores "
+                                f"(Ampere or newer); this run is on {lm.device.type}.")
+        raise SparsityError("2:4 semi-structured sparsity prunes weights, not activations, and is not built yet.")
+    if mode not in MODES:
+        raise SparsityError(f"Unknown sparsity mode '{mode}': use mask or skip.")
+    if lm.quant not in ("fp32", "bf16", "fp16"):
+        raise SparsityError(f"Activation sparsity runs on float weights (fp32, bf16, fp16), not {lm.quant}.")
+    if mode == "skip" and (lm.device.type != "cpu" or lm.quant != "fp32"):
+        raise SparsityError("The skip kernel runs on the CPU in fp32; use mask mode for other devices and levels.")
+
+
+def sparsify(lm: LoadedModel, sparsity: float, mode: str, thresholds: dict) -> LoadedModel:
+    """A copy of the model whose linear layers (not the output head) ignore small inputs."""
+    check(lm, sparsity, mode)
+    model = copy.deepcopy(lm.model)
+    modules = dict(model.named_modules())
+    for name, threshold in thresholds.items():
+        parent_name, _, attr = name.rpartition(".")
+        setattr(modules[parent_name], attr, SparseLinear(modules[name], threshold, mode))
+    if lm.device.type == "cpu":
+        kernel()
+    return replace(lm, model=model.eval(), sparsity=sparsity, sparsity_mode=mode)
+
+
+def thresholds_for(lm: LoadedModel, sparsity: float, store=None) -> dict:
+    """Stored thresholds for (model, sparsity), or new ones (stored when a store is given)."""
+    key = {"model": lm.name, "sparsity": round(sparsity, 4), "text_sha": _calibration_digest()}
+    if store is not None:
+        stored = store.sparsity_thresholds(**key)
+        if stored is not None:
+            return stored
+    thresholds = calibrate_thresholds(lm, sparsity)
+    if store is not None:
+        store.save_sparsity_thresholds(**key, thresholds=thresholds)
+    return thresholds
+
+
+def _calibration_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(CALIBRATION_TEXT.read_bytes()).hexdigest()[:12]
+
+
+def variant(lm: LoadedModel, sparsity: float, mode: str, store=None) -> LoadedModel:
+    """The sparse copy, made once per (model, sparsity, mode) and cached like the quantized ones."""
+    from .quant import remember
+
+    if sparsity == 0 and mode == "mask":
+        return lm
+    check(lm, sparsity, mode)
+    key = (id(lm.model), str(lm.device), "sparse", round(sparsity, 4), mode)
+    return remember(key, lambda: sparsify(lm, sparsity, mode, thresholds_for(lm, sparsity, store)))
+
+
+def zeroed_fraction(model: torch.nn.Module) -> float:
+    seen = sum(layer.inputs_seen for layer in sparse_layers(model))
+    return sum(layer.inputs_zeroed for layer in sparse_layers(model)) / seen if seen else 0.0
