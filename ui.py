@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -30,7 +31,9 @@ BUCKET_MEANING = {
 
 
 # (file, label) of every page, in the order the sidebar lists them
-PAGES = [("app.py", "Home"), ("pages/kv_calculator.py", "KV calculator")]
+PAGES = [("app.py", "Home"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
+         ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/hardware.py", "Hardware"),
+         ("pages/kv_calculator.py", "KV calculator")]
 
 
 def page_setup(title: str) -> None:
@@ -57,10 +60,35 @@ def level_table(device: str):
     return pd.DataFrame(rows)
 
 
+class GenerationQueue:
+    """Generations run one at a time, in arrival order, so runs on one device are never interleaved
+    (and their timings never share the cores)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: list[object] = []
+
+    @contextmanager
+    def turn(self, on_wait):
+        """Wait for this session's turn; on_wait(position) is called while others are ahead."""
+        ticket = object()
+        with self._cond:
+            self._waiting.append(ticket)
+        try:
+            with self._cond:
+                while self._waiting[0] is not ticket:
+                    on_wait(self._waiting.index(ticket))
+                    self._cond.wait(timeout=0.5)
+            yield
+        finally:
+            with self._cond:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+
+
 @st.cache_resource(show_spinner=False)
-def generation_lock() -> threading.Lock:
-    """One generation at a time per process: runs on one device are never interleaved."""
-    return threading.Lock()
+def generation_queue() -> GenerationQueue:
+    return GenerationQueue()
 
 
 def open_store() -> Store | None:
@@ -88,6 +116,16 @@ def get_model(model_id: str, device: str = "auto", level: str = "fp32", group_si
     except (ModelError, QuantError) as exc:
         st.error(str(exc))
         return None
+
+
+def run_label(row) -> str:
+    """A run in one line: number, model, switches, size, status."""
+    switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
+    if row.sparsity:
+        switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
+    if row.temperature:
+        switches.append(f"T={row.temperature:g}")
+    return f"#{row.run_id} {row.model} · {' · '.join(switches)} · {row.n_new_tokens or 0} tokens · {row.status}"
 
 
 def throttled(events, every_s: float = 0.2):

@@ -212,3 +212,11 @@ def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu") -> LoadedMod
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device).eval()
     return LoadedModel(name=f"tiny-llama-{layers}L", model=model, tokenizer=tokenizer, device=torch.device(device))
+
+
+def workloads() -> dict[str, dict]:
+    """The shipped prompts, by name (data/workloads.json)."""
+    import json
+
+    data = json.loads((REPO_ROOT / "data" / "workloads.json").read_text())
+    return {w["name"]: w for w in data["workloads"]}

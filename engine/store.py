@@ -209,6 +209,20 @@ class Store:
     def telemetry(self, run_id: int):
         return self.query("SELECT * FROM telemetry WHERE run_id = ? ORDER BY t_ms", [run_id])
 
+    def delete_runs(self, run_ids: list[int]) -> int:
+        """Delete these runs with their steps, tokens and telemetry; returns how many runs went."""
+        ids = [int(i) for i in run_ids]
+        if not ids:
+            return 0
+        marks = ", ".join("?" for _ in ids)
+        with self.connect() as con:
+            con.execute("BEGIN")
+            for table in ("steps", "tokens", "telemetry"):
+                con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", ids)
+            deleted = con.execute(f"DELETE FROM runs WHERE run_id IN ({marks}) RETURNING run_id", ids).fetchall()
+            con.execute("COMMIT")
+        return len(deleted)
+
     def save_quality(self, result: dict) -> None:
         row = {k: result.get(k) for k in ("model", "device", "variant", "perplexity", "kl_mean", "top1_agreement",
                                           "n_tokens", "eval_text_sha", "first_divergence", "seconds")}

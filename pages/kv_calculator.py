@@ -105,7 +105,7 @@ fig.add_scatter(x=gpus["short"], y=gpus["memory_bytes"] / 2**30, mode="markers",
                 marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
 fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
                   margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
-st.plotly_chart(fig, use_container_width=True)
+st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")
 table = pd.DataFrame({
@@ -118,7 +118,7 @@ table = pd.DataFrame({
     "read the KV cache once (ms per decode step)": gpus["kv_read_ms_per_step"].round(3),
     "read the weights once (ms per decode step)": gpus["weights_read_ms_per_step"].round(3),
 })
-st.dataframe(table, hide_index=True, use_container_width=True)
+st.dataframe(table, hide_index=True, width="stretch")
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
            "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
 
@@ -133,7 +133,7 @@ for s in [spec] + [presets[n] for n in chosen if n != spec.name]:
 line.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log scale)",
                    yaxis_title=f"KV cache, GiB ({dtype}, batch {int(batch)})", height=380,
                    margin=dict(l=40, r=10, t=30, b=40))
-st.plotly_chart(line, use_container_width=True)
+st.plotly_chart(line, width="stretch")
 
 st.subheader("Checked against the live model")
 st.markdown("The loaded default model's real cache after recorded runs, beside the calculator's prediction for "
@@ -159,4 +159,4 @@ if store is not None:
             predicted = kvcalc.kv_bytes(live, context_len, kv_dtype)
             rows.append({"run": r.run_id, "cache dtype": kv_dtype, "context": context_len, "measured bytes": measured,
                          "predicted bytes": int(predicted), "equal": measured == predicted})
-        st.dataframe(pd.DataFrame(rows), hide_index=True, use_container_width=True)
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")

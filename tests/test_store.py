@@ -113,3 +113,14 @@ def test_a_foreign_duckdb_file_is_refused_and_left_untouched(tmp_path):
 def test_a_folder_at_the_path_is_refused(tmp_path):
     with pytest.raises(StoreError, match="folder"):
         Store(tmp_path)
+
+
+def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibration, store):
+    from engine.generate import Generation, GenConfig
+
+    ids = [Generation(tiny_lm, GenConfig(f"run {i}", raw=True, max_new_tokens=3), store=store,
+                      calibration=calibration).run()["run_id"] for i in range(2)]
+    assert store.delete_runs([ids[0]]) == 1
+    assert list(store.runs()["run_id"]) == [ids[1]]
+    assert store.tokens(ids[0]).empty and store.steps(ids[0]).empty
+    assert len(store.tokens(ids[1])) > 0

@@ -1,0 +1,75 @@
+"""Distances: where the time went, per token and per run, estimate against measurement."""
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine.store import BUCKETS
+from ui import BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, open_store, page_setup, run_label
+
+page_setup("Distances")
+st.title("Latency by distance")
+st.markdown("Every step's measured wall time split into five buckets that add up to it. "
+            + " ".join(f"**{b}**: {BUCKET_MEANING[b]}." for b in BUCKETS))
+
+store = open_store()
+if store is None:
+    st.stop()
+runs = store.query("SELECT * FROM runs WHERE n_new_tokens > 0 ORDER BY run_id DESC LIMIT 200")
+if runs.empty:
+    st.info("No finished runs yet: start one on Live generation.")
+    st.stop()
+labels = {row.run_id: run_label(row) for row in runs.itertuples()}
+wanted = st.query_params.get_all("run")
+default = [int(r) for r in wanted if r.isdigit() and int(r) in labels] or [int(runs["run_id"].iloc[0])]
+chosen = st.multiselect("Runs", list(labels), default=default, format_func=labels.get)
+if not chosen:
+    st.info("Choose one or more runs.")
+    st.stop()
+
+st.subheader("Bucket totals per run")
+totals = runs[runs["run_id"].isin(chosen)].set_index("run_id")
+per_token = st.toggle("Per token (divide by the tokens each run produced)", True)
+fig = go.Figure()
+for b in BUCKETS:
+    values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
+    fig.add_bar(y=[labels[i] for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
+fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
+                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=10, b=40), legend_orientation="h")
+st.plotly_chart(fig, width="stretch")
+
+for run_id in chosen:
+    st.subheader(labels[run_id])
+    tokens = store.tokens(run_id)
+    steps = store.steps(run_id)
+    st.plotly_chart(bucket_chart(tokens.to_dict("records"), "Per-token buckets (ms)"), width="stretch")
+
+    roof = go.Figure()
+    roof.add_scatter(x=steps["step"], y=steps["forward_ms"], name="forward, measured", mode="lines+markers")
+    roof.add_scatter(x=steps["step"], y=steps["roofline_ms"], name="roofline estimate: max(bytes/bandwidth, FLOPs/peak)",
+                     mode="lines", line_dash="dash")
+    roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=30, b=40),
+                       legend_orientation="h", yaxis_type="log")
+    decode = steps[steps["kind"] == "decode"]
+    ratio = (decode["roofline_ms"].sum() / decode["forward_ms"].sum()) if not decode.empty else None
+    st.plotly_chart(roof, width="stretch")
+    st.caption("The roofline is what the bytes and FLOPs of each forward would take at the calibrated bandwidth and "
+               "peak; the gap to the measured forward is dispatch, launch and kernels running below peak "
+               f"(the time bucket). Decode steps: the estimate is {ratio:.0%} of the measured forward time."
+               if ratio else "Only a prefill step in this run.")
+
+    if steps["n_emitted"].max() > 1:
+        st.markdown("Tokens emitted per step")
+        st.bar_chart(steps.set_index("step")["n_emitted"])
+
+    telemetry = store.telemetry(run_id)
+    if not telemetry.empty:
+        tel = go.Figure()
+        tel.add_scatter(x=telemetry["t_ms"], y=telemetry["cpu_percent"], name="CPU use, % of all cores", mode="lines")
+        if telemetry["gpu_util_percent"].notna().any():
+            tel.add_scatter(x=telemetry["t_ms"], y=telemetry["gpu_util_percent"], name="GPU utilisation %", mode="lines")
+        tel.add_scatter(x=tokens["t_ms"], y=[100] * len(tokens), mode="markers", name="a token is ready",
+                        marker=dict(symbol="line-ns-open", size=10))
+        tel.update_layout(xaxis_title="ms since the request started", yaxis_title="%", yaxis_range=[0, 105], height=260,
+                          margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
+        st.plotly_chart(tel, width="stretch")
+        st.caption(f"Telemetry sampled every 100 ms; resident memory peaked at "
+                   f"{telemetry['rss_bytes'].max() / 2**30:.2f} GiB.")

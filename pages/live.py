@@ -1,0 +1,150 @@
+"""Live generation: every switch, tokens streaming in coloured by latency, buckets growing live."""
+import html
+import statistics
+import time
+
+import streamlit as st
+
+from engine.generate import MAX_NEW_TOKENS_CAP, Generation, GenConfig, GenerationError
+from engine.models import workloads
+from engine.quant import INT4_GROUPS, LEVELS
+from engine.sparsity import MODES, SparsityError
+from engine import sparsity
+from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, open_store, page_setup,
+                throttled)
+
+page_setup("Live generation")
+st.title("Live generation")
+
+shipped = workloads()
+choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
+                      format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
+with st.form("live"):
+    prompt = st.text_area("Prompt text", shipped[choice]["prompt"] if choice in shipped else
+                          "Explain in two sentences why a KV cache speeds up text generation.", height=140)
+    c = st.columns(4)
+    model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id")
+    device = c[1].selectbox("Device", ["auto", "cpu", "cuda", "mps"])
+    max_new = c[2].number_input("Max new tokens", 1, MAX_NEW_TOKENS_CAP, 64)
+    kv_cache = c[3].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
+    c = st.columns(4)
+    level = c[0].selectbox("Weights", LEVELS)
+    group = c[1].selectbox("int4 group size", INT4_GROUPS)
+    target = c[2].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05)
+    mode = c[3].selectbox("Sparsity mode", MODES, help="mask: zero small inputs, dense matmul; "
+                                                       "skip: never read their weights")
+    c = st.columns(4)
+    temperature = c[0].number_input("Temperature (0 = greedy)", 0.0, 5.0, 0.0, 0.1)
+    top_p = c[1].number_input("Top-p", 0.01, 1.0, 1.0, 0.05)
+    top_k = c[2].number_input("Top-k (0 = off)", 0, 1000, 0)
+    seed = c[3].number_input("Seed", 0, 2**31 - 1, 0)
+    baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
+    submitted = st.form_submit_button("Generate", type="primary")
+with st.expander("Weight precision levels on this device: which kernel runs each"):
+    st.dataframe(level_table(device), hide_index=True, width="stretch")
+    st.caption("Accelerated: the kernel reads the low-bit weights directly, so fewer bytes cross from memory. "
+               "Emulated: low-bit weights are stored but expanded to 16/32 bits on every forward, so memory "
+               "shrinks but speed does not improve. On a CPU, 16-bit levels can be slower than fp32 when the "
+               "arithmetic costs more than the bytes save. Sparsity: mask zeroes small inputs but still reads "
+               "every weight; skip never reads the weights of zeroed inputs (CPU, fp32).")
+
+
+def coloured_tokens(tokens: list[dict], hidden: set[int]) -> str:
+    """Token pieces as HTML, each shaded by how long it took (darker = slower than the median);
+    special tokens (end of turn) are left out."""
+    if not tokens:
+        return ""
+    median = statistics.median(t["gap_ms"] for t in tokens) or 1.0
+    spans = []
+    for t in tokens:
+        if t["token_id"] in hidden:
+            continue
+        heat = min(max(t["gap_ms"] / median - 1.0, 0.0), 2.0) / 2.0
+        spans.append(f'<span title="{t["gap_ms"]:.1f} ms" style="background: rgba(255, 127, 14, {0.08 + 0.6 * heat:.2f});'
+                     f' border-radius: 3px">{html.escape(t["piece"])}</span>')
+    return ('<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">' + "".join(spans)
+            + "</div>")
+
+
+def summary(result: dict, gen: Generation) -> dict:
+    decode = [s for s in gen.steps if s["kind"] == "decode"]
+    per_token_bytes = statistics.mean(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"]
+                                      for s in decode) if decode else None
+    return {"TTFT": f"{result['ttft_ms']:.0f} ms", "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
+            "Tokens/s": f"{result['tokens_per_s']:.1f}",
+            "KV cache": f"{result['kv_cache_bytes'] / 2**20:.2f} MiB",
+            "Bytes per token": f"{per_token_bytes / 1e6:.0f} MB" if per_token_bytes else "n/a",
+            "Roofline / measured": f"{result['roofline_ratio_decode']:.0%}" if result["roofline_ratio_decode"] else "n/a"}
+
+
+def stream(lm, cfg, store, label: str):
+    """Run one generation, drawing text and buckets as they come; returns the finished Generation."""
+    st.markdown(f"**{label}**")
+    text_box, chart_box = st.empty(), st.empty()
+    special = set(lm.tokenizer.all_special_ids)
+    gen = Generation(lm, cfg, store=store)
+    events = iter(gen)
+    # drawn once before the run, so the first redraw's one-off costs do not land on a token
+    chart_box.plotly_chart(bucket_chart([]), width="stretch", key=f"{label}-empty")
+    updates, last_chart = 0, time.monotonic()
+    try:
+        for _ in throttled(events, every_s=0.5):
+            st.session_state["last_run"] = gen.run_id
+            text_box.markdown(coloured_tokens(gen.tokens, special), unsafe_allow_html=True)
+            if time.monotonic() - last_chart > 2.0:  # the chart costs more to send and draw than the text
+                updates += 1  # each redraw of the growing chart is a new element with its own key
+                chart_box.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-{updates}")
+                last_chart = time.monotonic()
+    finally:
+        events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
+    text_box.markdown(coloured_tokens(gen.tokens, special), unsafe_allow_html=True)
+    chart_box.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-final")
+    cols = st.columns(6)
+    for col, (name, value) in zip(cols, summary(gen.result, gen).items()):
+        col.metric(name, value)
+    st.caption(f"Run #{gen.run_id}, stopped by {gen.stop_reason}. Token shading: darker took longer than the "
+               "median token (hover for milliseconds). Memory and compute are roofline estimates; the step times "
+               "are measured.")
+    return gen
+
+
+store = open_store()
+if "last_run" in st.session_state and not submitted and store is not None:
+    last = st.session_state.pop("last_run")
+    row = store.run(last) if last is not None else None
+    if row and row["status"] == "cancelled":
+        st.warning(f"Run #{last} was stopped and is kept as cancelled ({row['n_new_tokens']} tokens).")
+
+if submitted and store is not None:
+    cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
+                    top_p=float(top_p), top_k=int(top_k), seed=int(seed))
+    try:
+        cfg.check()
+    except GenerationError as exc:
+        st.error(str(exc))
+        st.stop()
+    lm = get_model(model_id, device, level, int(group))
+    if lm is None:
+        st.stop()
+    try:
+        lm = sparsity.variant(lm, float(target), mode, store)
+    except SparsityError as exc:
+        st.error(str(exc))
+        st.stop()
+    waiting = st.empty()
+    st.button("Stop", help="Ends the run now; it is kept as cancelled.")
+    with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
+        waiting.empty()
+        try:
+            gen = stream(lm, cfg, store, "This run")
+            if baseline:
+                base_lm = get_model(model_id, device)
+                base_cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new))
+                ref = stream(base_lm, base_cfg, store, "Baseline: fp32, greedy, KV cache on, dense")
+                if ref.result["tpot_ms"] and gen.result["tpot_ms"]:
+                    st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
+                              f"{ref.result['tpot_ms'] / gen.result['tpot_ms']:.2f}x")
+        except GenerationError as exc:
+            st.error(str(exc))
+        except Exception as exc:  # an engine failure: the run is recorded with status error
+            st.error(f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")

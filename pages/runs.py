@@ -1,0 +1,73 @@
+"""Runs: every stored run, filterable; compare, export, delete."""
+import io
+
+import streamlit as st
+
+from ui import open_store, page_setup
+
+page_setup("Runs")
+st.title("Runs")
+store = open_store()
+if store is None:
+    st.stop()
+runs = store.query("SELECT * EXCLUDE (pid, pid_started, hardware, token_ids) FROM runs ORDER BY run_id DESC")
+if runs.empty:
+    st.info("No runs recorded yet: start one on Live generation or with `python -m engine generate`.")
+    st.stop()
+
+c = st.columns(4)
+models = c[0].multiselect("Model", sorted(runs["model"].dropna().unique()))
+levels = c[1].multiselect("Weights", sorted(runs["quant"].dropna().unique()))
+statuses = c[2].multiselect("Status", sorted(runs["status"].dropna().unique()))
+kv = c[3].selectbox("KV cache", ["any", "on", "off"])
+first, last = runs["started_at"].min().date(), runs["started_at"].max().date()
+dates = st.date_input("Started between (UTC)", (first, last), min_value=first, max_value=last)
+view = runs
+if models:
+    view = view[view["model"].isin(models)]
+if levels:
+    view = view[view["quant"].isin(levels)]
+if statuses:
+    view = view[view["status"].isin(statuses)]
+if kv != "any":
+    view = view[view["kv_cache"] == (kv == "on")]
+if isinstance(dates, tuple) and len(dates) == 2:
+    day = view["started_at"].dt.date
+    view = view[(day >= dates[0]) & (day <= dates[1])]
+
+columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity", "sparsity_mode",
+           "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
+           "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "prompt", "error"]
+st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Times in ms; "
+           "tokens/s end to end; started_at in UTC.")
+event = st.dataframe(view[columns], hide_index=True, width="stretch", on_select="rerun",
+                     selection_mode="multi-row", key="runs_table")
+picked = view.iloc[event.selection.rows] if event.selection.rows else view.iloc[0:0]
+
+if picked.empty:
+    st.info("Tick one or more rows to compare, export or delete.")
+    st.stop()
+
+ids = [int(i) for i in picked["run_id"]]
+st.subheader(f"{len(ids)} selected")
+compare = picked.set_index("run_id")[["model", "quant", "kv_cache", "sparsity", "n_new_tokens", "ttft_ms", "tpot_ms",
+                                       "tokens_per_s", "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms"]]
+st.dataframe(compare.T, width="stretch")
+st.page_link("pages/distances.py", label="Open the selected runs on Distances",
+             query_params={"run": [str(i) for i in ids]})
+
+c = st.columns(3)
+c[0].download_button("Export CSV", picked[columns].to_csv(index=False), file_name="tokenpath-runs.csv",
+                     mime="text/csv")
+parquet = io.BytesIO()
+picked[columns].to_parquet(parquet, index=False)
+c[1].download_button("Export Parquet", parquet.getvalue(), file_name="tokenpath-runs.parquet",
+                     mime="application/octet-stream")
+with c[2].popover("Delete selected runs"):
+    st.write(f"Delete runs {', '.join(f'#{i}' for i in ids)} with all their steps, tokens and telemetry? "
+             "This cannot be undone.")
+    if st.button("Yes, delete them", type="primary"):
+        deleted = store.delete_runs(ids)
+        st.session_state.pop("runs_table", None)
+        st.success(f"Deleted {deleted} run(s).")
+        st.rerun()

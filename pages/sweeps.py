@@ -1,0 +1,92 @@
+"""Sweeps: a grid of settings on one workload, run in order, compared, and read by the advisor."""
+import itertools
+import time
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine import sparsity
+from engine.advisor import advise
+from engine.generate import Generation, GenConfig, GenerationError
+from engine.models import workloads
+from engine.quant import available_levels
+from engine.sparsity import SparsityError
+from engine.store import BUCKETS
+from ui import BUCKET_COLOURS, default_model_id, generation_queue, get_model, open_store, page_setup
+
+page_setup("Sweeps")
+st.title("Sweeps")
+st.markdown("Run every combination of the chosen settings on one workload, one after another, then compare. "
+            "The first setting of each list is the baseline the others are measured against.")
+shipped = workloads()
+device = "auto"
+with st.form("sweep"):
+    workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
+    c = st.columns(4)
+    levels = c[0].multiselect("Weights", ["fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo"],
+                              default=["fp32", "int8-dyn", "int4-wo"])
+    kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
+    sparsities = c[2].multiselect("Sparsity (fp32 only)", ["dense", "mask 50%", "skip 50%"], default=["dense"])
+    tokens = c[3].number_input("New tokens per run", 4, 512, 32)
+    go_button = st.form_submit_button("Run the sweep", type="primary")
+
+SPARSITY = {"dense": (0.0, "mask"), "mask 50%": (0.5, "mask"), "skip 50%": (0.5, "skip")}
+store = open_store()
+
+
+def label(level, kv_on, sparse):
+    return f"{level}, KV {kv_on}" + ("" if sparse == "dense" else f", {sparse}")
+
+
+if go_button and store is not None:
+    grid = [(lv, k, sp) for lv, k, sp in itertools.product(levels, kv, sparsities)
+            if sp == "dense" or lv == "fp32"]
+    if not grid:
+        st.error("Choose at least one value in every list.")
+        st.stop()
+    base_lm = get_model(default_model_id(), device)
+    if base_lm is None:
+        st.stop()
+    bar = st.progress(0.0, text="Starting...")
+    results, started = [], time.monotonic()
+    with generation_queue().turn(lambda pos: bar.progress(0.0, text=f"Waiting: {pos} generation(s) ahead.")):
+        for i, (lv, k, sp) in enumerate(grid):
+            name = label(lv, k, sp)
+            try:
+                lm = get_model(default_model_id(), device, lv)
+                if lm is None or lv not in available_levels(lm.device):
+                    continue
+                lm = sparsity.variant(lm, *SPARSITY[sp], store)
+                cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on",
+                                ignore_eos=True)
+                gen = Generation(lm, cfg, store=store)
+                result = gen.run()
+            except (GenerationError, SparsityError) as exc:
+                st.error(f"{name}: {exc}")
+                continue
+            results.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
+                            / result["n_new_tokens"] for b in BUCKETS},
+                            "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_ms": result["ttft_ms"],
+                            "tokens_per_s": result["tokens_per_s"]})
+            elapsed = time.monotonic() - started
+            left = elapsed / (i + 1) * (len(grid) - i - 1)
+            bar.progress((i + 1) / len(grid), text=f"{i + 1} of {len(grid)} done; about {left:.0f} s left")
+    st.session_state["sweep_results"] = results
+
+results = st.session_state.get("sweep_results")
+if results:
+    frame = pd.DataFrame(results)
+    st.subheader("Where each token's time went, per setting")
+    fig = go.Figure()
+    for b in BUCKETS:
+        fig.add_bar(y=frame["label"], x=frame[f"{b}_ms"], name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
+    fig.update_layout(barmode="stack", xaxis_title="ms per token (all steps, prefill included)",
+                      height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=10, b=40), legend_orientation="h")
+    st.plotly_chart(fig, width="stretch")
+    base_rate = frame["decode_tokens_per_s"].iloc[0]
+    frame["decode vs baseline"] = (frame["decode_tokens_per_s"] / base_rate).round(2)
+    st.dataframe(frame, hide_index=True, width="stretch")
+    st.subheader("Advisor")
+    for line in advise(results, results[0]):
+        st.markdown(f"- {line}")

@@ -1,0 +1,100 @@
+"""Every page through Streamlit's AppTest: renders, its widgets drive the engine, the elements appear."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine.store import Store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def db(tmp_path, monkeypatch):
+    path = tmp_path / "pages.duckdb"
+    monkeypatch.setenv("TOKENPATH_DB", str(path))
+    return path
+
+
+def open_page(page: str, timeout=180) -> AppTest:
+    at = AppTest.from_file("../app.py", default_timeout=timeout)
+    at.switch_page(page)
+    return at.run()
+
+
+def live_run(prompt="Name a colour.", tokens=5, **widgets) -> AppTest:
+    at = open_page("pages/live.py")
+    at.text_area[0].set_value(prompt)
+    at.number_input[0].set_value(tokens)
+    for label, value in widgets.items():
+        next(w for w in [*at.selectbox, *at.toggle, *at.slider, *at.checkbox] if w.label == label).set_value(value)
+    at.button[0].click().run()
+    return at
+
+
+def test_every_page_renders_on_an_empty_database(db):
+    for page in ["pages/live.py", "pages/distances.py", "pages/runs.py", "pages/sweeps.py", "pages/hardware.py",
+                 "pages/kv_calculator.py"]:
+        at = open_page(page)
+        assert not at.exception, page
+        assert at.title, page
+
+
+def test_live_generation_streams_and_records(db):
+    at = live_run()
+    assert not at.exception and not at.error
+    assert any(m.label == "TTFT" for m in at.metric)
+    runs = Store(db).runs()
+    assert list(runs["status"]) == ["ok"]
+    assert len(Store(db).tokens(int(runs["run_id"].iloc[0]))) == runs["n_new_tokens"].iloc[0]
+
+
+def test_live_switches_reach_the_engine_and_the_baseline_runs_too(db):
+    at = live_run(tokens=4, **{"Weights": "int4-wo", "KV cache": False,
+                               "Run the fp32 greedy baseline too, on the same prompt, and compare": True})
+    assert not at.exception and not at.error
+    runs = Store(db).runs().sort_values("run_id")
+    assert list(runs["quant"]) == ["int4-wo g32", "fp32"]
+    assert list(runs["kv_cache"]) == [False, True]
+    assert any("Speedup" in m.label for m in at.metric)
+
+
+def test_live_sparsity_switch(db):
+    at = live_run(tokens=4, **{"Activation sparsity": 0.5, "Sparsity mode": "skip"})
+    assert not at.exception and not at.error
+    run = Store(db).runs().iloc[0]
+    assert run["sparsity"] == 0.5 and run["sparsity_mode"] == "skip"
+
+
+def test_live_bad_input_is_one_sentence(db):
+    at = live_run(prompt="  ")
+    assert not at.exception
+    assert "empty" in at.error[0].value
+    at = live_run(**{"Weights": "int8-wo", "Activation sparsity": 0.5})
+    assert "float weights" in at.error[0].value
+    assert Store(db).runs().empty
+
+
+def test_distances_and_runs_show_a_recorded_run(db):
+    live_run()
+    at = open_page("pages/distances.py")
+    assert not at.exception
+    assert len(at.get("plotly_chart")) >= 3
+    at = open_page("pages/runs.py")
+    assert not at.exception
+    assert len(at.dataframe[0].value) == 1
+
+
+def test_sweep_runs_the_grid_and_advises(db):
+    at = open_page("pages/sweeps.py", timeout=300)
+    at.multiselect[0].set_value(["fp32", "int4-wo"])
+    at.number_input[0].set_value(4)
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    assert len(Store(db).runs()) == 2
+    assert any("bound by" in m.value for m in at.markdown)
+
+
+def test_hardware_page_shows_calibration_after_the_button(db):
+    at = open_page("pages/hardware.py")
+    at.button[0].click().run()
+    assert not at.exception
+    assert any("GB/s" in str(df.value) for df in at.dataframe)
