@@ -151,5 +151,5 @@ def bucket_chart(token_rows: list[dict], title: str = "Where each token's time w
     for b in BUCKETS:
         fig.add_bar(x=xs, y=[row[f"{b}_ms"] for row in token_rows], name=b, marker_color=BUCKET_COLOURS[b])
     fig.update_layout(barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
-                      height=340, margin=dict(l=40, r=10, t=50, b=40), legend_orientation="h")
+                      height=340, margin=dict(l=40, r=10, t=80, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     return fig

@@ -33,7 +33,7 @@ for b in BUCKETS:
     values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
     fig.add_bar(y=[labels[i] for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
 fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
-                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=10, b=40), legend_orientation="h")
+                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 st.plotly_chart(fig, width="stretch")
 
 for run_id in chosen:
@@ -46,8 +46,8 @@ for run_id in chosen:
     roof.add_scatter(x=steps["step"], y=steps["forward_ms"], name="forward, measured", mode="lines+markers")
     roof.add_scatter(x=steps["step"], y=steps["roofline_ms"], name="roofline estimate: max(bytes/bandwidth, FLOPs/peak)",
                      mode="lines", line_dash="dash")
-    roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=30, b=40),
-                       legend_orientation="h", yaxis_type="log")
+    roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=40, b=40),
+                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), yaxis_type="log")
     decode = steps[steps["kind"] == "decode"]
     ratio = (decode["roofline_ms"].sum() / decode["forward_ms"].sum()) if not decode.empty else None
     st.plotly_chart(roof, width="stretch")
@@ -69,7 +69,7 @@ for run_id in chosen:
         tel.add_scatter(x=tokens["t_ms"], y=[100] * len(tokens), mode="markers", name="a token is ready",
                         marker=dict(symbol="line-ns-open", size=10))
         tel.update_layout(xaxis_title="ms since the request started", yaxis_title="%", yaxis_range=[0, 105], height=260,
-                          margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
+                          margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
         st.plotly_chart(tel, width="stretch")
         st.caption(f"Telemetry sampled every 100 ms; resident memory peaked at "
                    f"{telemetry['rss_bytes'].max() / 2**30:.2f} GiB.")

@@ -78,7 +78,7 @@ def live_telemetry():
                     mode="lines", yaxis="y2")
     fig.update_layout(xaxis_title="seconds", yaxis=dict(title="%", range=[0, 105]),
                       yaxis2=dict(title="GiB", overlaying="y", side="right", rangemode="tozero"),
-                      height=260, margin=dict(l=40, r=40, t=20, b=40), legend_orientation="h")
+                      height=260, margin=dict(l=40, r=40, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
 
 

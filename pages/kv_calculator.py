@@ -104,7 +104,7 @@ fig.add_bar(x=gpus["short"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker
 fig.add_scatter(x=gpus["short"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
                 marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
 fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
-                  margin=dict(l=40, r=10, t=30, b=40), legend_orientation="h")
+                  margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")

@@ -82,7 +82,7 @@ if results:
     for b in BUCKETS:
         fig.add_bar(y=frame["label"], x=frame[f"{b}_ms"], name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
     fig.update_layout(barmode="stack", xaxis_title="ms per token (all steps, prefill included)",
-                      height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=10, b=40), legend_orientation="h")
+                      height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
     base_rate = frame["decode_tokens_per_s"].iloc[0]
     frame["decode vs baseline"] = (frame["decode_tokens_per_s"] / base_rate).round(2)
