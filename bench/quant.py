@@ -12,20 +12,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import hardware, quality  # noqa: E402
 from engine.accounting import model_shape  # noqa: E402
-from engine.generate import Generation, GenConfig  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.quant import available_levels, level_info, quantize  # noqa: E402
-
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+from common import decode_run  # noqa: E402
 
 
 def decode_rate(lm, calibration, n):
-    """Decode tokens/s from the median decode step (robust to the spikes of a shared machine) and the
-    mean memory bucket per token."""
-    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration)
-    gen.run()
-    decode = [s for s in gen.steps if s["kind"] == "decode"]
-    return 1e3 / statistics.median(s["wall_ms"] for s in decode), statistics.mean(s["memory_ms"] for s in decode)
+    """Decode tokens/s and the mean memory bucket per token."""
+    rate, steps = decode_run(lm, calibration, n)
+    return rate, statistics.mean(s["memory_ms"] for s in steps)
 
 
 def main():

@@ -12,17 +12,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import hardware, quality, sparsity  # noqa: E402
-from engine.generate import Generation, GenConfig  # noqa: E402
 from engine.models import load_model  # noqa: E402
-
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+from common import decode_run  # noqa: E402
 
 
 def decode(lm, calibration, n):
-    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration)
-    gen.run()
-    steps = [s for s in gen.steps if s["kind"] == "decode"]
-    return 1e3 / statistics.median(s["wall_ms"] for s in steps), statistics.mean(s["weight_bytes"] for s in steps)
+    """Decode tokens/s and the weight bytes actually read per token."""
+    rate, steps = decode_run(lm, calibration, n)
+    return rate, statistics.mean(s["weight_bytes"] for s in steps)
 
 
 def main():

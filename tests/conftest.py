@@ -24,3 +24,11 @@ def default_lm():
 @pytest.fixture
 def store(tmp_path):
     return Store(tmp_path / "runs.duckdb")
+
+
+@pytest.fixture
+def page_db(tmp_path, monkeypatch):
+    """A fresh database the pages under test write to (through TOKENPATH_DB)."""
+    path = tmp_path / "pages.duckdb"
+    monkeypatch.setenv("TOKENPATH_DB", str(path))
+    return path

@@ -8,14 +8,7 @@ from engine.store import Store
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def app_db(tmp_path, monkeypatch):
-    db = tmp_path / "app.duckdb"
-    monkeypatch.setenv("TOKENPATH_DB", str(db))
-    return db
-
-
-def test_home_renders_without_running_anything(app_db):
+def test_home_renders_without_running_anything(page_db):
     at = AppTest.from_file("../app.py", default_timeout=60).run()
     assert not at.exception
     assert at.title[0].value == "Tokenpath"
@@ -23,8 +16,8 @@ def test_home_renders_without_running_anything(app_db):
     assert "memory" in at.expander[0].markdown[1].value + " ".join(m.value for m in at.expander[0].markdown)
 
 
-def test_home_lists_the_latest_runs(app_db, tiny_lm, calibration):
-    Generation(tiny_lm, GenConfig("Hello", raw=True, max_new_tokens=3), store=Store(app_db), calibration=calibration).run()
+def test_home_lists_the_latest_runs(page_db, tiny_lm, calibration):
+    Generation(tiny_lm, GenConfig("Hello", raw=True, max_new_tokens=3), store=Store(page_db), calibration=calibration).run()
     at = AppTest.from_file("../app.py", default_timeout=60).run()
     assert not at.exception
     table = at.dataframe[-1].value

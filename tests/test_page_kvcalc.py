@@ -10,9 +10,7 @@ def open_page(timeout=60) -> AppTest:
     return at.run()
 
 
-@pytest.fixture(autouse=True)
-def app_db(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENPATH_DB", str(tmp_path / "kv.duckdb"))
+pytestmark = pytest.mark.usefixtures("page_db")
 
 
 def test_preset_renders_with_formula_and_charts():

@@ -7,13 +7,6 @@ from engine.store import Store
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def db(tmp_path, monkeypatch):
-    path = tmp_path / "pages.duckdb"
-    monkeypatch.setenv("TOKENPATH_DB", str(path))
-    return path
-
-
 def open_page(page: str, timeout=180) -> AppTest:
     at = AppTest.from_file("../app.py", default_timeout=timeout)
     at.switch_page(page)
@@ -30,7 +23,7 @@ def live_run(prompt="Name a colour.", tokens=5, **widgets) -> AppTest:
     return at
 
 
-def test_every_page_renders_on_an_empty_database(db):
+def test_every_page_renders_on_an_empty_database(page_db):
     for page in ["pages/live.py", "pages/distances.py", "pages/runs.py", "pages/sweeps.py", "pages/hardware.py",
                  "pages/kv_calculator.py"]:
         at = open_page(page)
@@ -38,42 +31,42 @@ def test_every_page_renders_on_an_empty_database(db):
         assert at.title, page
 
 
-def test_live_generation_streams_and_records(db):
+def test_live_generation_streams_and_records(page_db):
     at = live_run()
     assert not at.exception and not at.error
     assert any(m.label == "TTFT" for m in at.metric)
-    runs = Store(db).runs()
+    runs = Store(page_db).runs()
     assert list(runs["status"]) == ["ok"]
-    assert len(Store(db).tokens(int(runs["run_id"].iloc[0]))) == runs["n_new_tokens"].iloc[0]
+    assert len(Store(page_db).tokens(int(runs["run_id"].iloc[0]))) == runs["n_new_tokens"].iloc[0]
 
 
-def test_live_switches_reach_the_engine_and_the_baseline_runs_too(db):
+def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
     at = live_run(tokens=4, **{"Weights": "int4-wo", "KV cache": False,
                                "Run the fp32 greedy baseline too, on the same prompt, and compare": True})
     assert not at.exception and not at.error
-    runs = Store(db).runs().sort_values("run_id")
+    runs = Store(page_db).runs().sort_values("run_id")
     assert list(runs["quant"]) == ["int4-wo g32", "fp32"]
     assert list(runs["kv_cache"]) == [False, True]
     assert any("Speedup" in m.label for m in at.metric)
 
 
-def test_live_sparsity_switch(db):
+def test_live_sparsity_switch(page_db):
     at = live_run(tokens=4, **{"Activation sparsity": 0.5, "Sparsity mode": "skip"})
     assert not at.exception and not at.error
-    run = Store(db).runs().iloc[0]
+    run = Store(page_db).runs().iloc[0]
     assert run["sparsity"] == 0.5 and run["sparsity_mode"] == "skip"
 
 
-def test_live_bad_input_is_one_sentence(db):
+def test_live_bad_input_is_one_sentence(page_db):
     at = live_run(prompt="  ")
     assert not at.exception
     assert "empty" in at.error[0].value
     at = live_run(**{"Weights": "int8-wo", "Activation sparsity": 0.5})
     assert "float weights" in at.error[0].value
-    assert Store(db).runs().empty
+    assert Store(page_db).runs().empty
 
 
-def test_distances_and_runs_show_a_recorded_run(db):
+def test_distances_and_runs_show_a_recorded_run(page_db):
     live_run()
     at = open_page("pages/distances.py")
     assert not at.exception
@@ -83,17 +76,17 @@ def test_distances_and_runs_show_a_recorded_run(db):
     assert len(at.dataframe[0].value) == 1
 
 
-def test_sweep_runs_the_grid_and_advises(db):
+def test_sweep_runs_the_grid_and_advises(page_db):
     at = open_page("pages/sweeps.py", timeout=300)
     at.multiselect[0].set_value(["fp32", "int4-wo"])
     at.number_input[0].set_value(4)
     at.button[0].click().run()
     assert not at.exception and not at.error
-    assert len(Store(db).runs()) == 2
+    assert len(Store(page_db).runs()) == 2
     assert any("bound by" in m.value for m in at.markdown)
 
 
-def test_hardware_page_shows_calibration_after_the_button(db):
+def test_hardware_page_shows_calibration_after_the_button(page_db):
     at = open_page("pages/hardware.py")
     at.button[0].click().run()
     assert not at.exception
