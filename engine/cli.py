@@ -37,7 +37,8 @@ def cmd_generate(args) -> int:
 
     cfg = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                    raw=args.raw, stop=args.stop or [])
+                    raw=args.raw, stop=args.stop or [], spec=args.spec, spec_k=args.spec_k, adaptive=args.adaptive,
+                    draft_model=args.draft_model, max_ngram=args.max_ngram)
     cfg.check()
     store = Store(args.db)
     _, lm = load_variant(args, store)
@@ -64,6 +65,10 @@ def cmd_generate(args) -> int:
               f"TPOT {result['tpot_ms'] or 0:.1f} ms, {result['tokens_per_s']:.1f} tok/s end to end "
               f"(stopped by {result['stop_reason']})", file=sys.stderr)
         print("distances (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in d.items()), file=sys.stderr)
+        if "speculative" in result:
+            sp = result["speculative"]
+            print(f"speculative: {sp['accepted']} of {sp['drafted']} drafted tokens accepted, "
+                  f"{sp['tokens_per_target_forward']:.2f} tokens per target forward", file=sys.stderr)
     return 0
 
 
@@ -240,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
+    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft"],
+                   help="speculative decoding method (greedy only)")
+    g.add_argument("--spec-k", type=int, default=4, help="tokens drafted per step")
+    g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")
+    g.add_argument("--draft-model", help="for --spec draft: self-int8, self-exit:K, or a model id or folder")
+    g.add_argument("--max-ngram", type=int, default=3, help="for --spec prompt-lookup: longest n-gram matched")
     common(g)
     g.set_defaults(func=cmd_generate)
 

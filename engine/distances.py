@@ -4,7 +4,8 @@
     memory   = min(bytes moved / calibrated bandwidth, forward)
     compute  = min(max(FLOPs / calibrated peak - memory estimate, 0), forward - memory)
     time     = forward - memory - compute + draft + select + host   (serial waiting)
-    decision = waste x (memory + compute + forward part of time), taken from those three
+    decision = waste x (memory + compute + forward part of time), taken from those three,
+               plus the share of the draft phase spent on rejected guesses
 
 where waste is the fraction of the forward's roofline spent on work whose result is thrown away,
 1 - roofline(useful work) / roofline(work done), and roofline(w) = max(bytes/bandwidth,
@@ -43,8 +44,10 @@ def waste_fraction(roofline: Roofline, work: ForwardWork, useful: ForwardWork | 
     return min(max(1.0 - roofline.time_ms(useful) / done, 0.0), 1.0)
 
 
-def attribute(phases_ms: dict, work: ForwardWork, roofline: Roofline, waste: float = 0.0) -> dict:
-    """The five buckets of one step (ms) plus the estimates they came from."""
+def attribute(phases_ms: dict, work: ForwardWork, roofline: Roofline, waste: float = 0.0,
+              draft_waste: float = 0.0) -> dict:
+    """The five buckets of one step (ms) plus the estimates they came from. draft_waste is the share
+    of the draft phase spent on guesses the target rejected."""
     forward = phases_ms["forward"]
     memory_est = roofline.memory_ms(work)
     compute_est = roofline.compute_ms(work)
@@ -56,8 +59,9 @@ def attribute(phases_ms: dict, work: ForwardWork, roofline: Roofline, waste: flo
         "physical": phases_ms["upload"] + phases_ms["sync"],
         "memory": memory * keep,
         "compute": compute * keep,
-        "time": waiting_in_forward * keep + phases_ms["draft"] + phases_ms["select"] + phases_ms["host"],
-        "decision": forward * waste,
+        "time": waiting_in_forward * keep + phases_ms["draft"] * (1 - draft_waste) + phases_ms["select"]
+        + phases_ms["host"],
+        "decision": forward * waste + phases_ms["draft"] * draft_waste,
     }
     return {
         "buckets": buckets,

@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from . import hardware
+from . import hardware, speculative
 from .accounting import cache_nbytes, forward_work, model_shape, reduce_work
 from .distances import PHASES, Roofline, attribute, split_over_tokens, sum_buckets, waste_fraction
 from .metrics import run_metrics
-from .models import LoadedModel
+from .models import LoadedModel, load_model
+from .speculative import MAX_K, METHODS, SpeculativeError, greedy_accept, make_drafter, next_k
 from .sparsity import forward_savings, sparse_layers
 from .store import BUCKETS, Store
 
@@ -40,6 +41,11 @@ class GenConfig:
     raw: bool = False
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
+    spec: str = "none"  # speculative method (engine.speculative.METHODS)
+    spec_k: int = 4  # tokens drafted per step (the starting length when adaptive)
+    adaptive: bool = False
+    draft_model: str | None = None  # for spec="draft": self-int8, self-exit:K, or a model id or folder
+    max_ngram: int = 3  # for spec="prompt-lookup"
 
     def check(self) -> None:
         if not self.prompt or not self.prompt.strip():
@@ -52,6 +58,12 @@ class GenConfig:
             raise GenerationError(f"top_p must be in (0, 1], not {self.top_p}.")
         if self.top_k < 0:
             raise GenerationError(f"top_k must be 0 (off) or positive, not {self.top_k}.")
+        if self.spec not in METHODS:
+            raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
+        if self.spec != "none" and not 1 <= self.spec_k <= MAX_K:
+            raise GenerationError(f"The draft length K must be between 1 and {MAX_K}, not {self.spec_k}.")
+        if self.spec != "none" and self.temperature != 0:
+            raise GenerationError("Speculative decoding runs greedy here: set the temperature to 0.")
 
 
 @dataclass
@@ -145,6 +157,11 @@ class Generation:
         self.roofline = Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype))
         self.shape = model_shape(lm.model)
         self.sparse = bool(sparse_layers(lm.model))
+        try:
+            self.drafter = None if cfg.spec == "none" else make_drafter(
+                lm, cfg.spec, cfg.draft_model, cfg.max_ngram, load=lambda m: load_model(m, device=str(lm.device)))
+        except SpeculativeError as exc:
+            raise GenerationError(str(exc)) from None
         self.telemetry = telemetry
         self.eos = eos_ids(lm)
         self.run_id: int | None = None
@@ -202,46 +219,66 @@ class Generation:
         self.cache = DynamicCache(config=lm.config) if cfg.kv_cache else None
         step_start = t_request
         pending = ids  # tokens the next forward must take in
-        for step in range(cfg.max_new_tokens):
+        k = cfg.spec_k
+        step = 0
+        while True:
             past = len(ids) - len(pending)
-            t_draft = time.perf_counter_ns()  # no draft in plain decoding: the phase is empty
+            t_draft = time.perf_counter_ns()
+            room = cfg.max_new_tokens - len(self.token_ids) - 1  # drafts beyond the budget would be wasted
+            drafts = self.drafter.propose(ids, min(k, room)) if self.drafter and step > 0 and room > 0 else []
             t_upload = time.perf_counter_ns()
-            inputs = torch.tensor([pending], device=lm.device)
+            inputs = torch.tensor([pending + drafts], device=lm.device)
             t_forward = time.perf_counter_ns()
             if cfg.kv_cache:
-                out = lm.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1)
+                out = lm.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=len(drafts) + 1)
             else:
-                out = lm.model(input_ids=inputs, use_cache=False, logits_to_keep=1)
+                out = lm.model(input_ids=inputs, use_cache=False, logits_to_keep=len(drafts) + 1)
             _sync(lm.device)
             t_sync = time.perf_counter_ns()
-            logits = out.logits[0, -1].float().cpu()
+            logits = out.logits[0].float().cpu()
             t_select = time.perf_counter_ns()
-            token = select_token(logits, cfg, generator)
+            if drafts:
+                emitted = greedy_accept(logits, drafts)
+                if cfg.kv_cache:  # drop the cache entries of rejected drafts
+                    speculative.crop_cache(self.cache, past + len(pending) + len(emitted) - 1)
+            else:
+                emitted = [select_token(logits[-1], cfg, generator)]
             t_host = time.perf_counter_ns()
 
-            ids.append(token)
-            self.token_ids.append(token)
-            piece = stream.push(token)
-            self.text += piece
-            done = self._stop_check(token, piece)
-            if done == "stop_string":
-                cut = self._cut_at_stop()
-                piece = piece[: max(0, len(piece) - (len(self.text) - len(cut)))]
-                self.text = cut
-            pending = [token] if cfg.kv_cache else ids
+            events, done = [], None
+            for token in emitted[: cfg.max_new_tokens - len(self.token_ids)]:
+                ids.append(token)
+                self.token_ids.append(token)
+                piece = stream.push(token)
+                self.text += piece
+                done = self._stop_check(token, piece)
+                if done == "stop_string":
+                    cut = self._cut_at_stop()
+                    piece = piece[: max(0, len(piece) - (len(self.text) - len(cut)))]
+                    self.text = cut
+                events.append((token, piece))
+                if done:
+                    break
+            if not done and len(self.token_ids) >= cfg.max_new_tokens:
+                done = "max_new_tokens"
+            pending = [ids[-1]] if cfg.kv_cache else ids
+            accepted = len(emitted) - 1 if drafts else 0
             row = self._account(step, t_request, (step_start, t_draft, t_upload, t_forward, t_sync, t_select, t_host),
-                                n_input=len(inputs[0]), past=past, kv_cache=cfg.kv_cache)
-            event = TokenEvent(index=len(self.token_ids) - 1, token_id=token, piece=piece, step=step,
-                               t_ms=row["t_ms"], gap_ms=row["wall_ms"], buckets=row["token_buckets"])
+                                n_input=len(inputs[0]), past=past, kv_cache=cfg.kv_cache, drafted=len(drafts),
+                                accepted=accepted, n_emitted=len(events))
             if done:
                 self.stop_reason = done
-            yield event
-            step_start = row["t_end_ns"]  # the consumer's time with the token counts toward the next step
+            first = len(self.token_ids) - len(events)
+            for i, (token, piece) in enumerate(events):
+                yield TokenEvent(index=first + i, token_id=token, piece=piece, step=step, t_ms=row["t_ms"],
+                                 gap_ms=row["wall_ms"] if i == 0 else 0.0, buckets=row["token_buckets"])
+            step_start = row["t_end_ns"]  # the consumer's time with the tokens counts toward the next step
             if done:
                 return
+            k = next_k(k, len(drafts), accepted, cfg.adaptive, MAX_K)
+            step += 1
             if len(self.tokens) - self._flushed_tokens >= FLUSH_EVERY_TOKENS:
                 self._flush()
-        self.stop_reason = "max_new_tokens"
 
     def _stop_check(self, token: int, piece: str) -> str | None:
         if token in self.eos and not self.cfg.ignore_eos:
@@ -255,7 +292,7 @@ class Generation:
         cut = min(self.text.find(s) for s in self.cfg.stop if s and s in self.text)
         return self.text[:cut]
 
-    def _account(self, step, t_request, marks, n_input, past, kv_cache) -> dict:
+    def _account(self, step, t_request, marks, n_input, past, kv_cache, drafted, accepted, n_emitted) -> dict:
         """Close the step's timing (host phase ends now), attribute it, and keep its rows."""
         t_end = time.perf_counter_ns()
         start, t_draft, t_upload, t_forward, t_sync, t_select, t_host = marks
@@ -263,20 +300,28 @@ class Generation:
         phases = {
             "draft": ms(t_draft, t_upload), "upload": ms(t_upload, t_forward), "forward": ms(t_forward, t_sync),
             "sync": ms(t_sync, t_select), "select": ms(t_select, t_host),
-            # bookkeeping after the token, plus the time since the previous step handed over its token
+            # bookkeeping after the tokens, plus the time since the previous step handed over its tokens
             "host": ms(t_host, t_end) + ms(start, t_draft),
         }
-        work = forward_work(self.shape, n_input, past, kv_cache=kv_cache)
-        useful = forward_work(self.shape, 1, n_input - 1) if not kv_cache and step > 0 else None
+        work = forward_work(self.shape, n_input, past, kv_cache=kv_cache, logits_kept=drafted + 1)
+        kept = 1 + accepted  # positions whose results are used: the pending token and the accepted drafts
+        if not kv_cache and step > 0:  # a cached decoder would only have run the kept positions
+            useful = forward_work(self.shape, kept, n_input - drafted - 1, logits_kept=kept)
+        elif drafted:
+            useful = forward_work(self.shape, n_input - drafted + accepted, past, logits_kept=kept)
+        else:
+            useful = None
         if self.sparse:
             saved = forward_savings(self.lm.model)
             work = reduce_work(work, saved["skipped_bytes"], saved["skipped_flops"])
             if saved["zero_bytes"] or saved["zero_flops"]:  # masked: zeros multiplied for nothing
                 useful = reduce_work(useful or work, saved["zero_bytes"], saved["zero_flops"])
-        attributed = attribute(phases, work, self.roofline, waste_fraction(self.roofline, work, useful))
+        attributed = attribute(phases, work, self.roofline, waste_fraction(self.roofline, work, useful),
+                               draft_waste=(drafted - accepted) / drafted if drafted else 0.0)
         wall = (t_end - marks[0]) / 1e6
         row = {
-            "step": step, "kind": "prefill" if step == 0 else "decode", "n_input": n_input, "n_emitted": 1,
+            "step": step, "kind": "prefill" if step == 0 else "decode", "n_input": n_input, "n_emitted": n_emitted,
+            "drafted": drafted, "accepted": accepted,
             "context_len": past + n_input, **{f"{p}_ms": phases[p] for p in PHASES}, "wall_ms": wall,
             "weight_bytes": work.weight_bytes, "kv_read_bytes": work.kv_read_bytes,
             "kv_write_bytes": work.kv_write_bytes, "flops": work.flops,
@@ -285,12 +330,12 @@ class Generation:
             **{f"{b}_ms": v for b, v in attributed["buckets"].items()},
         }
         self.steps.append(row)
-        token_buckets = split_over_tokens(attributed["buckets"], 1)
+        token_buckets = split_over_tokens(attributed["buckets"], max(n_emitted, 1))
         t_ms = (t_end - t_request) / 1e6
-        token = self.token_ids[-1]
-        self.tokens.append({"idx": len(self.tokens), "step": step, "token_id": token,
-                            "piece": self.lm.tokenizer.decode([token]), "t_ms": t_ms, "gap_ms": wall,
-                            **{f"{b}_ms": token_buckets[b] for b in BUCKETS}})
+        for i, token in enumerate(self.token_ids[len(self.token_ids) - n_emitted:]):
+            self.tokens.append({"idx": len(self.tokens), "step": step, "token_id": token,
+                                "piece": self.lm.tokenizer.decode([token]), "t_ms": t_ms,
+                                "gap_ms": wall if i == 0 else 0.0, **{f"{b}_ms": token_buckets[b] for b in BUCKETS}})
         return {**row, "t_ms": t_ms, "t_end_ns": t_end, "token_buckets": token_buckets}
 
     def _unflushed(self) -> dict[str, list[dict]]:
@@ -326,6 +371,8 @@ class Generation:
                                       / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,
             "calibration": {k: self.calibration[k] for k in ("device_key", "memory_gbps", "matmul_gflops", "dispatch_us")},
         })
+        if self.drafter is not None:
+            metrics["speculative"] = speculative.summary(self.steps, len(self.token_ids))
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": list(self.token_ids), **metrics}
         if self.store is not None and self.run_id is not None:

@@ -18,7 +18,7 @@ import psutil
 
 from .models import REPO_ROOT
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 LOCK_WAIT_S = 60.0
 BUCKETS = ("physical", "memory", "compute", "time", "decision")
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
@@ -63,6 +63,11 @@ MIGRATIONS = {
         "ALTER TABLE runs ADD COLUMN sparsity_mode VARCHAR",
         """CREATE TABLE sparsity_thresholds (model VARCHAR, sparsity DOUBLE, text_sha VARCHAR,
             created_at TIMESTAMP, thresholds VARCHAR)""",
+    ],
+    4: [
+        "ALTER TABLE steps ADD COLUMN drafted INTEGER DEFAULT 0",
+        "ALTER TABLE steps ADD COLUMN accepted INTEGER DEFAULT 0",
+        "ALTER TABLE runs ADD COLUMN spec VARCHAR DEFAULT 'none'",
     ],
 }
 
@@ -155,11 +160,11 @@ class Store:
         with self.connect() as con:
             return con.execute(
                 """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, sparsity,
-                   sparsity_mode, config, hardware, prompt, host, pid, pid_started)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                   sparsity_mode, spec, config, hardware, prompt, host, pid, pid_started)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
                 [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
                  float(config.get("temperature", 0.0)), config.get("quant", "fp32"), float(config.get("sparsity", 0.0)),
-                 config.get("sparsity_mode"), json.dumps(config),
+                 config.get("sparsity_mode"), config.get("spec", "none"), json.dumps(config),
                  json.dumps(hardware), prompt,
                  socket.gethostname(), me.pid, me.create_time()],
             ).fetchone()[0]

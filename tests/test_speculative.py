@@ -1,0 +1,106 @@
+"""Speculative decoding: drafts verified in one forward, output identical to plain greedy."""
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerFast
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from engine.generate import Generation, GenConfig, GenerationError
+from engine.models import LoadedModel, workloads
+from engine.speculative import (PromptLookup, SpeculativeError, crop_cache, early_exit, expected_speedup,
+                                greedy_accept, make_drafter, next_k)
+
+
+def test_prompt_lookup_continues_the_latest_match():
+    lookup = PromptLookup(max_ngram=2)
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2], 2) == [3, 4]
+    assert lookup.propose([5, 6, 7, 5, 6, 8, 5, 6], 3) == [8, 5, 6]  # the latest match wins
+    assert lookup.propose([1, 2, 3], 4) == []
+
+
+def test_greedy_accept_keeps_the_agreeing_prefix_and_adds_the_targets_token():
+    logits = torch.full((4, 10), -1.0)
+    for position, token in enumerate([7, 8, 2, 5]):
+        logits[position, token] = 1.0
+    assert greedy_accept(logits, [7, 8, 9]) == [7, 8, 2]
+    assert greedy_accept(logits, [1, 8, 2]) == [7]
+    assert greedy_accept(logits, [7, 8, 2]) == [7, 8, 2, 5]
+
+
+def test_adaptive_k_and_the_expected_speedup_formula():
+    assert next_k(4, 4, 4, True, 16) == 5 and next_k(4, 4, 1, True, 16) == 3 and next_k(1, 1, 0, True, 16) == 1
+    assert next_k(4, 4, 1, False, 16) == 4
+    assert expected_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert expected_speedup(0.5, 2, 0.0) == pytest.approx((1 - 0.125) / 0.5)
+    assert expected_speedup(0.8, 4, 0.25) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2))
+
+
+def test_crop_cache_keeps_the_first_positions(tiny_lm):
+    cache = DynamicCache(config=tiny_lm.config)
+    with torch.inference_mode():
+        tiny_lm.model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), cache=cache, use_cache=True)
+    crop_cache(cache, 3)
+    assert cache.get_seq_length() == 3
+
+
+def test_early_exit_shares_weights_and_leaves_the_target_whole(tiny_lm):
+    draft = early_exit(tiny_lm, 1)
+    assert len(draft.model.model.layers) == 1 and len(tiny_lm.model.model.layers) == 2
+    assert tiny_lm.config.num_hidden_layers == 2
+    assert draft.model.model.layers[0].mlp.up_proj.weight is tiny_lm.model.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(SpeculativeError, match="between 1 and 1"):
+        early_exit(tiny_lm, 2)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_lm):
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")))
+    stranger = LoadedModel(name="stranger", model=tiny_lm.model, tokenizer=other, device=tiny_lm.device)
+    with pytest.raises(SpeculativeError, match="tokenizer"):
+        make_drafter(tiny_lm, "draft", "some/model", load=lambda _: stranger)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(spec="medusa"), "Unknown speculative method"),
+    (dict(spec="prompt-lookup", temperature=0.7), "greedy"),
+    (dict(spec="prompt-lookup", spec_k=0), "between 1 and"),
+    (dict(spec="draft"), "draft-model"),
+])
+def test_bad_speculative_settings_get_one_sentence(tiny_lm, calibration, kwargs, words):
+    with pytest.raises(GenerationError, match=words):
+        Generation(tiny_lm, GenConfig("hello", raw=True, **kwargs), calibration=calibration)
+
+
+def greedy(lm, calibration, prompt, **kw):
+    gen = Generation(lm, GenConfig(prompt, max_new_tokens=24, **kw), calibration=calibration, telemetry=False)
+    gen.run()
+    return gen
+
+
+SETTINGS = [
+    dict(spec="prompt-lookup", spec_k=4),
+    dict(spec="prompt-lookup", spec_k=8, adaptive=True),
+    dict(spec="draft", draft_model="self-int8", spec_k=3),
+    dict(spec="draft", draft_model="self-exit:24", spec_k=2, adaptive=True),
+    dict(spec="prompt-lookup", spec_k=4, kv_cache=False),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("workload", list(workloads()))
+def test_every_method_gives_plain_greedys_tokens(default_lm, calibration, workload):
+    prompt = workloads()[workload]["prompt"]
+    plain = greedy(default_lm, calibration, prompt).token_ids
+    for setting in SETTINGS:
+        gen = greedy(default_lm, calibration, prompt, **setting)
+        assert gen.token_ids == plain, setting
+        steps = gen.steps
+        assert sum(s["n_emitted"] for s in steps) == len(plain)
+        for s in steps:
+            total = sum(s[f"{b}_ms"] for b in ("physical", "memory", "compute", "time", "decision"))
+            assert total == pytest.approx(s["wall_ms"], rel=1e-6)
+        rejected = [s for s in steps if s["drafted"] > s["accepted"]]
+        assert all(s["decision_ms"] > 0 for s in rejected)
+        summary = gen.result["speculative"]
+        assert summary["drafted"] == sum(s["drafted"] for s in steps)
+        assert summary["tokens_per_target_forward"] == pytest.approx(len(plain) / len(steps))
