@@ -123,6 +123,8 @@ def run_label(row) -> str:
     switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
     if row.sparsity:
         switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
+    if getattr(row, "spec", "none") not in (None, "none"):
+        switches.append(row.spec)
     if row.temperature:
         switches.append(f"T={row.temperature:g}")
     return f"#{row.run_id} {row.model} · {' · '.join(switches)} · {row.n_new_tokens or 0} tokens · {row.status}"

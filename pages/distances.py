@@ -56,9 +56,17 @@ for run_id in chosen:
                f"(the time bucket). Decode steps: the estimate is {ratio:.0%} of the measured forward time."
                if ratio else "Only a prefill step in this run.")
 
-    if steps["n_emitted"].max() > 1:
-        st.markdown("Tokens emitted per step")
-        st.bar_chart(steps.set_index("step")["n_emitted"])
+    if steps["drafted"].sum() > 0:
+        spec = go.Figure()
+        spec.add_bar(x=steps["step"], y=steps["accepted"], name="drafts accepted", marker_color="#2ca02c")
+        spec.add_bar(x=steps["step"], y=steps["drafted"] - steps["accepted"], name="drafts rejected",
+                     marker_color="#d62728")
+        spec.update_layout(barmode="stack", xaxis_title="step", yaxis_title="draft tokens", height=260,
+                           margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+        st.plotly_chart(spec, width="stretch")
+        st.caption(f"Speculative decoding: {int(steps['accepted'].sum())} of {int(steps['drafted'].sum())} drafted "
+                   f"tokens accepted; {steps['n_emitted'].sum() / len(steps):.2f} tokens per target forward. Rejected "
+                   "drafts and their share of the verification are in the decision bucket.")
 
     telemetry = store.telemetry(run_id)
     if not telemetry.empty:

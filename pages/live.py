@@ -9,6 +9,7 @@ from engine.generate import MAX_NEW_TOKENS_CAP, Generation, GenConfig, Generatio
 from engine.models import workloads
 from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES, SparsityError
+from engine.speculative import MAX_K, METHODS
 from engine import sparsity
 from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, open_store, page_setup,
                 throttled)
@@ -38,6 +39,13 @@ with st.form("live"):
     top_p = c[1].number_input("Top-p", 0.01, 1.0, 1.0, 0.05)
     top_k = c[2].number_input("Top-k (0 = off)", 0, 1000, 0)
     seed = c[3].number_input("Seed", 0, 2**31 - 1, 0)
+    c = st.columns(4)
+    spec = c[0].selectbox("Speculative decoding", METHODS, help="Greedy only: drafts are checked by one target "
+                          "forward, so the output equals plain greedy's.")
+    draft_model = c[1].text_input("Draft model (for draft)", "self-int8",
+                                  help="self-int8, self-exit:K (the first K layers), or a model id or folder")
+    spec_k = c[2].number_input("Draft length K", 1, MAX_K, 4)
+    adaptive = c[3].toggle("Adaptive K", False, help="Grow K after full acceptance, shrink it after a rejection.")
     baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
@@ -70,11 +78,16 @@ def summary(result: dict, gen: Generation) -> dict:
     decode = [s for s in gen.steps if s["kind"] == "decode"]
     per_token_bytes = statistics.mean(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"]
                                       for s in decode) if decode else None
-    return {"TTFT": f"{result['ttft_ms']:.0f} ms", "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
+    figures = {"TTFT": f"{result['ttft_ms']:.0f} ms", "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
             "Tokens/s": f"{result['tokens_per_s']:.1f}",
             "KV cache": f"{result['kv_cache_bytes'] / 2**20:.2f} MiB",
             "Bytes per token": f"{per_token_bytes / 1e6:.0f} MB" if per_token_bytes else "n/a",
             "Roofline / measured": f"{result['roofline_ratio_decode']:.0%}" if result["roofline_ratio_decode"] else "n/a"}
+    spec = result.get("speculative")
+    if spec:
+        figures["Acceptance"] = f"{spec['acceptance_rate']:.0%}" if spec["acceptance_rate"] is not None else "n/a"
+        figures["Tokens per target forward"] = f"{spec['tokens_per_target_forward']:.2f}"
+    return figures
 
 
 def stream(lm, cfg, store, label: str):
@@ -99,8 +112,9 @@ def stream(lm, cfg, store, label: str):
         events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
     text_box.markdown(coloured_tokens(gen.tokens, special), unsafe_allow_html=True)
     chart_box.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-final")
-    cols = st.columns(6)
-    for col, (name, value) in zip(cols, summary(gen.result, gen).items()):
+    figures = summary(gen.result, gen)
+    cols = st.columns(len(figures))
+    for col, (name, value) in zip(cols, figures.items()):
         col.metric(name, value)
     st.caption(f"Run #{gen.run_id}, stopped by {gen.stop_reason}. Token shading: darker took longer than the "
                "median token (hover for milliseconds). Memory and compute are roofline estimates; the step times "
@@ -117,7 +131,8 @@ if "last_run" in st.session_state and not submitted and store is not None:
 
 if submitted and store is not None:
     cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
-                    top_p=float(top_p), top_k=int(top_k), seed=int(seed))
+                    top_p=float(top_p), top_k=int(top_k), seed=int(seed), spec=spec, spec_k=int(spec_k),
+                    adaptive=adaptive, draft_model=draft_model.strip() or None)
     try:
         cfg.check()
     except GenerationError as exc:

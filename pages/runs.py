@@ -15,11 +15,12 @@ if runs.empty:
     st.info("No runs recorded yet: start one on Live generation or with `python -m engine generate`.")
     st.stop()
 
-c = st.columns(4)
+c = st.columns(5)
 models = c[0].multiselect("Model", sorted(runs["model"].dropna().unique()))
 levels = c[1].multiselect("Weights", sorted(runs["quant"].dropna().unique()))
-statuses = c[2].multiselect("Status", sorted(runs["status"].dropna().unique()))
-kv = c[3].selectbox("KV cache", ["any", "on", "off"])
+specs = c[2].multiselect("Speculative", sorted(runs["spec"].dropna().unique()))
+statuses = c[3].multiselect("Status", sorted(runs["status"].dropna().unique()))
+kv = c[4].selectbox("KV cache", ["any", "on", "off"])
 first, last = runs["started_at"].min().date(), runs["started_at"].max().date()
 dates = st.date_input("Started between (UTC)", (first, last), min_value=first, max_value=last)
 view = runs
@@ -27,6 +28,8 @@ if models:
     view = view[view["model"].isin(models)]
 if levels:
     view = view[view["quant"].isin(levels)]
+if specs:
+    view = view[view["spec"].isin(specs)]
 if statuses:
     view = view[view["status"].isin(statuses)]
 if kv != "any":
@@ -36,7 +39,7 @@ if isinstance(dates, tuple) and len(dates) == 2:
     view = view[(day >= dates[0]) & (day <= dates[1])]
 
 columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity", "sparsity_mode",
-           "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
+           "spec", "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
            "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "prompt", "error"]
 st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Times in ms; "
            "tokens/s end to end; started_at in UTC.")
@@ -50,7 +53,7 @@ if picked.empty:
 
 ids = [int(i) for i in picked["run_id"]]
 st.subheader(f"{len(ids)} selected")
-compare = picked.set_index("run_id")[["model", "quant", "kv_cache", "sparsity", "n_new_tokens", "ttft_ms", "tpot_ms",
+compare = picked.set_index("run_id")[["model", "quant", "kv_cache", "sparsity", "spec", "n_new_tokens", "ttft_ms", "tpot_ms",
                                        "tokens_per_s", "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms"]]
 st.dataframe(compare.T, width="stretch")
 st.page_link("pages/distances.py", label="Open the selected runs on Distances",

@@ -21,26 +21,31 @@ st.markdown("Run every combination of the chosen settings on one workload, one a
             "The first setting of each list is the baseline the others are measured against.")
 shipped = workloads()
 device = "auto"
+SPARSITY = {"dense": (0.0, "mask"), "mask 50%": (0.5, "mask"), "skip 50%": (0.5, "skip")}
+SPEC = {"none": {}, "prompt lookup": dict(spec="prompt-lookup", spec_k=4, adaptive=True),
+        "draft self-int8": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True)}
+
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
-    c = st.columns(4)
+    c = st.columns(5)
     levels = c[0].multiselect("Weights", ["fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo"],
                               default=["fp32", "int8-dyn", "int4-wo"])
     kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
     sparsities = c[2].multiselect("Sparsity (fp32 only)", ["dense", "mask 50%", "skip 50%"], default=["dense"])
-    tokens = c[3].number_input("New tokens per run", 4, 512, 32)
+    specs = c[3].multiselect("Speculative", list(SPEC), default=["none"])
+    tokens = c[4].number_input("New tokens per run", 4, 512, 32)
     go_button = st.form_submit_button("Run the sweep", type="primary")
 
-SPARSITY = {"dense": (0.0, "mask"), "mask 50%": (0.5, "mask"), "skip 50%": (0.5, "skip")}
 store = open_store()
 
 
-def label(level, kv_on, sparse):
-    return f"{level}, KV {kv_on}" + ("" if sparse == "dense" else f", {sparse}")
+def label(level, kv_on, sparse, spec):
+    return (f"{level}, KV {kv_on}" + ("" if sparse == "dense" else f", {sparse}")
+            + ("" if spec == "none" else f", {spec}"))
 
 
 if go_button and store is not None:
-    grid = [(lv, k, sp) for lv, k, sp in itertools.product(levels, kv, sparsities)
+    grid = [(lv, k, sp, sd) for lv, k, sp, sd in itertools.product(levels, kv, sparsities, specs)
             if sp == "dense" or lv == "fp32"]
     if not grid:
         st.error("Choose at least one value in every list.")
@@ -51,15 +56,15 @@ if go_button and store is not None:
     bar = st.progress(0.0, text="Starting...")
     results, started = [], time.monotonic()
     with generation_queue().turn(lambda pos: bar.progress(0.0, text=f"Waiting: {pos} generation(s) ahead.")):
-        for i, (lv, k, sp) in enumerate(grid):
-            name = label(lv, k, sp)
+        for i, (lv, k, sp, sd) in enumerate(grid):
+            name = label(lv, k, sp, sd)
             try:
                 lm = get_model(default_model_id(), device, lv)
                 if lm is None or lv not in available_levels(lm.device):
                     continue
                 lm = sparsity.variant(lm, *SPARSITY[sp], store)
                 cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on",
-                                ignore_eos=True)
+                                ignore_eos=True, **SPEC[sd])
                 gen = Generation(lm, cfg, store=store)
                 result = gen.run()
             except (GenerationError, SparsityError) as exc:

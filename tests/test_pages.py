@@ -18,7 +18,8 @@ def live_run(prompt="Name a colour.", tokens=5, **widgets) -> AppTest:
     at.text_area[0].set_value(prompt)
     at.number_input[0].set_value(tokens)
     for label, value in widgets.items():
-        next(w for w in [*at.selectbox, *at.toggle, *at.slider, *at.checkbox] if w.label == label).set_value(value)
+        next(w for w in [*at.selectbox, *at.toggle, *at.slider, *at.checkbox, *at.text_input]
+             if w.label == label).set_value(value)
     at.button[0].click().run()
     return at
 
@@ -55,6 +56,16 @@ def test_live_sparsity_switch(page_db):
     assert not at.exception and not at.error
     run = Store(page_db).runs().iloc[0]
     assert run["sparsity"] == 0.5 and run["sparsity_mode"] == "skip"
+
+
+def test_live_speculative_switch_and_its_distances(page_db):
+    at = live_run(prompt="Repeat exactly: one two three four five six.", tokens=12,
+                  **{"Speculative decoding": "prompt-lookup"})
+    assert not at.exception and not at.error
+    assert any(m.label == "Tokens per target forward" for m in at.metric)
+    assert Store(page_db).runs()["spec"].iloc[0] == "prompt-lookup"
+    at = open_page("pages/distances.py")
+    assert not at.exception
 
 
 def test_live_bad_input_is_one_sentence(page_db):

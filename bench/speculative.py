@@ -1,0 +1,67 @@
+"""Every speculative method against plain greedy on each shipped workload, alternating in one run:
+speedup in end-to-end tokens/s, acceptance, tokens per target forward, and the speedup the formula
+expects from the measured acceptance and cost ratio.
+
+    .venv/bin/python bench/speculative.py [--tokens 64] [--rounds 2]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import hardware  # noqa: E402
+from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.models import load_model, workloads  # noqa: E402
+
+METHODS = {
+    "greedy": dict(),
+    "prompt-lookup K=4": dict(spec="prompt-lookup", spec_k=4),
+    "prompt-lookup K=8": dict(spec="prompt-lookup", spec_k=8),
+    "prompt-lookup adaptive": dict(spec="prompt-lookup", spec_k=4, adaptive=True),
+    "draft self-int8 K=3": dict(spec="draft", draft_model="self-int8", spec_k=3),
+    "draft self-int8 adaptive": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
+    "draft self-exit:20 adaptive": dict(spec="draft", draft_model="self-exit:20", spec_k=2, adaptive=True),
+}
+
+
+def run(lm, calibration, prompt, n, settings):
+    gen = Generation(lm, GenConfig(prompt, max_new_tokens=n, **settings), calibration=calibration, telemetry=False)
+    result = gen.run()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    lm = load_model()
+    calibration = hardware.calibrate(lm.device)
+    for name, settings in METHODS.items():
+        run(lm, calibration, "Hello", 4, settings)  # build drafters and warm up
+    print(f"{lm.name} on {lm.device}, fp32, up to {args.tokens} new tokens, {args.rounds} rounds alternating")
+    print(f"{'workload':<17} {'method':<28} {'tok/s':>6} {'speedup':>8} {'accept':>7} {'tok/fwd':>7} {'expected':>8}")
+    for workload, item in workloads().items():
+        rates = {name: [] for name in METHODS}
+        last = {}
+        names = list(METHODS)
+        for i in range(args.rounds):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                result = run(lm, calibration, item["prompt"], args.tokens, METHODS[name])
+                rates[name].append(result["tokens_per_s"])
+                last[name] = result
+        base = statistics.median(rates["greedy"])
+        best = max((n for n in METHODS if n != "greedy"), key=lambda n: statistics.median(rates[n]))
+        for name in METHODS:
+            rate = statistics.median(rates[name])
+            sp = last[name].get("speculative") or {}
+            fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+            mark = "  <- best" if name == best else ""
+            print(f"{workload:<17} {name:<28} {rate:>6.2f} {rate / base:>7.2f}x {fmt(sp.get('acceptance_rate'), '>7.0%')} "
+                  f"{fmt(sp.get('tokens_per_target_forward'), '>7.2f')} {fmt(sp.get('expected_speedup'), '>7.2f')}"
+                  f"{'x' if sp.get('expected_speedup') else ' '}{mark}")
+
+
+if __name__ == "__main__":
+    main()
