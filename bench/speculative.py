@@ -22,6 +22,7 @@ METHODS = {
     "draft self-int8 K=3": dict(spec="draft", draft_model="self-int8", spec_k=3),
     "draft self-int8 adaptive": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
     "draft self-exit:20 adaptive": dict(spec="draft", draft_model="self-exit:20", spec_k=2, adaptive=True),
+    "jacobi K=4": dict(spec="jacobi", spec_k=4),
 }
 
 

@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
-    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft"],
+    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft", "jacobi"],
                    help="speculative decoding method (greedy only)")
     g.add_argument("--spec-k", type=int, default=4, help="tokens drafted per step")
     g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")

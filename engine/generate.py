@@ -239,6 +239,8 @@ class Generation:
             t_select = time.perf_counter_ns()
             if drafts:
                 emitted = greedy_accept(logits, drafts)
+                if hasattr(self.drafter, "observe"):  # Jacobi keeps the target's other predictions
+                    self.drafter.observe(logits.argmax(dim=-1).tolist(), len(emitted) - 1)
                 if cfg.kv_cache:  # drop the cache entries of rejected drafts
                     speculative.crop_cache(self.cache, past + len(pending) + len(emitted) - 1)
             else:

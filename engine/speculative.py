@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from .models import LoadedModel
 
-METHODS = ("none", "prompt-lookup", "draft")
+METHODS = ("none", "prompt-lookup", "draft", "jacobi")
 MAX_K = 16
 
 
@@ -40,6 +40,26 @@ class PromptLookup:
                 if ids[start:start + n] == tail:
                     return ids[start + n:start + n + k]
         return []
+
+
+class Jacobi:
+    """Jacobi decoding: the target's own predictions for the positions after the accepted ones, from
+    the previous verification, are the next guesses (a fixed-point iteration with no second model);
+    positions never predicted yet are guessed as a repeat of the last token. At worst it is greedy
+    with one token per forward."""
+
+    name = "jacobi"
+
+    def __init__(self):
+        self.guesses: list[int] = []
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        guesses = self.guesses[:k]
+        return guesses + [ids[-1]] * (k - len(guesses))
+
+    def observe(self, predicted: list[int], accepted: int) -> None:
+        """predicted[i]: the target's token after the pending token and drafts[:i]."""
+        self.guesses = predicted[accepted + 1:]
 
 
 class DraftModel:
@@ -112,6 +132,8 @@ def make_drafter(target: LoadedModel, method: str, draft: str | None = None, max
     'self-exit:K', or a model id or folder (loaded with `load`)."""
     if method == "prompt-lookup":
         return PromptLookup(max_ngram)
+    if method == "jacobi":
+        return Jacobi()
     if method != "draft":
         raise SpeculativeError(f"Unknown speculative method '{method}': use one of {', '.join(METHODS)}.")
     if not draft:

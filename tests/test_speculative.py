@@ -18,6 +18,15 @@ def test_prompt_lookup_continues_the_latest_match():
     assert lookup.propose([1, 2, 3], 4) == []
 
 
+def test_jacobi_guesses_the_targets_leftover_predictions():
+    from engine.speculative import Jacobi
+
+    jacobi = Jacobi()
+    assert jacobi.propose([4, 9], 3) == [9, 9, 9]
+    jacobi.observe([9, 5, 6, 7], accepted=1)  # kept the first draft and the target's 5; 6 and 7 are left
+    assert jacobi.propose([4, 9, 9, 5], 3) == [6, 7, 5]
+
+
 def test_greedy_accept_keeps_the_agreeing_prefix_and_adds_the_targets_token():
     logits = torch.full((4, 10), -1.0)
     for position, token in enumerate([7, 8, 2, 5]):
@@ -83,6 +92,7 @@ SETTINGS = [
     dict(spec="draft", draft_model="self-int8", spec_k=3),
     dict(spec="draft", draft_model="self-exit:24", spec_k=2, adaptive=True),
     dict(spec="prompt-lookup", spec_k=4, kv_cache=False),
+    dict(spec="jacobi", spec_k=4),
 ]
 
 
