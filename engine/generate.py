@@ -62,8 +62,9 @@ class GenConfig:
             raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
         if self.spec != "none" and not 1 <= self.spec_k <= MAX_K:
             raise GenerationError(f"The draft length K must be between 1 and {MAX_K}, not {self.spec_k}.")
-        if self.spec != "none" and self.temperature != 0:
-            raise GenerationError("Speculative decoding runs greedy here: set the temperature to 0.")
+        if self.spec not in ("none", "draft") and self.temperature != 0:
+            raise GenerationError("Prompt lookup and Jacobi decoding run greedy here: set the temperature to 0, "
+                                  "or sample with a draft model.")
 
 
 @dataclass
@@ -95,10 +96,8 @@ def eos_ids(lm: LoadedModel) -> set[int]:
     return ids
 
 
-def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generator | None) -> int:
-    """Greedy argmax, or a sample after temperature, top-k and top-p filtering."""
-    if cfg.temperature == 0:
-        return int(torch.argmax(logits))
+def sampling_probs(logits: torch.Tensor, cfg: GenConfig) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k and top-p filtering."""
     logits = logits / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.numel())).values[-1]
@@ -108,8 +107,14 @@ def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generato
         probs = torch.softmax(sorted_logits, dim=-1)
         drop = probs.cumsum(-1) - probs >= cfg.top_p  # keep the token whose mass crosses p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)
+
+
+def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a sample after temperature, top-k and top-p filtering."""
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, cfg), 1, generator=generator))
 
 
 class TextStream:
@@ -225,7 +230,9 @@ class Generation:
             past = len(ids) - len(pending)
             t_draft = time.perf_counter_ns()
             room = cfg.max_new_tokens - len(self.token_ids) - 1  # drafts beyond the budget would be wasted
-            drafts = self.drafter.propose(ids, min(k, room)) if self.drafter and step > 0 and room > 0 else []
+            sample = (lambda lg: sampling_probs(lg, cfg)) if cfg.temperature > 0 else None
+            drafts = (self.drafter.propose(ids, min(k, room), sample, generator)
+                      if self.drafter and step > 0 and room > 0 else [])
             t_upload = time.perf_counter_ns()
             inputs = torch.tensor([pending + drafts], device=lm.device)
             t_forward = time.perf_counter_ns()
@@ -237,7 +244,12 @@ class Generation:
             t_sync = time.perf_counter_ns()
             logits = out.logits[0].float().cpu()
             t_select = time.perf_counter_ns()
-            if drafts:
+            if drafts and sample:  # speculative sampling keeps the target's distribution
+                target = torch.stack([sample(row) for row in logits])
+                emitted = speculative.sample_accept(target, self.drafter.draft_probs, drafts, generator)
+                if cfg.kv_cache:
+                    speculative.crop_cache(self.cache, past + len(pending) + len(emitted) - 1)
+            elif drafts:
                 emitted = greedy_accept(logits, drafts)
                 if hasattr(self.drafter, "observe"):  # Jacobi keeps the target's other predictions
                     self.drafter.observe(logits.argmax(dim=-1).tolist(), len(emitted) - 1)

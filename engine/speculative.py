@@ -3,6 +3,7 @@
 A drafter proposes up to K tokens after the current sequence; the target model scores the pending
 token plus all drafts in one forward; greedy verification keeps the longest prefix of drafts the
 target agrees with and adds the target's own next token, so the output is exactly plain greedy's.
+With sampling and a draft model, speculative sampling keeps the target's distribution instead.
 The KV cache is cropped back past the first rejected position."""
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class PromptLookup:
             raise SpeculativeError(f"The n-gram size must be at least 1, not {max_ngram}.")
         self.max_ngram = max_ngram
 
-    def propose(self, ids: list[int], k: int) -> list[int]:
+    def propose(self, ids: list[int], k: int, sample=None, generator=None) -> list[int]:
         for n in range(min(self.max_ngram, len(ids) - 1), 0, -1):
             tail = ids[-n:]
             for start in range(len(ids) - n - 1, -1, -1):
@@ -53,7 +54,7 @@ class Jacobi:
     def __init__(self):
         self.guesses: list[int] = []
 
-    def propose(self, ids: list[int], k: int) -> list[int]:
+    def propose(self, ids: list[int], k: int, sample=None, generator=None) -> list[int]:
         guesses = self.guesses[:k]
         return guesses + [ids[-1]] * (k - len(guesses))
 
@@ -74,7 +75,9 @@ class DraftModel:
         self.cached_ids: list[int] = []  # the tokens the draft cache holds entries for
 
     @torch.inference_mode()
-    def propose(self, ids: list[int], k: int) -> list[int]:
+    def propose(self, ids: list[int], k: int, sample=None, generator=None) -> list[int]:
+        """k greedy drafts, or k drafts sampled from sample(logits) (their distributions are kept in
+        draft_probs for speculative sampling)."""
         keep = 0
         for a, b in zip(self.cached_ids, ids):
             if a != b:
@@ -84,10 +87,17 @@ class DraftModel:
         crop_cache(self.cache, keep)
         feed = ids[keep:]
         drafts: list[int] = []
+        self.draft_probs = []
         for _ in range(k):
             out = self.lm.model(input_ids=torch.tensor([feed], device=self.lm.device), cache=self.cache,
                                 use_cache=True, logits_to_keep=1)
-            token = int(out.logits[0, -1].argmax())
+            logits = out.logits[0, -1].float().cpu()
+            if sample is None:
+                token = int(logits.argmax())
+            else:
+                probs = sample(logits)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+                self.draft_probs.append(probs)
             drafts.append(token)
             feed = [token]
         self.cached_ids = ids + drafts[:-1]
@@ -165,6 +175,25 @@ def greedy_accept(logits: torch.Tensor, drafts: list[int]) -> list[int]:
             break
         emitted.append(draft)
     emitted.append(predicted[len(emitted)])
+    return emitted
+
+
+def sample_accept(target: torch.Tensor, draft: list[torch.Tensor], drafts: list[int], generator=None) -> list[int]:
+    """Speculative sampling: keep draft i with probability min(1, p(x)/q(x)); at the first rejection
+    draw from the normalised residual max(0, p - q) and stop; if every draft is kept, draw one more
+    from the target. The tokens then follow the target's distribution exactly.
+    target[i] is the target's distribution after the pending token and drafts[:i]."""
+    emitted = []
+    for i, token in enumerate(drafts):
+        p, q = target[i, token], draft[i][token]
+        if torch.rand(1, generator=generator).item() * q <= p:
+            emitted.append(token)
+            continue
+        residual = (target[i] - draft[i]).clamp(min=0)
+        residual = residual if residual.sum() > 0 else target[i]
+        emitted.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return emitted
+    emitted.append(int(torch.multinomial(target[len(drafts)], 1, generator=generator)))
     return emitted
 
 
