@@ -31,16 +31,36 @@ class SparsityError(Exception):
     """A sparsity setting that cannot run; the message is one sentence for the user."""
 
 
+KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "sparse_gemv.cpp"
+STALE_BUILD_LOCK_S = 600  # a build takes under a minute; an older lock was left by a killed process
+
+
 def kernel():
-    """The compiled sparse GEMV extension (built once, about 30 s, then cached by PyTorch)."""
+    """The compiled sparse GEMV extension, built once per version of its source (about 35 s) into
+    ~/.cache/tokenpath/ and loaded from there afterwards."""
     global _kernel
     if _kernel is None:
+        import time
+
         from torch.utils.cpp_extension import load
 
-        source = Path(__file__).resolve().parent / "kernels" / "sparse_gemv.cpp"
-        _kernel = load(name="tokenpath_sparse_gemv", sources=[str(source)], extra_cflags=["-O3", "-march=native"],
-                       verbose=False)
+        build = build_directory()
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        # PyTorch waits forever on a lock whose builder died; one that old cannot be a live build
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+        _kernel = load(name=f"tokenpath_{build.name.replace('-', '_')}", sources=[str(KERNEL_SOURCE)],
+                       build_directory=str(build), extra_cflags=["-O3", "-march=native"], verbose=False)
     return _kernel
+
+
+def build_directory() -> Path:
+    """Where the extension is built: one folder per version of its source."""
+    import hashlib
+
+    digest = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
+    return Path.home() / ".cache" / "tokenpath" / f"sparse_gemv-{digest}"
 
 
 class SparseLinear(torch.nn.Module):

@@ -84,3 +84,17 @@ def test_skip_needs_fp32_weights(tiny_lm):
         sparsity.check(quantize(tiny_lm, "bf16"), 0.5, "skip")
     with pytest.raises(SparsityError, match="float weights"):
         sparsity.check(quantize(tiny_lm, "int8-wo"), 0.5, "mask")
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang(monkeypatch):
+    import os
+    import time
+
+    sparsity.kernel()  # built (or found) once
+    lock = sparsity.build_directory() / "lock"
+    lock.touch()
+    old = time.time() - 2 * sparsity.STALE_BUILD_LOCK_S
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(sparsity, "_kernel", None)
+    assert sparsity.kernel().sparse_gemv(torch.ones(2), torch.ones(2, 3), 0.5)[1] == 2
+    assert not lock.exists()
