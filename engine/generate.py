@@ -138,11 +138,6 @@ class TextStream:
         return ""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        hardware._sync(device)
-
-
 class Generation:
     """One run. Iterate it for TokenEvents; closing the iterator early cancels the run.
 
@@ -240,7 +235,7 @@ class Generation:
                 out = lm.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=len(drafts) + 1)
             else:
                 out = lm.model(input_ids=inputs, use_cache=False, logits_to_keep=len(drafts) + 1)
-            _sync(lm.device)
+            hardware.sync(lm.device)
             t_sync = time.perf_counter_ns()
             logits = out.logits[0].float().cpu()
             t_select = time.perf_counter_ns()

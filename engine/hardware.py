@@ -116,7 +116,8 @@ def device_key(device: torch.device) -> str:
 
 # --- calibration -----------------------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device to finish queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -125,12 +126,12 @@ def _sync(device: torch.device) -> None:
 
 def _best_seconds(fn, device: torch.device, repeats: int) -> float:
     fn()
-    _sync(device)
+    sync(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -81,8 +81,8 @@ def summary(result: dict, gen: Generation) -> dict:
     figures = {"TTFT": f"{result['ttft_ms']:.0f} ms", "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
             "Tokens/s": f"{result['tokens_per_s']:.1f}",
             "KV cache": f"{result['kv_cache_bytes'] / 2**20:.2f} MiB",
-            "Bytes per token": f"{per_token_bytes / 1e6:.0f} MB" if per_token_bytes else "n/a",
-            "Roofline / measured": f"{result['roofline_ratio_decode']:.0%}" if result["roofline_ratio_decode"] else "n/a"}
+            "Bytes per token (accounted)": f"{per_token_bytes / 1e6:.0f} MB" if per_token_bytes else "n/a",
+            "Roofline estimate / measured forward": f"{result['roofline_ratio_decode']:.0%}" if result["roofline_ratio_decode"] else "n/a"}
     spec = result.get("speculative")
     if spec:
         figures["Acceptance"] = f"{spec['acceptance_rate']:.0%}" if spec["acceptance_rate"] is not None else "n/a"
