@@ -1,7 +1,8 @@
 """Our instrumented loop against transformers' model.generate, greedy, same prompt and token count,
 alternating in one run. Our loop runs three ways per round: instrumented with the telemetry
 sampler off, instrumented (timing, attribution, telemetry), and instrumented plus recorded to
-DuckDB (a run row, every step and token). Prints
+DuckDB (a run row, every step and token); and once more on transformers' own forward instead of the
+lean one (engine/lean.py), to show what the lean forward saves. Prints
 tokens/s of each, the ratios, and the fraction of the memory roofline reached (weight bytes per
 token / calibrated read bandwidth).
 
@@ -50,20 +51,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     lm = load_model()
+    hf_lm = load_model(lean_forward=False)  # transformers' own forward, for generate and our loop on it
     calibration = hardware.calibrate(lm.device)
     store = Store(Path(tempfile.mkdtemp()) / "bench.duckdb")
-    time_ours(lm, store, calibration, 8), time_hf(lm, 8)  # warm up both paths
+    time_ours(lm, store, calibration, 8), time_hf(hf_lm, 8)  # warm up both paths
     runners = {
         "no-telemetry": lambda: time_ours(lm, None, calibration, args.tokens, telemetry=False),
         "ours": lambda: time_ours(lm, None, calibration, args.tokens),
         "recorded": lambda: time_ours(lm, store, calibration, args.tokens),
-        "hf": lambda: (time_hf(lm, args.tokens), None),
+        "hf": lambda: (time_hf(hf_lm, args.tokens), None),
+        "ours-hf-forward": lambda: time_ours(hf_lm, None, calibration, args.tokens),
     }
     rates = {name: [] for name in runners}
     decode = []
     order = list(runners)
     for i in range(args.rounds):
-        for name in order[i % 4:] + order[: i % 4]:  # rotate who goes first
+        for name in order[i % len(order):] + order[: i % len(order)]:  # rotate who goes first
             rate, result = runners[name]()
             rates[name].append(rate)
             if name == "ours":
@@ -75,7 +78,9 @@ def main():
     print(f"ours, instrumented, telemetry sampler off:       median {med['no-telemetry']:.2f} tok/s end to end")
     print(f"ours, instrumented (timing, buckets, telemetry): median {med['ours']:.2f} tok/s end to end")
     print(f"ours, instrumented and recorded to DuckDB:        median {med['recorded']:.2f} tok/s end to end")
+    print(f"ours, instrumented, on transformers' forward:     median {med['ours-hf-forward']:.2f} tok/s end to end")
     print(f"transformers model.generate:                      median {med['hf']:.2f} tok/s end to end")
+    print(f"lean forward / transformers' forward, both in our loop: {med['ours'] / med['ours-hf-forward']:.3f}")
     print(f"telemetry on / off: {med['ours'] / med['no-telemetry']:.3f}")
     for name in ("ours", "recorded"):
         per_round = ", ".join(f"{a / b:.3f}" for a, b in zip(rates[name], rates["hf"]))

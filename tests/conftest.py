@@ -21,6 +21,12 @@ def default_lm():
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def hf_lm():
+    """The default model on transformers' own forward, to check the lean forward against."""
+    return load_model(lean_forward=False)
+
+
 @pytest.fixture
 def store(tmp_path):
     return Store(tmp_path / "runs.duckdb")

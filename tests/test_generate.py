@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine.generate import Generation, GenConfig, GenerationError, TextStream, prompt_ids, select_token
+from engine.models import tiny_model
 
 PROMPTS = ["Hello there", "def add(a, b):", "The weather today is"]
 
@@ -13,11 +14,12 @@ def generate_ids(lm, prompt, calibration, **kw):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_kv_on_equals_kv_off_equals_hf_generate(tiny_lm, calibration, prompt):
+def test_greedy_kv_on_equals_kv_off_equals_transformers_generate(tiny_lm, calibration, prompt):
     on = generate_ids(tiny_lm, prompt, calibration, max_new_tokens=12)
     off = generate_ids(tiny_lm, prompt, calibration, max_new_tokens=12, kv_cache=False)
     ids = torch.tensor([prompt_ids(tiny_lm, prompt, raw=True)])
-    hf = tiny_lm.model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=0)[0, ids.shape[1]:]
+    hf = tiny_model(lean_forward=False).model.generate(ids, max_new_tokens=12, do_sample=False,
+                                                       min_new_tokens=0)[0, ids.shape[1]:]
     assert on == off
     assert on == hf.tolist()[: len(on)]
 

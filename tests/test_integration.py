@@ -28,12 +28,13 @@ def run(lm, calibration, prompt, store=None, **kw):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_is_identical_with_and_without_cache_and_to_hf_generate(default_lm, calibration, prompt):
+def test_greedy_is_identical_with_and_without_cache_and_to_transformers_generate(default_lm, hf_lm, calibration,
+                                                                                prompt):
     on = run(default_lm, calibration, prompt, max_new_tokens=24).token_ids
     off = run(default_lm, calibration, prompt, max_new_tokens=24, kv_cache=False).token_ids
     ids = torch.tensor([prompt_ids(default_lm, prompt, raw=False)])
-    hf = default_lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                   do_sample=False)[0, ids.shape[1]:].tolist()
+    hf = hf_lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
     assert on == off == hf
 
 

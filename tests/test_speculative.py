@@ -56,7 +56,7 @@ def test_early_exit_shares_weights_and_leaves_the_target_whole(tiny_lm):
     draft = early_exit(tiny_lm, 1)
     assert len(draft.model.model.layers) == 1 and len(tiny_lm.model.model.layers) == 2
     assert tiny_lm.config.num_hidden_layers == 2
-    assert draft.model.model.layers[0].mlp.up_proj.weight is tiny_lm.model.model.layers[0].mlp.up_proj.weight
+    assert draft.model.model.layers[0].mlp.gate_up_proj.weight is tiny_lm.model.model.layers[0].mlp.gate_up_proj.weight
     with pytest.raises(SpeculativeError, match="between 1 and 1"):
         early_exit(tiny_lm, 2)
 

@@ -1,0 +1,178 @@
+"""A lean forward pass for Llama-architecture models (the default SmolLM2 is one).
+
+transformers' eager forward spends about a third of a decode step on this 2-core CPU in small
+operations around the matrix products (separate q, k and v projections, gate and up, mask
+building, dispatch layers). This module runs the same arithmetic with fewer, larger operations:
+q, k and v come from one fused projection, gate and up from another, attention is one call to
+PyTorch's scaled_dot_product_attention. Everything else stays the model's own: its weights, its
+rotary embedding, and transformers' DynamicCache (so cache cropping and the KV accounting are the
+same). Quantized and sparse layers replace the fused nn.Linear modules exactly as they would
+replace transformers' ones.
+
+The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
+so code that walks it (early-exit drafts, calibration hooks) works on both."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor
+
+
+class LeanRMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def fused_linear(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the given layers' outputs side by side."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    return fused
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanAttention(nn.Module):
+    def __init__(self, hf_attention, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim ** -0.5
+        self.qkv_proj = fused_linear(hf_attention.q_proj, hf_attention.k_proj, hf_attention.v_proj)
+        self.o_proj = hf_attention.o_proj
+
+    def forward(self, x, cos, sin, cache, mask):
+        batch, length, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = _rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        causal = mask is None and length > 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class LeanMLP(nn.Module):
+    def __init__(self, hf_mlp):
+        super().__init__()
+        self.intermediate = hf_mlp.gate_proj.out_features
+        self.gate_up_proj = fused_linear(hf_mlp.gate_proj, hf_mlp.up_proj)
+        self.down_proj = hf_mlp.down_proj
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LeanLayer(nn.Module):
+    def __init__(self, hf_layer, config, layer_idx: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = LeanRMSNorm(hf_layer.input_layernorm.weight, eps)
+        self.self_attn = LeanAttention(hf_layer.self_attn, config, layer_idx)
+        self.post_attention_layernorm = LeanRMSNorm(hf_layer.post_attention_layernorm.weight, eps)
+        self.mlp = LeanMLP(hf_layer.mlp)
+
+    def forward(self, x, cos, sin, cache, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LeanBody(nn.Module):
+    def __init__(self, hf_body, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = hf_body.embed_tokens
+        self.rotary_emb = hf_body.rotary_emb
+        self.layers = nn.ModuleList(LeanLayer(layer, config, i) for i, layer in enumerate(hf_body.layers))
+        self.norm = LeanRMSNorm(hf_body.norm.weight, config.rms_norm_eps)
+
+
+class LeanLlama(nn.Module):
+    """Drop-in for LlamaForCausalLM in this engine: `model(input_ids=..., cache=..., use_cache=...,
+    logits_to_keep=...)` returns an object with `.logits`. `attention_mask`, when given, is a
+    boolean (new tokens x new tokens) matrix saying which new tokens see which (True = visible),
+    and `position_ids` their positions; the cached tokens are visible to all. Speculative
+    methods that verify a tree of guesses in one forward use these two."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.config = hf_model.config
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        self.model = LeanBody(hf_model.model, hf_model.config)
+        self.lm_head = hf_model.lm_head
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, position_ids=None,
+                attention_mask=None):
+        cache = cache if use_cache else None
+        past = cache.get_seq_length() if cache is not None else 0
+        length = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(x, position_ids)
+        cos, sin = cos[:, None], sin[:, None]
+        mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
+                                                                       (past and length > 1)) else None
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, mask)
+        x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return LeanOutput(logits=self.lm_head(x))
+
+
+def _visibility(new: torch.Tensor | None, past: int, length: int, device) -> torch.Tensor:
+    """Boolean (length x past + length) mask: every new token sees the cache, and among the new
+    tokens what `new` says (causal when not given)."""
+    if new is None:
+        new = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(length, past, dtype=torch.bool, device=device), new.to(device)], dim=1)
+
+
+def supports(hf_model) -> bool:
+    """Plain Llama decoders: the architecture this module reproduces exactly."""
+    config = hf_model.config
+    return (type(hf_model).__name__ == "LlamaForCausalLM" and getattr(config, "hidden_act", "silu") == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1 and not getattr(config, "mlp_bias", False))
+
+
+def lean(hf_model):
+    """The lean twin of a supported model (its tensors are reused or fused, the originals of
+    fused layers are left to be freed), or the model itself when it is not supported."""
+    if not supports(hf_model):
+        return hf_model
+    return LeanLlama(hf_model).eval()

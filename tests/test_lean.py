@@ -1,0 +1,57 @@
+"""The lean forward computes what transformers' Llama forward computes."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.lean import LeanLlama
+from engine.models import tiny_model
+
+IDS = torch.tensor([[1, 15, 27, 300, 4000, 22, 9, 512, 77, 1000]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(seed=3).model, tiny_model(seed=3, lean_forward=False).model
+
+
+def test_the_tiny_model_gets_the_lean_forward(pair):
+    assert isinstance(pair[0], LeanLlama) and not isinstance(pair[1], LeanLlama)
+
+
+@torch.inference_mode()
+def test_prefill_and_cached_steps_match_transformers(pair):
+    caches = [DynamicCache(config=m.config) for m in pair]
+    first = [m(input_ids=IDS[:, :6], cache=c, use_cache=True).logits for m, c in zip(pair, caches)]
+    torch.testing.assert_close(first[0], first[1], rtol=0, atol=1e-5)
+    for step in range(6, 10):
+        out = [m(input_ids=IDS[:, step:step + 1], cache=c, use_cache=True).logits for m, c in zip(pair, caches)]
+        torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-5)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 10
+    torch.testing.assert_close(caches[0].layers[1].keys, caches[1].layers[1].keys, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_several_new_tokens_after_a_cache_match_one_full_forward(pair):
+    lean = pair[0]
+    cache = DynamicCache(config=lean.config)
+    lean(input_ids=IDS[:, :4], cache=cache, use_cache=True)
+    chunk = lean(input_ids=IDS[:, 4:], cache=cache, use_cache=True).logits
+    full = lean(input_ids=IDS, use_cache=False).logits[:, 4:]
+    torch.testing.assert_close(chunk, full, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_visibility_mask_runs_two_branches_in_one_forward(pair):
+    """Two continuations of one prefix, side by side in one forward, each seeing only itself:
+    their logits equal those of running each continuation alone."""
+    lean = pair[0]
+    prefix, a, b = IDS[:, :5], IDS[:, 5:7], IDS[:, 7:9]
+    cache = DynamicCache(config=lean.config)
+    lean(input_ids=prefix, cache=cache, use_cache=True)
+    visible = torch.zeros(4, 4, dtype=torch.bool)
+    visible[:2, :2] = visible[2:, 2:] = torch.ones(2, 2, dtype=torch.bool).tril()
+    both = lean(input_ids=torch.cat([a, b], dim=1), cache=cache, use_cache=True,
+                position_ids=torch.tensor([[5, 6, 5, 6]]), attention_mask=visible).logits
+    for branch, logits in ((a, both[:, :2]), (b, both[:, 2:])):
+        alone = lean(input_ids=torch.cat([prefix, branch], dim=1), use_cache=False).logits[:, 5:]
+        torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
