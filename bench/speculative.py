@@ -1,6 +1,6 @@
 """Every speculative method against plain greedy on each shipped workload, alternating in one run:
 speedup in end-to-end tokens/s, acceptance, tokens per target forward, and the speedup the formula
-expects from the measured acceptance and cost ratio.
+expects from the measured acceptance and cost ratio; per workload, the slowest adaptive setting.
 
     .venv/bin/python bench/speculative.py [--tokens 64] [--rounds 2]
 """
@@ -22,7 +22,10 @@ METHODS = {
     "draft self-int8 K=3": dict(spec="draft", draft_model="self-int8", spec_k=3),
     "draft self-int8 adaptive": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
     "draft self-exit:20 adaptive": dict(spec="draft", draft_model="self-exit:20", spec_k=2, adaptive=True),
+    "lookahead W=4 N=3 G=4": dict(spec="lookahead", window=4, max_ngram=3, guesses=4),
+    "lookahead adaptive": dict(spec="lookahead", window=4, max_ngram=3, guesses=4, adaptive=True),
     "jacobi K=4": dict(spec="jacobi", spec_k=4),
+    "jacobi adaptive": dict(spec="jacobi", spec_k=4, adaptive=True),
 }
 
 
@@ -62,6 +65,9 @@ def main():
             print(f"{workload:<17} {name:<28} {rate:>6.2f} {rate / base:>7.2f}x {fmt(sp.get('acceptance_rate'), '>7.0%')} "
                   f"{fmt(sp.get('tokens_per_target_forward'), '>7.2f')} {fmt(sp.get('expected_speedup'), '>7.2f')}"
                   f"{'x' if sp.get('expected_speedup') else ' '}{mark}")
+        adaptive = [n for n in METHODS if METHODS[n].get("adaptive")]
+        worst = min(adaptive, key=lambda n: statistics.median(rates[n]))
+        print(f"{workload:<17} slowest adaptive setting: {worst} at {statistics.median(rates[worst]) / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def cmd_generate(args) -> int:
     cfg = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                     raw=args.raw, stop=args.stop or [], spec=args.spec, spec_k=args.spec_k, adaptive=args.adaptive,
-                    draft_model=args.draft_model, max_ngram=args.max_ngram)
+                    draft_model=args.draft_model, max_ngram=args.max_ngram,
+                    window=args.window, guesses=args.guesses)
     cfg.check()
     store = Store(args.db)
     _, lm = load_variant(args, store)
@@ -245,12 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
-    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft", "jacobi"],
-                   help="speculative decoding method (greedy only)")
+    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft", "lookahead", "jacobi"],
+                   help="speculative decoding method (greedy only, except draft, which also samples)")
     g.add_argument("--spec-k", type=int, default=4, help="tokens drafted per step")
     g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")
     g.add_argument("--draft-model", help="for --spec draft: self-int8, self-exit:K, or a model id or folder")
-    g.add_argument("--max-ngram", type=int, default=3, help="for --spec prompt-lookup: longest n-gram matched")
+    g.add_argument("--max-ngram", type=int, default=3,
+                   help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N")
+    g.add_argument("--window", type=int, default=4, help="for --spec lookahead: W, columns of the lookahead branch")
+    g.add_argument("--guesses", type=int, default=4, help="for --spec lookahead: G, n-grams verified per step")
     common(g)
     g.set_defaults(func=cmd_generate)
 

@@ -45,7 +45,9 @@ class GenConfig:
     spec_k: int = 4  # tokens drafted per step (the starting length when adaptive)
     adaptive: bool = False
     draft_model: str | None = None  # for spec="draft": self-int8, self-exit:K, or a model id or folder
-    max_ngram: int = 3  # for spec="prompt-lookup"
+    max_ngram: int = 3  # prompt lookup: the longest n-gram matched; lookahead: the n-gram size N
+    window: int = 4  # for spec="lookahead": W, the columns of the lookahead branch
+    guesses: int = 4  # for spec="lookahead": G, the most n-grams verified per step
 
     def check(self) -> None:
         if not self.prompt or not self.prompt.strip():
@@ -63,8 +65,8 @@ class GenConfig:
         if self.spec != "none" and not 1 <= self.spec_k <= MAX_K:
             raise GenerationError(f"The draft length K must be between 1 and {MAX_K}, not {self.spec_k}.")
         if self.spec not in ("none", "draft") and self.temperature != 0:
-            raise GenerationError("Prompt lookup and Jacobi decoding run greedy here: set the temperature to 0, "
-                                  "or sample with a draft model.")
+            raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
+                                  "to 0, or sample with a draft model.")
 
 
 @dataclass
@@ -117,6 +119,18 @@ def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generato
     return int(torch.multinomial(sampling_probs(logits, cfg), 1, generator=generator))
 
 
+def tree_inputs(tree: speculative.Tree, n_pending: int, last_position: int, device) -> dict:
+    """Positions and visibility for a forward over the pending tokens (causal among themselves)
+    followed by a tree of guesses."""
+    size = n_pending + len(tree.tokens)
+    visible = torch.zeros(size, size, dtype=torch.bool)
+    visible[:, :n_pending] = torch.ones(size, n_pending, dtype=torch.bool).tril()
+    visible[n_pending:, :n_pending] = True
+    visible[n_pending:, n_pending:] = tree.visible
+    positions = list(range(last_position - n_pending + 1, last_position + 1)) + [last_position + o for o in tree.offsets]
+    return {"position_ids": torch.tensor([positions], device=device), "attention_mask": visible.to(device)}
+
+
 class TextStream:
     """Turns token ids into text pieces without re-decoding the whole output each step and
     without emitting half of a multi-byte character."""
@@ -159,7 +173,8 @@ class Generation:
         self.sparse = bool(sparse_layers(lm.model))
         try:
             self.drafter = None if cfg.spec == "none" else make_drafter(
-                lm, cfg.spec, cfg.draft_model, cfg.max_ngram, load=lambda m: load_model(m, device=str(lm.device)))
+                lm, cfg.spec, cfg.draft_model, cfg.max_ngram, load=lambda m: load_model(m, device=str(lm.device)),
+                window=cfg.window, guesses=cfg.guesses)
         except SpeculativeError as exc:
             raise GenerationError(str(exc)) from None
         self.telemetry = telemetry
@@ -221,37 +236,45 @@ class Generation:
         pending = ids  # tokens the next forward must take in
         k = cfg.spec_k
         step = 0
+        backoff = speculative.Backoff() if cfg.adaptive and self.drafter else None
         while True:
             past = len(ids) - len(pending)
             t_draft = time.perf_counter_ns()
             room = cfg.max_new_tokens - len(self.token_ids) - 1  # drafts beyond the budget would be wasted
             sample = (lambda lg: sampling_probs(lg, cfg)) if cfg.temperature > 0 else None
-            drafts = (self.drafter.propose(ids, min(k, room), sample, generator)
-                      if self.drafter and step > 0 and room > 0 else [])
+            guessing = self.drafter and step > 0 and room > 0 and (backoff is None or backoff.allows())
+            proposal = self.drafter.propose(ids, min(k, room), sample, generator) if guessing else []
+            tree = proposal if isinstance(proposal, speculative.Tree) else None
+            drafts = tree.tokens if tree else proposal
             t_upload = time.perf_counter_ns()
             inputs = torch.tensor([pending + drafts], device=lm.device)
+            extra = tree_inputs(tree, len(pending), len(ids) - 1, lm.device) if tree else {}
             t_forward = time.perf_counter_ns()
-            if cfg.kv_cache:
-                out = lm.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=len(drafts) + 1)
-            else:
-                out = lm.model(input_ids=inputs, use_cache=False, logits_to_keep=len(drafts) + 1)
+            out = lm.model(input_ids=inputs, cache=self.cache, use_cache=cfg.kv_cache,
+                           logits_to_keep=len(drafts) + 1, **extra)
             hardware.sync(lm.device)
             t_sync = time.perf_counter_ns()
             logits = out.logits[0].float().cpu()
             t_select = time.perf_counter_ns()
+            kept = 0  # extra tokens whose cache entries stay: an accepted prefix of them
             if drafts and sample:  # speculative sampling keeps the target's distribution
                 target = torch.stack([sample(row) for row in logits])
                 emitted = speculative.sample_accept(target, self.drafter.draft_probs, drafts, generator)
-                if cfg.kv_cache:
-                    speculative.crop_cache(self.cache, past + len(pending) + len(emitted) - 1)
+                kept = len(emitted) - 1
             elif drafts:
-                emitted = greedy_accept(logits, drafts)
-                if hasattr(self.drafter, "observe"):  # Jacobi keeps the target's other predictions
-                    self.drafter.observe(logits.argmax(dim=-1).tolist(), len(emitted) - 1)
-                if cfg.kv_cache:  # drop the cache entries of rejected drafts
-                    speculative.crop_cache(self.cache, past + len(pending) + len(emitted) - 1)
+                predicted = logits.argmax(dim=-1).tolist()
+                if tree:
+                    emitted, path = speculative.tree_accept(predicted, tree)
+                    kept = len(path) if path == list(range(len(path))) else 0
+                else:
+                    emitted = greedy_accept(logits, drafts)
+                    kept = len(emitted) - 1
+                if hasattr(self.drafter, "observe"):  # Jacobi and lookahead keep the target's other predictions
+                    self.drafter.observe(predicted, len(emitted) - 1)
             else:
                 emitted = [select_token(logits[-1], cfg, generator)]
+            if cfg.kv_cache and drafts:  # drop the cache entries of guesses not kept
+                speculative.crop_cache(self.cache, past + len(pending) + kept)
             t_host = time.perf_counter_ns()
 
             events, done = [], None
@@ -270,7 +293,7 @@ class Generation:
                     break
             if not done and len(self.token_ids) >= cfg.max_new_tokens:
                 done = "max_new_tokens"
-            pending = [ids[-1]] if cfg.kv_cache else ids
+            pending = ids[self.cache.get_seq_length():] if cfg.kv_cache else ids
             accepted = len(emitted) - 1 if drafts else 0
             row = self._account(step, t_request, (step_start, t_draft, t_upload, t_forward, t_sync, t_select, t_host),
                                 n_input=len(inputs[0]), past=past, kv_cache=cfg.kv_cache, drafted=len(drafts),
@@ -285,6 +308,8 @@ class Generation:
             if done:
                 return
             k = next_k(k, len(drafts), accepted, cfg.adaptive, MAX_K)
+            if backoff:
+                backoff.record(row["wall_ms"], len(events), bool(drafts))
             step += 1
             if len(self.tokens) - self._flushed_tokens >= FLUSH_EVERY_TOKENS:
                 self._flush()

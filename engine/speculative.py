@@ -8,15 +8,19 @@ The KV cache is cropped back past the first rejected position."""
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+import statistics
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
 
+from .lean import LeanLlama
 from .models import LoadedModel
 
-METHODS = ("none", "prompt-lookup", "draft", "jacobi")
+METHODS = ("none", "prompt-lookup", "draft", "lookahead", "jacobi")
 MAX_K = 16
+MAX_WINDOW = 16
+MAX_GUESSES = 16
 
 
 class SpeculativeError(Exception):
@@ -61,6 +65,83 @@ class Jacobi:
     def observe(self, predicted: list[int], accepted: int) -> None:
         """predicted[i]: the target's token after the pending token and drafts[:i]."""
         self.guesses = predicted[accepted + 1:]
+
+
+@dataclass
+class Tree:
+    """Guesses that are not one chain: extra input tokens placed after the pending ones, each at a
+    position `offsets[i]` past the last pending token, seeing the pending tokens and the extra
+    tokens `visible[i]` marks. `branches` are the chains to verify, as lists of indices into
+    `tokens`, each continuing the pending tokens."""
+    tokens: list[int]
+    offsets: list[int]
+    visible: torch.Tensor
+    branches: list[list[int]]
+
+
+class Lookahead:
+    """Lookahead decoding (Fu et al., 2024), greedy. Each step's forward carries, beside the pending
+    tokens, a lookahead branch: a window of W columns and N-1 levels of guesses, where each column
+    is a Jacobi trajectory (level l, column i sits i + l positions ahead and sees level 0 up to
+    column i and its own column below it). The target's outputs on the last level complete one
+    n-gram per column; the n-grams go into a pool keyed by their first token, and the levels shift
+    up with those outputs as the new last level. Also in the same forward, a verification branch:
+    up to G pooled n-grams that start with the last token, each checked as a chain; the longest
+    agreeing one is emitted. The pool starts with the prompt's n-grams and takes in the output's."""
+
+    name = "lookahead"
+
+    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4):
+        if not 1 <= window <= MAX_WINDOW or not 2 <= ngram <= 6 or not 1 <= guesses <= MAX_GUESSES:
+            raise SpeculativeError(f"Lookahead needs a window of 1-{MAX_WINDOW}, an n-gram size of 2-6 and 1-"
+                                   f"{MAX_GUESSES} guesses, not W={window}, N={ngram}, G={guesses}.")
+        self.w, self.n, self.g = window, ngram, guesses
+        self.levels: list[list[int]] = []
+        self.pool: dict[int, dict[tuple, None]] = {}  # first token -> continuations, oldest first
+        self.pooled_upto = 0  # ids before this index have had their n-grams pooled
+
+    def _remember(self, gram: tuple) -> None:
+        continuations = self.pool.setdefault(gram[0], {})
+        continuations.pop(gram[1:], None)
+        continuations[gram[1:]] = None
+
+    def propose(self, ids: list[int], k: int, sample=None, generator=None) -> Tree:
+        for end in range(max(self.pooled_upto, self.n), len(ids) + 1):
+            self._remember(tuple(ids[end - self.n:end]))
+        self.pooled_upto = len(ids) + 1
+        if not self.levels:  # start from tokens of the text so far, each column shifted by one
+            self.levels = [[ids[(i + level) % len(ids)] for i in range(self.w)] for level in range(self.n - 1)]
+        tokens, offsets = [], []
+        for level, row in enumerate(self.levels):
+            tokens += row
+            offsets += [1 + i + level for i in range(self.w)]
+        size = len(tokens)
+        guesses = list(self.pool.get(ids[-1], {}))[-self.g:]
+        for guess in guesses:
+            tokens += guess
+            offsets += list(range(1, len(guess) + 1))
+        visible = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)
+        for level in range(self.n - 1):
+            for i in range(self.w):
+                at = level * self.w + i
+                visible[at, :i + 1] = True  # level 0 up to this column
+                visible[at, [lv * self.w + i for lv in range(1, level + 1)]] = True  # this column below
+        branches = []
+        for g, guess in enumerate(guesses):
+            start = size + g * (self.n - 1)
+            branch = list(range(start, start + len(guess)))
+            for j, at in enumerate(branch):
+                visible[at, branch[:j + 1]] = True
+            branches.append(branch)
+        return Tree(tokens, offsets, visible, branches)
+
+    def observe(self, predicted: list[int], accepted: int) -> None:
+        """predicted[1 + i]: the target's token after extra token i (its own context)."""
+        last = (self.n - 2) * self.w
+        outputs = [predicted[1 + last + i] for i in range(self.w)]
+        for i in range(self.w):
+            self._remember(tuple(row[i] for row in self.levels) + (outputs[i],))
+        self.levels = self.levels[1:] + [outputs]
 
 
 class DraftModel:
@@ -137,13 +218,19 @@ def same_tokenizer(a, b) -> bool:
 
 
 def make_drafter(target: LoadedModel, method: str, draft: str | None = None, max_ngram: int = 3,
-                 load=None):
-    """The drafter for a method: prompt lookup, or a draft model given as 'self-int8',
-    'self-exit:K', or a model id or folder (loaded with `load`)."""
+                 load=None, window: int = 4, guesses: int = 4):
+    """The drafter for a method: prompt lookup, Jacobi, lookahead (window, n-gram size max_ngram,
+    guesses), or a draft model given as 'self-int8', 'self-exit:K', or a model id or folder
+    (loaded with `load`)."""
     if method == "prompt-lookup":
         return PromptLookup(max_ngram)
     if method == "jacobi":
         return Jacobi()
+    if method == "lookahead":
+        if not isinstance(target.model, LeanLlama):
+            raise SpeculativeError(f"Lookahead decoding needs the lean forward, which runs Llama-architecture "
+                                   f"models; {target.name} is not one.")
+        return Lookahead(window, max_ngram, guesses)
     if method != "draft":
         raise SpeculativeError(f"Unknown speculative method '{method}': use one of {', '.join(METHODS)}.")
     if not draft:
@@ -178,6 +265,24 @@ def greedy_accept(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     return emitted
 
 
+def tree_accept(predicted: list[int], tree: Tree) -> tuple[list[int], list[int]]:
+    """Greedy verification of every branch: (tokens to emit, the accepted extra-token indices) for
+    the branch the target agrees with longest. predicted[0] is the target's token after the
+    pending ones, predicted[1 + i] its token after extra token i."""
+    best: list[int] = []
+    for branch in tree.branches:
+        kept, before = [], 0
+        for at in branch:
+            if tree.tokens[at] != predicted[before]:
+                break
+            kept.append(at)
+            before = 1 + at
+        if len(kept) > len(best):
+            best = kept
+    emitted = [tree.tokens[at] for at in best] + [predicted[1 + best[-1] if best else 0]]
+    return emitted, best
+
+
 def sample_accept(target: torch.Tensor, draft: list[torch.Tensor], drafts: list[int], generator=None) -> list[int]:
     """Speculative sampling: keep draft i with probability min(1, p(x)/q(x)); at the first rejection
     draw from the normalised residual max(0, p - q) and stop; if every draft is kept, draw one more
@@ -202,6 +307,33 @@ def next_k(k: int, drafted: int, accepted: int, adaptive: bool, k_max: int) -> i
     if not adaptive or not drafted:
         return k
     return min(k + 1, k_max) if accepted == drafted else max(k - 1, 1)
+
+
+class Backoff:
+    """The adaptive setting's guard: time per emitted token of steps with guesses against steps
+    without. The first steps run plain to measure; when guessing has cost more per token over its
+    last few steps, it pauses for a while (4 steps, doubling after each loss up to 64), then tries
+    again. So on text where no method's guesses land, adaptive runs stay near plain decoding."""
+
+    def __init__(self, plain_first: int = 2, window: int = 4):
+        self.pause = plain_first
+        self.wait = window
+        self.window = window
+        self.plain: list[float] = []
+        self.guessing: list[float] = []
+
+    def allows(self) -> bool:
+        return self.pause == 0
+
+    def record(self, step_ms: float, emitted: int, guessed: bool) -> None:
+        (self.guessing if guessed else self.plain).append(step_ms / max(emitted, 1))
+        if self.pause:
+            self.pause -= 1
+            return
+        recent = self.guessing[-self.window:]
+        if self.plain and len(recent) == self.window and statistics.median(recent) > statistics.median(self.plain[-8:]):
+            self.pause, self.wait = self.wait, min(2 * self.wait, 64)
+            self.guessing.clear()
 
 
 def expected_speedup(alpha: float, k: float, c: float) -> float | None:

@@ -9,7 +9,7 @@ from engine.generate import MAX_NEW_TOKENS_CAP, Generation, GenConfig, Generatio
 from engine.models import workloads
 from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES, SparsityError
-from engine.speculative import MAX_K, METHODS
+from engine.speculative import MAX_GUESSES, MAX_K, MAX_WINDOW, METHODS
 from engine import sparsity
 from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, open_store, page_setup,
                 throttled)
@@ -45,7 +45,15 @@ with st.form("live"):
     draft_model = c[1].text_input("Draft model (for draft)", "self-int8",
                                   help="self-int8, self-exit:K (the first K layers), or a model id or folder")
     spec_k = c[2].number_input("Draft length K", 1, MAX_K, 4)
-    adaptive = c[3].toggle("Adaptive K", False, help="Grow K after full acceptance, shrink it after a rejection.")
+    adaptive = c[3].toggle("Adaptive", False, help="Grow K after full acceptance, shrink it after a rejection; "
+                           "pause guessing while it costs more per token than plain steps.")
+    c = st.columns(4)
+    max_ngram = c[0].number_input("N-gram size", 2, 6, 3, help="Prompt lookup: the longest n-gram matched. "
+                                  "Lookahead: N, the length of the n-grams it collects and verifies.")
+    window = c[1].number_input("Lookahead window W", 1, MAX_WINDOW, 4,
+                               help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
+    guesses = c[2].number_input("Lookahead guesses G", 1, MAX_GUESSES, 4,
+                                help="At most this many collected n-grams verified per step.")
     baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
@@ -132,7 +140,8 @@ if "last_run" in st.session_state and not submitted and store is not None:
 if submitted and store is not None:
     cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
                     top_p=float(top_p), top_k=int(top_k), seed=int(seed), spec=spec, spec_k=int(spec_k),
-                    adaptive=adaptive, draft_model=draft_model.strip() or None)
+                    adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
+                    window=int(window), guesses=int(guesses))
     try:
         cfg.check()
     except GenerationError as exc:

@@ -23,7 +23,9 @@ shipped = workloads()
 device = "auto"
 SPARSITY = {"dense": (0.0, "mask"), "mask 50%": (0.5, "mask"), "skip 50%": (0.5, "skip")}
 SPEC = {"none": {}, "prompt lookup": dict(spec="prompt-lookup", spec_k=4, adaptive=True),
-        "draft self-int8": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True)}
+        "draft self-int8": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
+        "lookahead": dict(spec="lookahead", window=4, max_ngram=3, guesses=4, adaptive=True),
+        "jacobi": dict(spec="jacobi", spec_k=4, adaptive=True)}
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")

@@ -6,9 +6,9 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from engine.generate import Generation, GenConfig, GenerationError
-from engine.models import LoadedModel, workloads
-from engine.speculative import (PromptLookup, SpeculativeError, crop_cache, early_exit, expected_speedup,
-                                greedy_accept, make_drafter, next_k)
+from engine.models import LoadedModel, tiny_model, workloads
+from engine.speculative import (METHODS, Backoff, Lookahead, PromptLookup, SpeculativeError, Tree, crop_cache,
+                                early_exit, expected_speedup, greedy_accept, make_drafter, next_k, tree_accept)
 
 
 def test_prompt_lookup_continues_the_latest_match():
@@ -25,6 +25,67 @@ def test_jacobi_guesses_the_targets_leftover_predictions():
     assert jacobi.propose([4, 9], 3) == [9, 9, 9]
     jacobi.observe([9, 5, 6, 7], accepted=1)  # kept the first draft and the target's 5; 6 and 7 are left
     assert jacobi.propose([4, 9, 9, 5], 3) == [6, 7, 5]
+
+
+def test_lookahead_lays_out_its_window_and_verifies_pooled_ngrams():
+    look = Lookahead(window=2, ngram=3, guesses=2)
+    tree = look.propose([5, 6, 7, 5], 4)
+    # the pool holds the text's 3-grams: after 5 came (6, 7); the window starts from the text's tokens
+    assert look.pool[5] == {(6, 7): None}
+    assert tree.tokens == [5, 6, 6, 7] + [6, 7]
+    assert tree.offsets == [1, 2, 2, 3] + [1, 2]
+    v = tree.visible.int().tolist()
+    assert v[0][:4] == [1, 0, 0, 0] and v[1][:4] == [1, 1, 0, 0]  # level 0: a causal row
+    assert v[2][:4] == [1, 0, 1, 0] and v[3][:4] == [1, 1, 0, 1]  # level 1: level 0 up to its column, itself
+    assert v[4] == [0, 0, 0, 0, 1, 0] and v[5] == [0, 0, 0, 0, 1, 1]  # the guess sees only itself
+    assert tree.branches == [[4, 5]]
+    # the target's outputs: after the pending token 6, after the guess 6 -> 7, then 8
+    predicted = [6, 0, 0, 9, 4, 7, 8]
+    emitted, path = tree_accept(predicted, tree)
+    assert emitted == [6, 7, 8] and path == [4, 5]
+    look.observe(predicted, len(emitted) - 1)
+    assert look.levels == [[6, 7], [9, 4]]  # level 1 moved up, the last level's outputs below it
+    # each column completed an n-gram: (5, 6) + 9 and (6, 7) + 4
+    assert list(look.pool[5]) == [(6, 7), (6, 9)] and list(look.pool[6]) == [(7, 5), (7, 4)]
+
+
+def test_tree_accept_takes_the_longest_agreeing_branch_or_the_targets_token():
+    tree = Tree(tokens=[1, 2, 3, 4], offsets=[1, 2, 1, 2], visible=torch.eye(4, dtype=torch.bool),
+                branches=[[0, 1], [2, 3]])
+    assert tree_accept([3, 2, 9, 4, 5], tree) == ([3, 4, 5], [2, 3])
+    assert tree_accept([7, 0, 0, 0, 0], tree) == ([7], [])
+
+
+def test_adaptive_backoff_pauses_guessing_that_loses_and_tries_again():
+    gate = Backoff(plain_first=2, window=4)
+    for _ in range(2):
+        assert not gate.allows()
+        gate.record(10.0, 1, guessed=False)
+    for _ in range(4):  # guesses that cost 15 ms per token against 10 without
+        assert gate.allows()
+        gate.record(30.0, 2, guessed=True)
+    for _ in range(4):  # paused for 4 plain steps
+        assert not gate.allows()
+        gate.record(10.0, 1, guessed=False)
+    assert gate.allows()
+    for _ in range(4):  # now they pay: 5 ms per token
+        gate.record(15.0, 3, guessed=True)
+    assert gate.allows()
+
+
+def test_lookahead_needs_the_lean_forward(calibration):
+    with pytest.raises(GenerationError, match="lean forward"):
+        Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, spec="lookahead"),
+                   calibration=calibration)
+
+
+@pytest.mark.parametrize("setting", [dict(spec="lookahead"), dict(spec="lookahead", kv_cache=False),
+                                     dict(spec="lookahead", window=3, max_ngram=4, guesses=2, adaptive=True)])
+def test_lookahead_on_the_tiny_model_gives_greedys_tokens(tiny_lm, calibration, setting):
+    prompt = "a b c a b c a b c a b"
+    run = lambda **kw: Generation(tiny_lm, GenConfig(prompt, raw=True, max_new_tokens=20, ignore_eos=True, **kw),  # noqa: E731
+                                  calibration=calibration, telemetry=False).run()["token_ids"]
+    assert run(**setting) == run()
 
 
 def test_greedy_accept_keeps_the_agreeing_prefix_and_adds_the_targets_token():
@@ -74,6 +135,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_lm):
     (dict(spec="prompt-lookup", temperature=0.7), "greedy"),
     (dict(spec="prompt-lookup", spec_k=0), "between 1 and"),
     (dict(spec="draft"), "draft-model"),
+    (dict(spec="lookahead", window=0), "window of 1-16"),
+    (dict(spec="lookahead", max_ngram=1), "n-gram size of 2-6"),
 ])
 def test_bad_speculative_settings_get_one_sentence(tiny_lm, calibration, kwargs, words):
     with pytest.raises(GenerationError, match=words):
@@ -93,6 +156,9 @@ SETTINGS = [
     dict(spec="draft", draft_model="self-exit:24", spec_k=2, adaptive=True),
     dict(spec="prompt-lookup", spec_k=4, kv_cache=False),
     dict(spec="jacobi", spec_k=4),
+    dict(spec="jacobi", spec_k=4, adaptive=True),
+    dict(spec="lookahead", window=4, max_ngram=3, guesses=4),
+    dict(spec="lookahead", window=2, max_ngram=4, guesses=2, kv_cache=False),
 ]
 
 
@@ -140,3 +206,11 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_lm, calibrati
     # the draft's own distribution is far from the target's, so the test could see a wrong acceptance rule
     assert total_variation(plain, draft_alone) > 0.3
     assert total_variation(plain, speculative) < 0.15  # seeded, so the same on every run
+
+
+def test_the_command_line_offers_every_method():
+    from engine.cli import build_parser
+
+    spec = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                if a.dest == "spec")
+    assert tuple(spec.choices) == METHODS
