@@ -308,7 +308,7 @@ class Generation:
             if done:
                 return
             k = next_k(k, len(drafts), accepted, cfg.adaptive, MAX_K)
-            if backoff:
+            if backoff and step > 0:  # decode steps only: the prefill is no measure of a plain step
                 backoff.record(row["wall_ms"], len(events), bool(drafts))
             step += 1
             if len(self.tokens) - self._flushed_tokens >= FLUSH_EVERY_TOKENS:

@@ -4,7 +4,7 @@ per-layer threshold are treated as zero. Two execution modes show when that beco
 - mask: the small inputs are zeroed and the dense matmul runs as before; the arithmetic
   notionally shrinks, the weight bytes moved do not.
 - skip: the weights are stored transposed, so one input channel's weights are one contiguous row,
-  and a small C++ kernel (engine/kernels/sparse_gemv.cpp) reads only the rows of active inputs.
+  and a small C++ kernel (engine/kernels/cpu_kernels.cpp) reads only the rows of active inputs.
   On the CPU the masking and counting is one pass of the same extension in both modes.
   Only a single-token forward (decoding) can skip: with several tokens some token needs almost
   every row, so multi-token forwards (the prefill) run the masked dense product.
@@ -15,52 +15,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import kernel
 from .models import REPO_ROOT, LoadedModel
 
 MODES = ("mask", "skip")
 CALIBRATION_TEXT = REPO_ROOT / "data" / "calibration.txt"
-_kernel = None
 
 
 class SparsityError(Exception):
     """A sparsity setting that cannot run; the message is one sentence for the user."""
-
-
-KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "sparse_gemv.cpp"
-STALE_BUILD_LOCK_S = 600  # a build takes under a minute; an older lock was left by a killed process
-
-
-def kernel():
-    """The compiled sparse GEMV extension, built once per version of its source (about 35 s) into
-    ~/.cache/tokenpath/ and loaded from there afterwards."""
-    global _kernel
-    if _kernel is None:
-        import time
-
-        from torch.utils.cpp_extension import load
-
-        build = build_directory()
-        build.mkdir(parents=True, exist_ok=True)
-        lock = build / "lock"
-        # PyTorch waits forever on a lock whose builder died; one that old cannot be a live build
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-            lock.unlink(missing_ok=True)
-        _kernel = load(name=f"tokenpath_{build.name.replace('-', '_')}", sources=[str(KERNEL_SOURCE)],
-                       build_directory=str(build), extra_cflags=["-O3", "-march=native"], verbose=False)
-    return _kernel
-
-
-def build_directory() -> Path:
-    """Where the extension is built: one folder per version of its source."""
-    import hashlib
-
-    digest = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:12]
-    return Path.home() / ".cache" / "tokenpath" / f"sparse_gemv-{digest}"
 
 
 class SparseLinear(torch.nn.Module):

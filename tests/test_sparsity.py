@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine import sparsity
+from engine import cpu_kernels, sparsity
 from engine.generate import Generation, GenConfig
 from engine.sparsity import SparsityError, calibrate_thresholds, sparsify, zeroed_fraction
 
@@ -91,11 +91,11 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang(monkeypatch):
     import os
     import time
 
-    sparsity.kernel()  # built (or found) once
-    lock = sparsity.build_directory() / "lock"
+    cpu_kernels.kernel()  # built (or found) once
+    lock = cpu_kernels.build_directory() / "lock"
     lock.touch()
-    old = time.time() - 2 * sparsity.STALE_BUILD_LOCK_S
+    old = time.time() - 2 * cpu_kernels.STALE_BUILD_LOCK_S
     os.utime(lock, (old, old))
-    monkeypatch.setattr(sparsity, "_kernel", None)
-    assert sparsity.kernel().sparse_gemv(torch.ones(2), torch.ones(2, 3), 0.5)[1] == 2
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    assert cpu_kernels.kernel().sparse_gemv(torch.ones(2), torch.ones(2, 3), 0.5)[1] == 2
     assert not lock.exists()

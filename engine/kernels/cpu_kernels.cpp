@@ -1,5 +1,7 @@
-// Activation-sparse matrix-vector product that reads only the weight rows of active inputs.
-// w_t is the weight stored transposed, [in_features, out_features], so each input channel's
+// Tokenpath's CPU kernels, built by engine/cpu_kernels.py.
+//
+// sparse_gemv: activation-sparse matrix-vector product that reads only the weight rows of active
+// inputs. w_t is the weight stored transposed, [in_features, out_features], so each input channel's
 // weights are one contiguous row: an input below the threshold means its row is never loaded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -1,0 +1,36 @@
+"""The project's small C++ extension (engine/kernels/cpu_kernels.cpp): the activation-sparse GEMV
+and the masking of engine.sparsity. Built with
+PyTorch's cpp_extension once per version of its source (about 35 s, needs ninja and a C++
+compiler) into ~/.cache/tokenpath/, loaded from there afterwards."""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "cpu_kernels.cpp"
+STALE_BUILD_LOCK_S = 600  # a build takes under a minute; an older lock was left by a killed process
+_kernel = None
+
+
+def build_directory() -> Path:
+    """Where the extension is built: one folder per version of its source."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return Path.home() / ".cache" / "tokenpath" / f"cpu_kernels-{digest}"
+
+
+def kernel():
+    """The compiled extension, built on first use."""
+    global _kernel
+    if _kernel is None:
+        from torch.utils.cpp_extension import load
+
+        build = build_directory()
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        # PyTorch waits forever on a lock whose builder died; one that old cannot be a live build
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+        _kernel = load(name=f"tokenpath_{build.name.replace('-', '_')}", sources=[str(SOURCE)],
+                       build_directory=str(build), extra_cflags=["-O3", "-march=native"], verbose=False)
+    return _kernel
