@@ -39,7 +39,7 @@ def cmd_generate(args) -> int:
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                     raw=args.raw, stop=args.stop or [], spec=args.spec, spec_k=args.spec_k, adaptive=args.adaptive,
                     draft_model=args.draft_model, max_ngram=args.max_ngram,
-                    window=args.window, guesses=args.guesses)
+                    window=args.window, guesses=args.guesses, kv_dtype=args.kv_dtype)
     cfg.check()
     store = Store(args.db)
     _, lm = load_variant(args, store)
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_args(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="KV-cache precision; auto keeps the weights' compute dtype")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

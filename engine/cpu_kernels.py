@@ -20,7 +20,8 @@ def build_directory() -> Path:
 
 
 def kernel():
-    """The compiled extension, built on first use."""
+    """The compiled extension, built on first use. With -fopenmp, because ATen's parallel_for is a
+    header template: without it the kernels would run on one thread."""
     global _kernel
     if _kernel is None:
         from torch.utils.cpp_extension import load
@@ -32,5 +33,6 @@ def kernel():
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
             lock.unlink(missing_ok=True)
         _kernel = load(name=f"tokenpath_{build.name.replace('-', '_')}", sources=[str(SOURCE)],
-                       build_directory=str(build), extra_cflags=["-O3", "-march=native"], verbose=False)
+                       build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], verbose=False)
     return _kernel

@@ -16,12 +16,14 @@ from . import hardware, speculative
 from .accounting import cache_nbytes, forward_work, model_shape, reduce_work
 from .distances import PHASES, Roofline, attribute, split_over_tokens, sum_buckets, waste_fraction
 from .metrics import run_metrics
+from .lean import LeanLlama
 from .models import LoadedModel, load_model
 from .speculative import MAX_K, METHODS, SpeculativeError, greedy_accept, make_drafter, next_k
 from .sparsity import forward_savings, sparse_layers
 from .store import BUCKETS, Store
 
 MAX_NEW_TOKENS_CAP = 4096
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLUSH_EVERY_TOKENS = 64
 
 
@@ -48,6 +50,7 @@ class GenConfig:
     max_ngram: int = 3  # prompt lookup: the longest n-gram matched; lookahead: the n-gram size N
     window: int = 4  # for spec="lookahead": W, the columns of the lookahead branch
     guesses: int = 4  # for spec="lookahead": G, the most n-grams verified per step
+    kv_dtype: str = "auto"  # KV-cache precision: auto (the weights' compute dtype), fp32, bf16 or fp16
 
     def check(self) -> None:
         if not self.prompt or not self.prompt.strip():
@@ -64,6 +67,8 @@ class GenConfig:
             raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
         if self.spec != "none" and not 1 <= self.spec_k <= MAX_K:
             raise GenerationError(f"The draft length K must be between 1 and {MAX_K}, not {self.spec_k}.")
+        if self.kv_dtype not in KV_DTYPES:
+            raise GenerationError(f"Unknown KV-cache precision '{self.kv_dtype}': use one of {', '.join(KV_DTYPES)}.")
         if self.spec not in ("none", "draft") and self.temperature != 0:
             raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
                                   "to 0, or sample with a draft model.")
@@ -169,7 +174,11 @@ class Generation:
                 f"{needed} positions but {lm.name} has a context of {lm.max_context}; shorten one of them.")
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.roofline = Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype))
-        self.shape = model_shape(lm.model)
+        self.kv_dtype = KV_DTYPES[cfg.kv_dtype]
+        if self.kv_dtype is not None and not isinstance(lm.model, LeanLlama):
+            raise GenerationError(f"A KV-cache precision apart from the weights' needs the lean forward, which runs "
+                                  f"Llama-architecture models; {lm.name} is not one.")
+        self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         self.sparse = bool(sparse_layers(lm.model))
         try:
             self.drafter = None if cfg.spec == "none" else make_drafter(
@@ -250,6 +259,8 @@ class Generation:
             inputs = torch.tensor([pending + drafts], device=lm.device)
             extra = tree_inputs(tree, len(pending), len(ids) - 1, lm.device) if tree else {}
             t_forward = time.perf_counter_ns()
+            if self.kv_dtype is not None:
+                extra["kv_dtype"] = self.kv_dtype
             out = lm.model(input_ids=inputs, cache=self.cache, use_cache=cfg.kv_cache,
                            logits_to_keep=len(drafts) + 1, **extra)
             hardware.sync(lm.device)
@@ -400,6 +411,7 @@ class Generation:
             "stop_reason": self.stop_reason,
             "kv_cache_bytes": cache_nbytes(self.cache) if self.cache is not None else 0,
             "kv_bytes_per_token": self.shape.kv_bytes_per_token,
+            "kv_dtype": next(name for name, dt in KV_DTYPES.items() if dt == (self.kv_dtype or self.lm.dtype)),
             "weight_bytes_per_forward": self.shape.weight_bytes,
             "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
                                       / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,

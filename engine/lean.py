@@ -66,19 +66,21 @@ class LeanAttention(nn.Module):
         self.qkv_proj = fused_linear(hf_attention.q_proj, hf_attention.k_proj, hf_attention.v_proj)
         self.o_proj = hf_attention.o_proj
 
-    def forward(self, x, cos, sin, cache, mask):
+    def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
         batch, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         q = _rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = _rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
+            q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         causal = mask is None and length > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                              enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(x.dtype))
 
 
 class LeanMLP(nn.Module):
@@ -102,8 +104,8 @@ class LeanLayer(nn.Module):
         self.post_attention_layernorm = LeanRMSNorm(hf_layer.post_attention_layernorm.weight, eps)
         self.mlp = LeanMLP(hf_layer.mlp)
 
-    def forward(self, x, cos, sin, cache, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+    def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, kv_dtype)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,7 +124,8 @@ class LeanLlama(nn.Module):
     logits_to_keep=...)` returns an object with `.logits`. `attention_mask`, when given, is a
     boolean (new tokens x new tokens) matrix saying which new tokens see which (True = visible),
     and `position_ids` their positions; the cached tokens are visible to all. Speculative
-    methods that verify a tree of guesses in one forward use these two."""
+    methods that verify a tree of guesses in one forward use these two. `kv_dtype` keeps keys and
+    values (and runs attention) in another precision than the weights, e.g. bf16 beside fp32."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -138,7 +141,7 @@ class LeanLlama(nn.Module):
         return self.lm_head
 
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, position_ids=None,
-                attention_mask=None):
+                attention_mask=None, kv_dtype=None):
         cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
@@ -150,7 +153,7 @@ class LeanLlama(nn.Module):
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
                                                                        (past and length > 1)) else None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, mask)
+            x = layer(x, cos, sin, cache, mask, kv_dtype)
         x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
         return LeanOutput(logits=self.lm_head(x))
 

@@ -153,8 +153,9 @@ if store is not None:
     else:
         rows = []
         for r in runs.itertuples():
-            measured = json.loads(r.metrics).get("kv_cache_bytes")
-            kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+            metrics = json.loads(r.metrics)
+            measured = metrics.get("kv_cache_bytes")
+            kv_dtype = metrics.get("kv_dtype") or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[r.dtype]
             context_len = r.n_prompt_tokens + r.n_new_tokens - 1
             predicted = kvcalc.kv_bytes(live, context_len, kv_dtype)
             rows.append({"run": r.run_id, "cache dtype": kv_dtype, "context": context_len, "measured bytes": measured,

@@ -5,7 +5,7 @@ import time
 
 import streamlit as st
 
-from engine.generate import MAX_NEW_TOKENS_CAP, Generation, GenConfig, GenerationError
+from engine.generate import KV_DTYPES, MAX_NEW_TOKENS_CAP, Generation, GenConfig, GenerationError
 from engine.models import workloads
 from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES, SparsityError
@@ -54,6 +54,9 @@ with st.form("live"):
                                help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
     guesses = c[2].number_input("Lookahead guesses G", 1, MAX_GUESSES, 4,
                                 help="At most this many collected n-grams verified per step.")
+    kv_dtype = c[3].selectbox("KV-cache precision", list(KV_DTYPES),
+                              help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
+                                   "fp32 weights; attention then runs in that precision.")
     baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
@@ -141,7 +144,7 @@ if submitted and store is not None:
     cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
                     top_p=float(top_p), top_k=int(top_k), seed=int(seed), spec=spec, spec_k=int(spec_k),
                     adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
-                    window=int(window), guesses=int(guesses))
+                    window=int(window), guesses=int(guesses), kv_dtype=kv_dtype)
     try:
         cfg.check()
     except GenerationError as exc:

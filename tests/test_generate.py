@@ -107,3 +107,21 @@ def test_text_stream_never_splits_a_character(tiny_lm):
     pieces = [stream.push(i) for i in ids]
     assert "".join(pieces) == tiny_lm.tokenizer.decode(ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_bf16_kv_cache_beside_fp32_weights_halves_the_cache_and_its_accounting(tiny_lm, calibration):
+    runs = {}
+    for kv in ("auto", "bf16"):
+        gen = Generation(tiny_lm, GenConfig("Hello there", raw=True, max_new_tokens=8, ignore_eos=True, kv_dtype=kv),
+                         calibration=calibration, telemetry=False)
+        runs[kv] = gen.run()
+    assert runs["auto"]["kv_dtype"] == "fp32" and runs["bf16"]["kv_dtype"] == "bf16"
+    assert runs["bf16"]["kv_cache_bytes"] * 2 == runs["auto"]["kv_cache_bytes"] > 0
+    assert runs["bf16"]["kv_bytes_per_token"] * 2 == runs["auto"]["kv_bytes_per_token"]
+
+
+def test_a_separate_kv_precision_needs_the_lean_forward(calibration):
+    with pytest.raises(GenerationError, match="lean forward"):
+        Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, kv_dtype="bf16"), calibration=calibration)
+    with pytest.raises(GenerationError, match="KV-cache precision 'int3'"):
+        Generation(tiny_model(), GenConfig("hi", raw=True, kv_dtype="int3"), calibration=calibration)

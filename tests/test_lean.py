@@ -55,3 +55,15 @@ def test_a_visibility_mask_runs_two_branches_in_one_forward(pair):
     for branch, logits in ((a, both[:, :2]), (b, both[:, 2:])):
         alone = lean(input_ids=torch.cat([prefix, branch], dim=1), use_cache=False).logits[:, 5:]
         torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@torch.inference_mode()
+def test_a_half_precision_cache_holds_half_the_bytes_and_stays_close(pair, kv_dtype):
+    lean = pair[0]
+    caches = {dt: DynamicCache(config=lean.config) for dt in (None, kv_dtype)}
+    logits = {dt: lean(input_ids=IDS, cache=c, use_cache=True, kv_dtype=dt).logits for dt, c in caches.items()}
+    full, half = caches[None].layers[0], caches[kv_dtype].layers[0]
+    assert half.keys.dtype == kv_dtype and half.keys.nbytes * 2 == full.keys.nbytes
+    assert logits[kv_dtype].dtype == torch.float32
+    torch.testing.assert_close(logits[kv_dtype], logits[None], rtol=0, atol=0.05)

@@ -5,10 +5,22 @@
 // weights are one contiguous row: an input below the threshold means its row is never loaded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
-// Returns y and the number of active inputs.
+template <int R>
+static inline void add_rows(float* __restrict y, const float* const* rows, const float* v, int64_t out) {
+  for (int64_t j = 0; j < out; ++j) {
+    float acc = y[j];
+    for (int q = 0; q < R; ++q) acc += v[q] * rows[q][j];
+    y[j] = acc;
+  }
+}
+
+// Returns y and the number of active inputs. Each thread takes a contiguous share of the active
+// rows and streams them whole into its own partial output (long contiguous reads, which the
+// hardware prefetcher follows); the partial outputs are summed at the end.
 std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_t, double threshold) {
   TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat, "x must be a 1-D float32 tensor");
   TORCH_CHECK(w_t.dim() == 2 && w_t.is_contiguous() && w_t.scalar_type() == torch::kFloat,
@@ -22,34 +34,30 @@ std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_
   active.reserve(in);
   for (int64_t i = 0; i < in; ++i)
     if (std::fabs(xp[i]) >= threshold) active.push_back(i);
-  auto y = torch::zeros({out}, x.options());
-  float* yp = y.data_ptr<float>();
-  // each thread owns a slice of the outputs and streams that slice of every active row
-  // eight rows per pass, so each output element is loaded and stored once per eight rows
   const int64_t n = static_cast<int64_t>(active.size());
-  constexpr int64_t R = 8;
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
-    int64_t k = 0;
-    for (; k + R <= n; k += R) {
+  const int threads = at::get_num_threads();
+  auto partial = torch::zeros({threads, out}, x.options());
+  float* pp = partial.data_ptr<float>();
+  constexpr int R = 4;  // rows per pass: each output element is loaded and stored once per four rows
+  at::parallel_for(0, n, std::max<int64_t>((n + threads - 1) / threads, 1), [&](int64_t begin, int64_t end) {
+    float* y = pp + at::get_thread_num() * out;
+    int64_t k = begin;
+    for (; k + R <= end; k += R) {
+      const float* rows[R];
       float v[R];
-      const float* r[R];
-      for (int64_t q = 0; q < R; ++q) {
+      for (int q = 0; q < R; ++q) {
+        rows[q] = wp + active[k + q] * out;
         v[q] = xp[active[k + q]];
-        r[q] = wp + active[k + q] * out;
       }
-      for (int64_t j = begin; j < end; ++j) {
-        float acc = yp[j];
-        for (int64_t q = 0; q < R; ++q) acc += v[q] * r[q][j];
-        yp[j] = acc;
-      }
+      add_rows<R>(y, rows, v, out);
     }
-    for (; k < n; ++k) {
-      const float v1 = xp[active[k]];
-      const float* r1 = wp + active[k] * out;
-      for (int64_t j = begin; j < end; ++j) yp[j] += v1 * r1[j];
+    for (; k < end; ++k) {
+      const float* rows[1] = {wp + active[k] * out};
+      const float v[1] = {xp[active[k]]};
+      add_rows<1>(y, rows, v, out);
     }
   });
-  return {y, n};
+  return {threads == 1 ? partial[0] : partial.sum(0), n};
 }
 
 // x with every entry below the threshold in magnitude set to zero, and how many were zeroed:
