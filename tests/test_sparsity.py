@@ -99,3 +99,13 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_kernel", None)
     assert cpu_kernels.kernel().sparse_gemv(torch.ones(2), torch.ones(2, 3), 0.5)[1] == 2
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.7, 2.5, 100.0])
+def test_the_sparse_kernel_equals_the_masked_product(threshold):
+    generator = torch.Generator().manual_seed(0)
+    x, w_t = torch.randn(1536, generator=generator), torch.randn(1536, 576, generator=generator)
+    y, active = cpu_kernels.kernel().sparse_gemv(x, w_t, threshold)
+    keep = x.abs() >= threshold
+    assert active == int(keep.sum())
+    torch.testing.assert_close(y, (x * keep) @ w_t, rtol=0, atol=1e-3)

@@ -36,8 +36,9 @@ std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_
     if (std::fabs(xp[i]) >= threshold) active.push_back(i);
   const int64_t n = static_cast<int64_t>(active.size());
   const int threads = at::get_num_threads();
-  auto partial = torch::zeros({threads, out}, x.options());
-  float* pp = partial.data_ptr<float>();
+  // one partial output per thread, summed here: cheaper than an ATen sum call per layer
+  std::vector<float> partial(static_cast<size_t>(threads) * out, 0.f);
+  float* pp = partial.data();
   constexpr int R = 4;  // rows per pass: each output element is loaded and stored once per four rows
   at::parallel_for(0, n, std::max<int64_t>((n + threads - 1) / threads, 1), [&](int64_t begin, int64_t end) {
     float* y = pp + at::get_thread_num() * out;
@@ -57,7 +58,12 @@ std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_
       add_rows<1>(y, rows, v, out);
     }
   });
-  return {threads == 1 ? partial[0] : partial.sum(0), n};
+  auto y = torch::empty({out}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::copy(pp, pp + out, yp);
+  for (int t = 1; t < threads; ++t)
+    for (int64_t j = 0; j < out; ++j) yp[j] += pp[t * out + j];
+  return {y, n};
 }
 
 // x with every entry below the threshold in magnitude set to zero, and how many were zeroed:
