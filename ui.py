@@ -146,6 +146,30 @@ def throttled(events, every_s: float = 0.2):
         yield pending
 
 
+def live_bars(token_rows: list[dict], height_px: int = 150) -> str:
+    """The per-token stacked buckets as plain HTML columns, for redrawing while a run streams: a
+    browser draws these in a few milliseconds, where a Plotly chart costs a core for a fraction of a
+    second that the model on the same cores would lose. The Plotly chart replaces it at the end."""
+    if not token_rows:
+        return ""
+    totals = [sum(row[f"{b}_ms"] for b in BUCKETS) for row in token_rows]
+    top = max(totals) or 1.0
+    width = max(2, min(12, 900 // len(token_rows)))
+    columns = []
+    for row, total in zip(token_rows, totals):
+        segments = "".join(
+            f'<div style="height:{row[f"{b}_ms"] / top * height_px:.1f}px;background:{BUCKET_COLOURS[b]}"></div>'
+            for b in reversed(BUCKETS))
+        columns.append(f'<div title="token {row["idx"]}: {total:.1f} ms" style="width:{width}px;margin-right:1px;'
+                       f'display:flex;flex-direction:column;justify-content:flex-end">{segments}</div>')
+    legend = " ".join(f'<span style="color:{BUCKET_COLOURS[b]}">&#9632;</span> {b}' for b in BUCKETS)
+    return (f'<div style="font-size:0.8rem">Where each token\'s time went (ms per token; the tallest column is '
+            f'{top:.1f} ms) &nbsp; {legend}</div>'
+            f'<div style="display:flex;align-items:flex-end;height:{height_px}px;border-bottom:1px solid #999;'
+            f'overflow:hidden">{"".join(columns)}</div><div style="font-size:0.75rem;color:#666">token index '
+            f'0 to {token_rows[-1]["idx"]}, growing while the run streams</div>')
+
+
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
     """Per-token stacked bars of the five buckets (ms)."""
     fig = go.Figure()

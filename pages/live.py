@@ -1,7 +1,6 @@
 """Live generation: every switch, tokens streaming in coloured by latency, buckets growing live."""
 import html
 import statistics
-import time
 
 import streamlit as st
 
@@ -11,8 +10,8 @@ from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES, SparsityError
 from engine.speculative import MAX_GUESSES, MAX_K, MAX_WINDOW, METHODS
 from engine import sparsity
-from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, open_store, page_setup,
-                throttled)
+from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, live_bars, open_store,
+                page_setup, throttled)
 
 page_setup("Live generation")
 st.title("Live generation")
@@ -60,7 +59,7 @@ with st.form("live"):
     baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
-    st.dataframe(level_table(device), hide_index=True, width="stretch")
+    st.table(level_table(device).set_index("level"))
     st.caption("Accelerated: the kernel reads the low-bit weights directly, so fewer bytes cross from memory. "
                "Emulated: low-bit weights are stored but expanded to 16/32 bits on every forward, so memory "
                "shrinks but speed does not improve. On a CPU, 16-bit levels can be slower than fp32 when the "
@@ -108,20 +107,14 @@ def stream(lm, cfg, store, label: str):
     special = set(lm.tokenizer.all_special_ids)
     gen = Generation(lm, cfg, store=store)
     events = iter(gen)
-    # drawn once before the run, so the first redraw's one-off costs do not land on a token
-    chart_box.plotly_chart(bucket_chart([]), width="stretch", key=f"{label}-empty")
-    updates, last_chart = 0, time.monotonic()
     try:
         for _ in throttled(events, every_s=0.5):
             st.session_state["last_run"] = gen.run_id
-            text_box.markdown(coloured_tokens(gen.tokens, special), unsafe_allow_html=True)
-            if time.monotonic() - last_chart > 2.0:  # the chart costs more to send and draw than the text
-                updates += 1  # each redraw of the growing chart is a new element with its own key
-                chart_box.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-{updates}")
-                last_chart = time.monotonic()
+            text_box.html(coloured_tokens(gen.tokens, special))  # raw HTML: no markdown parse per update
+            chart_box.html(live_bars(gen.tokens))
     finally:
         events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
-    text_box.markdown(coloured_tokens(gen.tokens, special), unsafe_allow_html=True)
+    text_box.html(coloured_tokens(gen.tokens, special))
     chart_box.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-final")
     figures = summary(gen.result, gen)
     cols = st.columns(len(figures))
