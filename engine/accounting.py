@@ -74,7 +74,7 @@ def model_shape(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
         weight_bytes += tensor.nbytes
     # quantized layers whose packed weights are not visible as tensors report their own size
     weight_bytes += sum(getattr(m, "packed_weight_nbytes", 0) for m in model.modules())
-    body = sum(m.in_features * m.out_features for m in model.modules()
+    body = sum(int(m.in_features * m.out_features * getattr(m, "multiply_fraction", 1.0)) for m in model.modules()
                if hasattr(m, "in_features") and hasattr(m, "out_features") and m is not head)
     head_params = head.in_features * head.out_features if hasattr(head, "in_features") else 0
     elem = torch.empty((), dtype=kv_dtype or embed.weight.dtype).element_size()

@@ -19,10 +19,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from . import sparse24
 from .cpu_kernels import kernel
 from .models import REPO_ROOT, LoadedModel
 
-MODES = ("mask", "skip")
+MODES = ("mask", "skip")  # activation sparsity; "2:4" (weights, CUDA only) lives in engine.sparse24
 CALIBRATION_TEXT = REPO_ROOT / "data" / "calibration.txt"
 
 
@@ -144,10 +145,12 @@ def check(lm: LoadedModel, sparsity: float, mode: str) -> None:
     if not 0 <= sparsity <= 0.9:
         raise SparsityError(f"Sparsity must be between 0 and 0.9 (0-90%), not {sparsity}.")
     if mode == "2:4":
-        if lm.device.type != "cuda":
-            raise SparsityError("2:4 semi-structured sparsity needs an NVIDIA GPU with sparse tensor cores "
-                                f"(Ampere or newer); this run is on {lm.device.type}.")
-        raise SparsityError("2:4 semi-structured sparsity prunes weights, not activations, and is not built yet.")
+        reason = sparse24.unavailable_reason(lm.device, lm.dtype)
+        if reason:
+            raise SparsityError(reason)
+        if sparsity not in (0, sparse24.SPARSITY):
+            raise SparsityError(f"2:4 sparsity always prunes half of the weights: use sparsity 0.5, not {sparsity}.")
+        return
     if mode not in MODES:
         raise SparsityError(f"Unknown sparsity mode '{mode}': use mask or skip.")
     if lm.quant not in ("fp32", "bf16", "fp16"):
@@ -199,6 +202,8 @@ def variant(lm: LoadedModel, sparsity: float, mode: str, store=None) -> LoadedMo
         return lm
     check(lm, sparsity, mode)
     key = (id(lm.model), str(lm.device), "sparse", round(sparsity, 4), mode)
+    if mode == "2:4":
+        return remember(key, lambda: sparse24.sparsify(lm))
     return remember(key, lambda: sparsify(lm, sparsity, mode, thresholds_for(lm, sparsity, store)))
 
 

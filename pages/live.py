@@ -31,8 +31,8 @@ with st.form("live"):
     level = c[0].selectbox("Weights", LEVELS)
     group = c[1].selectbox("int4 group size", INT4_GROUPS)
     target = c[2].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05)
-    mode = c[3].selectbox("Sparsity mode", MODES, help="mask: zero small inputs, dense matmul; "
-                                                       "skip: never read their weights")
+    mode = c[3].selectbox("Sparsity mode", [*MODES, "2:4"], help="mask: zero small inputs, dense matmul; "
+                          "skip: never read their weights; 2:4: prune 2 of every 4 weights (NVIDIA GPUs, bf16/fp16)")
     c = st.columns(4)
     temperature = c[0].number_input("Temperature (0 = greedy)", 0.0, 5.0, 0.0, 0.1)
     top_p = c[1].number_input("Top-p", 0.01, 1.0, 1.0, 0.05)
