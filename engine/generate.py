@@ -179,7 +179,7 @@ class Generation:
             raise GenerationError(f"A KV-cache precision apart from the weights' needs the lean forward, which runs "
                                   f"Llama-architecture models; {lm.name} is not one.")
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
-        self.sparse = bool(sparse_layers(lm.model))
+        self.sparse = sparse_layers(lm.model)
         try:
             self.drafter = None if cfg.spec == "none" else make_drafter(
                 lm, cfg.spec, cfg.draft_model, cfg.max_ngram, load=lambda m: load_model(m, device=str(lm.device)),
@@ -357,7 +357,7 @@ class Generation:
         else:
             useful = None
         if self.sparse:
-            saved = forward_savings(self.lm.model)
+            saved = forward_savings(self.sparse)
             work = reduce_work(work, saved["skipped_bytes"], saved["skipped_flops"])
             if saved["zero_bytes"] or saved["zero_flops"]:  # masked: zeros multiplied for nothing
                 useful = reduce_work(useful or work, saved["zero_bytes"], saved["zero_flops"])

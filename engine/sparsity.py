@@ -51,16 +51,17 @@ class SparseLinear(torch.nn.Module):
         return self.weight_t.t() if self.mode == "skip" else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.inputs_seen += x.numel()
-        if x.device.type != "cpu":
-            keep = x.abs() >= self.threshold
-            self.inputs_zeroed += int(keep.numel() - keep.sum())
-            y = F.linear(x * keep, self.dense_weight())
-        elif self.mode == "skip" and x.numel() == self.in_features and x.dtype == torch.float32:
+        n = x.numel()
+        self.inputs_seen += n
+        if self.mode == "skip" and n == self.in_features and x.is_cpu and x.dtype == torch.float32:  # decoding
             y, active = kernel().sparse_gemv(x.reshape(-1), self.weight_t, self.threshold)
             self.inputs_zeroed += self.in_features - active
             self.rows_skipped += self.in_features - active
             y = y.reshape(*x.shape[:-1], self.out_features)
+        elif not x.is_cpu:
+            keep = x.abs() >= self.threshold
+            self.inputs_zeroed += int(keep.numel() - keep.sum())
+            y = F.linear(x * keep, self.dense_weight())
         else:
             masked, zeroed = kernel().mask_small(x, self.threshold)
             self.inputs_zeroed += zeroed
@@ -75,13 +76,13 @@ def sparse_layers(model: torch.nn.Module) -> list[SparseLinear]:
     return [m for m in model.modules() if isinstance(m, SparseLinear)]
 
 
-def forward_savings(model: torch.nn.Module) -> dict:
-    """What the sparse layers did with zeroed inputs since the last call (then reset the counts):
+def forward_savings(layers: list[SparseLinear]) -> dict:
+    """What these sparse layers did with zeroed inputs since the last call (then reset the counts):
     weight bytes and FLOPs skipped (never read, never computed), and weight bytes and FLOPs spent
     multiplying zeros (masked). For several tokens a weight row counts as wasted in proportion to
     the tokens whose input for it was zero."""
     totals = dict.fromkeys(("skipped_bytes", "skipped_flops", "zero_bytes", "zero_flops"), 0)
-    for layer in sparse_layers(model):
+    for layer in layers:
         tokens = max(layer.inputs_seen // layer.in_features, 1)
         masked = layer.inputs_zeroed - layer.rows_skipped
         totals["skipped_bytes"] += layer.rows_skipped * layer.row_bytes
