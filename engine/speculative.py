@@ -310,30 +310,33 @@ def next_k(k: int, drafted: int, accepted: int, adaptive: bool, k_max: int) -> i
 
 
 class Backoff:
-    """The adaptive setting's guard: time per emitted token of steps with guesses against steps
-    without. The first steps run plain to measure; when guessing has cost more per token over its
-    last few steps, it pauses for a while (4 steps, doubling after each loss up to 64), then tries
-    again. So on text where no method's guesses land, adaptive runs stay near plain decoding."""
+    """The adaptive setting's guard. The first decode steps run plain to measure a plain step's time
+    per token; after that, every step with guesses adds to a balance the time it saved (or lost,
+    negative) against plain steps emitting the same tokens. When the balance falls below minus one
+    plain step, guessing pauses (8 steps, doubling after each loss up to 128), then tries again
+    from a zero balance; savings are banked up to four plain steps. So a method whose guesses do not
+    land costs about one wasted step per trial, and one that pays keeps going through its misses."""
 
-    def __init__(self, plain_first: int = 2, window: int = 4):
+    def __init__(self, plain_first: int = 2, first_pause: int = 8, max_pause: int = 128, bank: float = 4.0):
         self.pause = plain_first
-        self.wait = window
-        self.window = window
+        self.wait = first_pause
+        self.max_pause = max_pause
+        self.bank = bank
         self.plain: list[float] = []
-        self.guessing: list[float] = []
+        self.balance = 0.0  # ms saved by guessing since the last pause
 
     def allows(self) -> bool:
         return self.pause == 0
 
     def record(self, step_ms: float, emitted: int, guessed: bool) -> None:
-        (self.guessing if guessed else self.plain).append(step_ms / max(emitted, 1))
-        if self.pause:
-            self.pause -= 1
+        if not guessed:
+            self.plain.append(step_ms / max(emitted, 1))
+            self.pause = max(self.pause - 1, 0)
             return
-        recent = self.guessing[-self.window:]
-        if self.plain and len(recent) == self.window and statistics.median(recent) > statistics.median(self.plain[-8:]):
-            self.pause, self.wait = self.wait, min(2 * self.wait, 64)
-            self.guessing.clear()
+        base = statistics.median(self.plain[-8:])
+        self.balance = min(self.balance + base * emitted - step_ms, self.bank * base)
+        if self.balance < -base:
+            self.pause, self.wait, self.balance = self.wait, min(2 * self.wait, self.max_pause), 0.0
 
 
 def expected_speedup(alpha: float, k: float, c: float) -> float | None:

@@ -57,19 +57,22 @@ def test_tree_accept_takes_the_longest_agreeing_branch_or_the_targets_token():
 
 
 def test_adaptive_backoff_pauses_guessing_that_loses_and_tries_again():
-    gate = Backoff(plain_first=2, window=4)
-    for _ in range(2):
-        assert not gate.allows()
-        gate.record(10.0, 1, guessed=False)
-    for _ in range(4):  # guesses that cost 15 ms per token against 10 without
-        assert gate.allows()
-        gate.record(30.0, 2, guessed=True)
-    for _ in range(4):  # paused for 4 plain steps
+    gate = Backoff(plain_first=2, first_pause=4)
+    for _ in range(2):  # plain steps measure 10 ms per token
         assert not gate.allows()
         gate.record(10.0, 1, guessed=False)
     assert gate.allows()
-    for _ in range(4):  # now they pay: 5 ms per token
+    gate.record(15.0, 1, guessed=True)  # 5 ms lost: within one plain step, keep guessing
+    assert gate.allows()
+    gate.record(16.0, 1, guessed=True)  # 11 ms lost in all: pause
+    for _ in range(4):
+        assert not gate.allows()
+        gate.record(10.0, 1, guessed=False)
+    assert gate.allows() and gate.wait == 8
+    for _ in range(5):  # guesses that pay (3 tokens for 15 ms) bank savings, up to four plain steps
         gate.record(15.0, 3, guessed=True)
+    assert gate.balance == pytest.approx(40.0)
+    gate.record(30.0, 1, guessed=True)  # a miss after savings: still guessing
     assert gate.allows()
 
 
