@@ -32,6 +32,8 @@ class LeanRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused call; equal to the steps below in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,10 +70,11 @@ class LeanAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
         batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        q = _rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        qk, v = self.qkv_proj(x).split([(self.heads + self.kv_heads) * self.head_dim,
+                                        self.kv_heads * self.head_dim], dim=-1)
+        # q and k sit side by side in the fused output: rotate them in one pass
+        qk = _rotate(qk.view(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
             q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
