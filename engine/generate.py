@@ -15,8 +15,8 @@ from transformers import DynamicCache
 from . import hardware, speculative
 from .accounting import cache_nbytes, forward_work, model_shape, reduce_work
 from .distances import PHASES, Roofline, attribute, split_over_tokens, sum_buckets, waste_fraction
-from .metrics import run_metrics
 from .lean import LeanLlama
+from .metrics import run_metrics
 from .models import LoadedModel, load_model
 from .speculative import MAX_K, METHODS, SpeculativeError, greedy_accept, make_drafter, next_k
 from .sparsity import forward_savings, sparse_layers
