@@ -278,7 +278,7 @@ class Generation:
                     emitted, path = speculative.tree_accept(predicted, tree)
                     kept = len(path) if path == list(range(len(path))) else 0
                 else:
-                    emitted = greedy_accept(logits, drafts)
+                    emitted = greedy_accept(predicted, drafts)
                     kept = len(emitted) - 1
                 if hasattr(self.drafter, "observe"):  # Jacobi and lookahead keep the target's other predictions
                     self.drafter.observe(predicted, len(emitted) - 1)

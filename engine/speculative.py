@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -252,10 +253,9 @@ def make_drafter(target: LoadedModel, method: str, draft: str | None = None, max
     return DraftModel(model)
 
 
-def greedy_accept(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+def greedy_accept(predicted: list[int], drafts: list[int]) -> list[int]:
     """Tokens to emit: the drafts the target agrees with, then the target's own next token.
-    logits[i] is the target's prediction after the pending token and drafts[:i]."""
-    predicted = logits.argmax(dim=-1).tolist()
+    predicted[i] is the target's greedy token after the pending token and drafts[:i]."""
     emitted = []
     for draft, target in zip(drafts, predicted):
         if draft != target:
@@ -322,7 +322,7 @@ class Backoff:
         self.wait = first_pause
         self.max_pause = max_pause
         self.bank = bank
-        self.plain: list[float] = []
+        self.plain: deque[float] = deque(maxlen=8)  # recent plain steps' ms per token
         self.balance = 0.0  # ms saved by guessing since the last pause
 
     def allows(self) -> bool:
@@ -333,7 +333,7 @@ class Backoff:
             self.plain.append(step_ms / max(emitted, 1))
             self.pause = max(self.pause - 1, 0)
             return
-        base = statistics.median(self.plain[-8:])
+        base = statistics.median(self.plain)
         self.balance = min(self.balance + base * emitted - step_ms, self.bank * base)
         if self.balance < -base:
             self.pause, self.wait, self.balance = self.wait, min(2 * self.wait, self.max_pause), 0.0
