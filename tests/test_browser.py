@@ -49,5 +49,15 @@ def test_generate_in_the_browser_and_find_the_run(tmp_path):
         page.locator(".js-plotly-plot").nth(2).wait_for(timeout=60_000)
         assert page.locator("[data-testid='stException']").count() == 0
         shot(page, "distances")
-    runs = Store(db).runs()
-    assert list(runs["status"]) == ["ok"] and runs["prompt"].iloc[0] == "Name three fruits."
+
+        page.get_by_role("link", name="Live generation").first.click()
+        page.get_by_label("Prompt text").fill("Tell a long story about the sea.")
+        page.get_by_label("Max new tokens").fill("400")
+        page.get_by_role("button", name="Generate").click()
+        page.get_by_text("Generating:").wait_for(timeout=60_000)
+        page.locator("[data-testid='stButton'] button", has_text="Stop").first.click()
+        page.get_by_text("was stopped and is kept as cancelled").wait_for(timeout=60_000)
+        shot(page, "live-after-stop")
+    runs = Store(db).runs().sort_values("run_id")
+    assert list(runs["status"]) == ["ok", "cancelled"] and runs["prompt"].iloc[0] == "Name three fruits."
+    assert 0 < runs["n_new_tokens"].iloc[1] < 400
