@@ -1,5 +1,5 @@
 """The project's small C++ extension (engine/kernels/cpu_kernels.cpp): the activation-sparse GEMV
-and the masking of engine.sparsity. Built with
+and the masking of engine.sparsity, and the int8 x int8 product of the int8-dyn level. Built with
 PyTorch's cpp_extension once per version of its source (about 35 s, needs ninja and a C++
 compiler) into ~/.cache/tokenpath/, loaded from there afterwards."""
 from __future__ import annotations
@@ -11,6 +11,14 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent / "kernels" / "cpu_kernels.cpp"
 STALE_BUILD_LOCK_S = 600  # a build takes under a minute; an older lock was left by a killed process
 _kernel = None
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the build uses -march=native, so the kernel then uses it)."""
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux
+        return False
 
 
 def build_directory() -> Path:

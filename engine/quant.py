@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import cpu_has_vnni, kernel as build_kernel
 from .models import REPO_ROOT, LoadedModel
 
 LEVELS = ("fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo")
@@ -54,6 +55,10 @@ def level_info(level: str, device: torch.device) -> LevelInfo:
                          "int8 weights are stored, but each forward expands them back to 16/32 bits: the bytes "
                          "read from memory shrink, the work grows")
     if level == "int8-dyn":
+        if cpu and cpu_has_vnni():
+            return LevelInfo(level, "Tokenpath's AVX-512 VNNI kernel (int8 x int8, engine/kernels)", True,
+                             "int8 weights and activations quantized per token; 64 byte pairs multiplied and "
+                             "summed per instruction, int32 accumulation")
         return LevelInfo(level, "torch.ops.quantized.linear_dynamic (fbgemm int8 x int8)", True,
                          "int8 weights and activations quantized per forward; int32 accumulation")
     if level == "int4-wo":
@@ -92,7 +97,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
 
 class Int8DynamicLinear(torch.nn.Module):
-    """int8 weights (per channel) and int8 activations (per token, chosen at run time), fbgemm."""
+    """int8 weights (per channel) and int8 activations (per token, chosen at run time). On CPUs with
+    AVX-512 VNNI the project's kernel (engine/kernels/cpu_kernels.cpp) runs it; elsewhere fbgemm's
+    quantized::linear_dynamic."""
 
     def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None, folded: bool = False):
         """smooth: per-input-channel factors multiplied into the weights (SmoothQuant); the inputs must
@@ -102,12 +109,19 @@ class Int8DynamicLinear(torch.nn.Module):
         if smooth is not None:
             w = w * smooth[None, :]
         self.register_buffer("inv_smooth", 1.0 / smooth if smooth is not None and not folded else None)
-        scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).double()
-        with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13; the pinned torch keeps them
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        self._vnni = vnni_kernel() if w.device.type == "cpu" else None
+        if self._vnni is not None:
+            self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scales", scales)
+            self.register_buffer("row_sums", self.weight_int8.sum(dim=1, dtype=torch.int32))
+            return
+        with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13; the pinned torch keeps them
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(w, scales.double(), torch.zeros(w.shape[0], dtype=torch.long), 0,
+                                           torch.qint8)
         self._packed = torch.ops.quantized.linear_prepack(q, None)
         # the packed weights are opaque to model.parameters(): report what they hold
         self.packed_weight_nbytes = q.int_repr().nbytes + q.q_per_channel_scales().nbytes \
@@ -117,7 +131,9 @@ class Int8DynamicLinear(torch.nn.Module):
         x2, lead = _linear_input(x.float())
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        if x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
+        if self._vnni is not None:
+            y = self._vnni.int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
+        elif x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
             y = torch.ops.quantized.linear_dynamic(x2, self._packed)
         else:
             # fbgemm picks one activation scale per call; scaling every row to the same range first
@@ -126,6 +142,17 @@ class Int8DynamicLinear(torch.nn.Module):
             y = torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed) * row_scale
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
+
+
+def vnni_kernel():
+    """The project's int8 kernel when this CPU has AVX-512 VNNI and the extension builds, else None."""
+    if not cpu_has_vnni():
+        return None
+    try:
+        kernel = build_kernel()
+    except Exception:  # no compiler here: fbgemm runs the level instead
+        return None
+    return kernel if kernel.has_vnni() else None
 
 
 class Int4WeightOnlyLinear(torch.nn.Module):

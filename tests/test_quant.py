@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from engine import quant
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
 from engine.quant import (LEVELS, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
@@ -42,6 +43,31 @@ def test_int8_dynamic_smoothing_is_exact_before_rounding():
     x = torch.randn(5, 64)
     assert relative_error(q(x), linear(x)) < 3e-2
     assert relative_error(q(x[:1]), linear(x[:1])) < 3e-2
+
+
+def test_int8_dynamic_kernel_gives_the_integer_products_exactly():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 96, bias=False)  # 200 inputs: whole 64-byte blocks and a remainder
+    layer = Int8DynamicLinear(linear)
+    if layer._vnni is None:
+        pytest.skip("this CPU has no AVX-512 VNNI: fbgemm runs int8-dyn")
+    x = torch.randn(3, 200)
+    x_scale = x.abs().amax(-1, keepdim=True) / 127
+    x_int = torch.round(x / x_scale).clamp(-127, 127).long()
+    expected = (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales
+    assert torch.equal(layer(x), expected)
+    assert relative_error(layer(x), linear(x)) < 3e-2
+
+
+def test_int8_dynamic_falls_back_to_fbgemm_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(quant, "vnni_kernel", lambda: None)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    layer = Int8DynamicLinear(linear)
+    assert layer.packed_weight_nbytes >= 64 * 32
+    x = torch.randn(4, 64)
+    assert relative_error(layer(x), linear(x)) < 3e-2
+    assert relative_error(layer(x[:1]), linear(x[:1])) < 3e-2
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "fp32"])
