@@ -1,5 +1,5 @@
 """Every weight precision level against fp32 on the default model, alternating levels in one run:
-decode tokens/s (from the median decode step), weight bytes per token, fraction of the memory roofline reached, and quality
+decode tokens/s (the levels' generations advanced token by token in turn; bench/common.py), weight bytes per token, fraction of the memory roofline reached, and quality
 (perplexity, top-1 agreement, KL) teacher-forced on data/eval.txt.
 
     .venv/bin/python bench/quant.py [--tokens 64] [--rounds 4] [--levels fp32,bf16,...]
@@ -14,13 +14,7 @@ from engine import hardware, quality  # noqa: E402
 from engine.accounting import model_shape  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.quant import available_levels, level_info, quantize  # noqa: E402
-from common import decode_run  # noqa: E402
-
-
-def decode_rate(lm, calibration, n):
-    """Decode tokens/s and the mean memory bucket per token."""
-    rate, steps = decode_run(lm, calibration, n)
-    return rate, statistics.mean(s["memory_ms"] for s in steps)
+from common import lockstep_rates  # noqa: E402
 
 
 def main():
@@ -33,16 +27,10 @@ def main():
     levels = args.levels.split(",") if args.levels else available_levels(base.device)
     variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in levels}
     calibration = hardware.calibrate(base.device)
-    for lm in variants.values():
-        decode_rate(lm, calibration, 4)  # warm up
-    rates = {lv: [] for lv in levels}
-    memory = {lv: [] for lv in levels}
-    for i in range(args.rounds):
-        for lv in levels[i % len(levels):] + levels[: i % len(levels)]:
-            rate, mem = decode_rate(variants[lv], calibration, args.tokens)
-            rates[lv].append(rate)
-            memory[lv].append(mem)
-    print(f"{base.name} on {base.device}, greedy, {args.tokens} new tokens, {args.rounds} rounds alternating levels; "
+    lockstep_rates(variants, calibration, 4, 1)  # warm up
+    rates, steps = lockstep_rates(variants, calibration, args.tokens, args.rounds)
+    memory_ms = {lv: statistics.mean(st["memory_ms"] for st in steps[lv]) for lv in levels}
+    print(f"{base.name} on {base.device}, greedy, {args.tokens} new tokens, {args.rounds} rounds, levels in lockstep; "
           f"calibrated read bandwidth {calibration['memory_gbps']:.1f} GB/s")
     print(f"{'level':<10} {'weights MB/token':>16} {'decode tok/s':>12} {'vs fp32':>8} {'roofline':>9} "
           f"{'memory ms/tok':>13} {'perplexity':>10} {'top-1':>7} {'KL nats':>8}  kernel")
@@ -55,7 +43,7 @@ def main():
         q = quality.evaluate(base, lm)
         info = level_info(lv, base.device)
         print(f"{lm.quant:<10} {weight_bytes / 1e6:>16.1f} {rate:>12.2f} {rate / fp32 if fp32 else float('nan'):>7.2f}x "
-              f"{rate / roofline:>8.0%} {statistics.median(memory[lv]):>13.2f} {q['perplexity']:>10.3f} "
+              f"{rate / roofline:>8.0%} {memory_ms[lv]:>13.2f} {q['perplexity']:>10.3f} "
               f"{q['top1_agreement']:>6.1%} {q['kl_mean']:>8.5f}  {info.kernel}"
               f"{'' if info.accelerated else ' (emulated)'}")
 

@@ -1,5 +1,6 @@
 """Activation sparsity on the default model: dense against mask and skip at several sparsities,
-alternating in one run. Prints decode tokens/s (median decode step), weight bytes actually read
+their generations advanced token by token in turn (bench/common.py). Prints decode tokens/s
+(median decode token), weight bytes actually read
 per token, the ratio to dense, and quality (perplexity, top-1 agreement, KL against dense, on
 data/eval.txt; mask and skip compute the same function, so quality is measured once per sparsity).
 
@@ -13,13 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import hardware, quality, sparsity  # noqa: E402
 from engine.models import load_model  # noqa: E402
-from common import decode_run  # noqa: E402
-
-
-def decode(lm, calibration, n):
-    """Decode tokens/s and the weight bytes actually read per token."""
-    rate, steps = decode_run(lm, calibration, n)
-    return rate, statistics.mean(s["weight_bytes"] for s in steps)
+from common import lockstep_rates  # noqa: E402
 
 
 def main():
@@ -35,18 +30,11 @@ def main():
     for s in levels:
         for mode in sparsity.MODES:
             variants[(mode, s)] = sparsity.sparsify(base, s, mode, sparsity.calibrate_thresholds(base, s))
-    for lm in variants.values():
-        decode(lm, calibration, 4)  # warm up
-    rates = {k: [] for k in variants}
-    bytes_read = {}
-    keys = list(variants)
-    for i in range(args.rounds):
-        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
-            rate, weight_bytes = decode(variants[key], calibration, args.tokens)
-            rates[key].append(rate)
-            bytes_read[key] = weight_bytes
+    lockstep_rates(variants, calibration, 4, 1)  # warm up
+    rates, steps = lockstep_rates(variants, calibration, args.tokens, args.rounds)
+    bytes_read = {key: statistics.mean(st["weight_bytes"] for st in steps[key]) for key in variants}
     dense = statistics.median(rates[("dense", 0.0)])
-    print(f"{base.name} on {base.device}, fp32 greedy, {args.tokens} new tokens, {args.rounds} rounds alternating")
+    print(f"{base.name} on {base.device}, fp32 greedy, {args.tokens} new tokens, {args.rounds} rounds, variants in lockstep")
     print(f"{'mode':<6} {'sparsity':>8} {'weights MB/token':>16} {'decode tok/s':>12} {'vs dense':>8} "
           f"{'perplexity':>10} {'top-1':>7} {'KL nats':>8}")
     scores = {s: quality.evaluate(base, variants[("mask", s)]) for s in levels}

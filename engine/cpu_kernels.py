@@ -11,6 +11,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent / "kernels" / "cpu_kernels.cpp"
 STALE_BUILD_LOCK_S = 600  # a build takes under a minute; an older lock was left by a killed process
 _kernel = None
+_unavailable = False
 
 
 def cpu_has_vnni() -> bool:
@@ -29,7 +30,8 @@ def build_directory() -> Path:
 
 def kernel():
     """The compiled extension, built on first use. With -fopenmp, because ATen's parallel_for is a
-    header template: without it the kernels would run on one thread."""
+    header template: without it the kernels would run on one thread; without contracted
+    multiply-adds, so that element-wise kernels round as PyTorch's separate operations do."""
     global _kernel
     if _kernel is None:
         from torch.utils.cpp_extension import load
@@ -41,6 +43,19 @@ def kernel():
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
             lock.unlink(missing_ok=True)
         _kernel = load(name=f"tokenpath_{build.name.replace('-', '_')}", sources=[str(SOURCE)],
-                       build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     return _kernel
+
+
+def optional_kernel():
+    """The extension, or None where it cannot be built here (no C++ compiler): callers with a
+    PyTorch path of their own use this."""
+    global _unavailable
+    if _unavailable:
+        return None
+    try:
+        return kernel()
+    except Exception:  # the build failed; remember, so that it is not retried on every call
+        _unavailable = True
+        return None

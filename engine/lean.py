@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import optional_kernel
+
 
 @dataclass
 class LeanOutput:
@@ -32,8 +34,11 @@ class LeanRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused call; equal to the steps below in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            kernel = cpu_kernel(x)
+            if kernel is not None:
+                return kernel.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # equal to the steps below in fp32
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,10 +56,24 @@ def fused_linear(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+def cpu_kernel(x: torch.Tensor):
+    """The project's C++ kernels for a float32 tensor on the CPU, when they are built: on a decode
+    step each PyTorch operation they replace costs several microseconds, its code and data evicted
+    from the caches by the weights streamed in between; one plain loop costs less than one."""
+    return optional_kernel() if x.is_cpu and x.dtype == torch.float32 else None
+
+
+def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of the first `heads` heads of x [batch, length, width], as
+    [batch, heads, length, head_dim]; cos and sin are [batch, length, head_dim]."""
+    kernel = cpu_kernel(x) if cos.dtype == torch.float32 else None
+    if kernel is not None:
+        return kernel.rotary(x, cos, sin, heads, head_dim)
+    batch, length, _ = x.shape
+    x = x[..., :heads * head_dim].view(batch, length, heads, head_dim).transpose(1, 2)
+    half = head_dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
 class LeanAttention(nn.Module):
@@ -70,12 +89,12 @@ class LeanAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
         batch, length, _ = x.shape
-        qk, v = self.qkv_proj(x).split([(self.heads + self.kv_heads) * self.head_dim,
-                                        self.kv_heads * self.head_dim], dim=-1)
+        qkv = self.qkv_proj(x)
         # q and k sit side by side in the fused output: rotate them in one pass
-        qk = _rotate(qk.view(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate_heads(qkv, self.heads + self.kv_heads, self.head_dim, cos, sin).split(
+            [self.heads, self.kv_heads], dim=1)
+        v = qkv[..., (self.heads + self.kv_heads) * self.head_dim:].view(
+            batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
             q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         if cache is not None:
@@ -94,7 +113,11 @@ class LeanMLP(nn.Module):
         self.down_proj = hf_mlp.down_proj
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernel = cpu_kernel(gate_up)
+        if kernel is not None:
+            return self.down_proj(kernel.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -152,7 +175,6 @@ class LeanLlama(nn.Module):
             position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(x, position_ids)
-        cos, sin = cos[:, None], sin[:, None]
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
                                                                        (past and length > 1)) else None
         for layer in self.model.layers:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import cpu_has_vnni, kernel as build_kernel
+from .cpu_kernels import cpu_has_vnni, optional_kernel
 from .models import REPO_ROOT, LoadedModel
 
 LEVELS = ("fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo")
@@ -148,11 +148,8 @@ def vnni_kernel():
     """The project's int8 kernel when this CPU has AVX-512 VNNI and the extension builds, else None."""
     if not cpu_has_vnni():
         return None
-    try:
-        kernel = build_kernel()
-    except Exception:  # no compiler here: fbgemm runs the level instead
-        return None
-    return kernel if kernel.has_vnni() else None
+    kernel = optional_kernel()
+    return kernel if kernel is not None and kernel.has_vnni() else None
 
 
 class Int4WeightOnlyLinear(torch.nn.Module):

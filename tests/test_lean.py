@@ -3,6 +3,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from engine import lean
+from engine.cpu_kernels import optional_kernel
 from engine.lean import LeanLlama
 from engine.models import tiny_model
 
@@ -67,3 +69,28 @@ def test_a_half_precision_cache_holds_half_the_bytes_and_stays_close(pair, kv_dt
     assert half.keys.dtype == kv_dtype and half.keys.nbytes * 2 == full.keys.nbytes
     assert logits[kv_dtype].dtype == torch.float32
     torch.testing.assert_close(logits[kv_dtype], logits[None], rtol=0, atol=0.05)
+
+
+def test_cpu_kernels_compute_the_pytorch_expressions():
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 3, 6 * 16)
+    cos, sin = torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+    heads = qkv[..., :4 * 16].view(1, 3, 4, 16).transpose(1, 2)
+    rotated = torch.cat((-heads[..., 8:], heads[..., :8]), dim=-1)
+    assert torch.equal(kernel.rotary(qkv, cos, sin, 4, 16), heads * cos[:, None] + rotated * sin[:, None])
+    x, w = torch.randn(2, 3, 48), torch.randn(48)
+    torch.testing.assert_close(kernel.rms_norm(x, w, 1e-5), w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                                   + 1e-5)), rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(2, 3, 2 * 40)
+    gate, up = gate_up.split(40, dim=-1)
+    torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_the_pytorch_path_without_the_kernels_gives_the_same_logits(pair, monkeypatch):
+    with_kernels = pair[0](input_ids=IDS, use_cache=False).logits
+    monkeypatch.setattr(lean, "optional_kernel", lambda: None)
+    torch.testing.assert_close(pair[0](input_ids=IDS, use_cache=False).logits, with_kernels, rtol=0, atol=1e-5)

@@ -29,12 +29,16 @@ static inline void add_rows(float* __restrict y, const float* const* rows, const
 // Returns y and the number of active inputs. Each thread takes a contiguous share of the active
 // rows and streams them whole into its own partial output (long contiguous reads, which the
 // hardware prefetcher follows); the partial outputs are summed at the end.
+// x is one token's input (any shape holding in_features values); y has x's shape with the last
+// dimension out_features.
 std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_t, double threshold) {
-  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat, "x must be a 1-D float32 tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "x must be float32");
   TORCH_CHECK(w_t.dim() == 2 && w_t.is_contiguous() && w_t.scalar_type() == torch::kFloat,
               "w_t must be a contiguous 2-D float32 tensor");
   const int64_t in = w_t.size(0), out = w_t.size(1);
-  TORCH_CHECK(x.size(0) == in, "x and w_t disagree on the input width");
+  TORCH_CHECK(x.numel() == in, "x and w_t disagree on the input width");
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = out;
   x = x.contiguous();
   const float* xp = x.data_ptr<float>();
   const float* wp = w_t.data_ptr<float>();
@@ -66,7 +70,7 @@ std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_
       add_rows<1>(y, rows, v, out);
     }
   });
-  auto y = torch::empty({out}, x.options());
+  auto y = torch::empty(out_sizes, x.options());
   float* yp = y.data_ptr<float>();
   std::copy(pp, pp + out, yp);
   for (int t = 1; t < threads; ++t)
@@ -151,6 +155,80 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   return y;
 }
 
+// RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
+// the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
+// PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
+// weight stream has just flushed.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm takes float32");
+  x = x.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xp + r * H;
+    double squares = 0.0;
+    for (int64_t k = 0; k < H; ++k) squares += static_cast<double>(row[k]) * row[k];
+    const float scale = 1.f / std::sqrt(static_cast<float>(squares / H) + static_cast<float>(eps));
+    for (int64_t k = 0; k < H; ++k) op[r * H + k] = wp[k] * (row[k] * scale);
+  }
+  return out;
+}
+
+// Rotary embedding of the first `heads` heads of each row of x [B, L, >= heads * D] (e.g. a fused
+// q/k/v projection's output): returns [B, heads, L, D] with out = x * cos + rotate_half(x) * sin,
+// cos and sin [B, L, D]. Same arithmetic as the PyTorch expression, element by element.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t D) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
+              sin.scalar_type() == torch::kFloat, "rotary takes float32");
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t B = x.size(0), L = x.size(1), width = x.size(2), half = D / 2;
+  TORCH_CHECK(width >= heads * D && cos.size(-1) == D && cos.numel() == B * L * D, "rotary: shapes disagree");
+  auto out = torch::empty({B, heads, L, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l) {
+      const float* c = cp + (b * L + l) * D;
+      const float* s = sp + (b * L + l) * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* v = xp + (b * L + l) * width + h * D;
+        float* o = op + ((b * heads + h) * L + l) * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float rotated = -v[d + half];
+          o[d] = v[d] * c[d] + rotated * s[d];
+        }
+        for (int64_t d = half; d < D; ++d) o[d] = v[d] * c[d] + v[d - half] * s[d];
+      }
+    }
+  return out;
+}
+
+// silu(gate) * up for x [..., 2 * I] holding gate then up (a fused gate/up projection's output).
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "silu_mul takes float32");
+  x = x.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = xp + r * 2 * I;
+    const float* up = gate + I;
+    for (int64_t k = 0; k < I; ++k) op[r * I + k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
+  }
+  return out;
+}
+
 bool has_vnni() {
 #ifdef __AVX512VNNI__
   return true;
@@ -161,6 +239,9 @@ bool has_vnni() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x w^T with int8 weights, activations quantized to int8 per row");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32");
+  m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
