@@ -1,5 +1,6 @@
-"""Every speculative method against plain greedy on each shipped workload, alternating in one run:
-speedup in end-to-end tokens/s, acceptance, tokens per target forward, and the speedup the formula
+"""Every speculative method against plain greedy on each shipped workload, the methods' generations
+advanced token by token in turn (bench/common.py): speedup in end-to-end tokens/s (new tokens over
+the time spent generating them, prefill included), acceptance, tokens per target forward, and the speedup the formula
 expects from the measured acceptance and cost ratio; per workload, the slowest adaptive setting.
 
     .venv/bin/python bench/speculative.py [--tokens 64] [--rounds 2]
@@ -11,8 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import hardware  # noqa: E402
-from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.generate import GenConfig  # noqa: E402
 from engine.models import load_model, workloads  # noqa: E402
+from common import lockstep  # noqa: E402
 
 METHODS = {
     "greedy": dict(),
@@ -29,12 +31,6 @@ METHODS = {
 }
 
 
-def run(lm, calibration, prompt, n, settings):
-    gen = Generation(lm, GenConfig(prompt, max_new_tokens=n, **settings), calibration=calibration, telemetry=False)
-    result = gen.run()
-    return result
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
@@ -42,19 +38,21 @@ def main():
     args = parser.parse_args()
     lm = load_model()
     calibration = hardware.calibrate(lm.device)
-    for name, settings in METHODS.items():
-        run(lm, calibration, "Hello", 4, settings)  # build drafters and warm up
-    print(f"{lm.name} on {lm.device}, fp32, up to {args.tokens} new tokens, {args.rounds} rounds alternating")
+    lockstep({name: (lm, GenConfig("Hello", max_new_tokens=4, **settings)) for name, settings in METHODS.items()},
+             calibration)  # build drafters and warm up
+    print(f"{lm.name} on {lm.device}, fp32, up to {args.tokens} new tokens, {args.rounds} rounds, methods in lockstep")
     print(f"{'workload':<17} {'method':<28} {'tok/s':>6} {'speedup':>8} {'accept':>7} {'tok/fwd':>7} {'expected':>8}")
     for workload, item in workloads().items():
         rates = {name: [] for name in METHODS}
         last = {}
         names = list(METHODS)
         for i in range(args.rounds):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                result = run(lm, calibration, item["prompt"], args.tokens, METHODS[name])
-                rates[name].append(result["tokens_per_s"])
-                last[name] = result
+            order = names[i % len(names):] + names[: i % len(names)]
+            done = lockstep({name: (lm, GenConfig(item["prompt"], max_new_tokens=args.tokens, **METHODS[name]))
+                             for name in order}, calibration)
+            for name, (gen, token_ms) in done.items():
+                rates[name].append(len(gen.token_ids) / (sum(token_ms) / 1e3))
+                last[name] = gen.result
         base = statistics.median(rates["greedy"])
         best = max((n for n in METHODS if n != "greedy"), key=lambda n: statistics.median(rates[n]))
         for name in METHODS:

@@ -320,7 +320,9 @@ class Generation:
                 return
             k = next_k(k, len(drafts), accepted, cfg.adaptive, MAX_K)
             if backoff and step > 0:  # decode steps only: the prefill is no measure of a plain step
-                backoff.record(row["wall_ms"], len(events), bool(drafts))
+                # the step's own time: the consumer's (a page drawing, a benchmark's other runs) is not
+                # what guessing costs
+                backoff.record((row["t_end_ns"] - t_draft) / 1e6, len(events), bool(drafts))
             step += 1
             if len(self.tokens) - self._flushed_tokens >= FLUSH_EVERY_TOKENS:
                 self._flush()
