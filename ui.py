@@ -131,14 +131,15 @@ def run_label(row) -> str:
 
 
 def throttled(events, every_s: float = 0.2):
-    """Pass on at most one event per interval (and always the last): each page update costs the
-    browser and the server CPU time that the model, on the same cores, would otherwise use."""
-    last = 0.0
+    """Pass on the first event and then at most one per interval (and always the last): each page
+    update costs the browser and the server CPU time that the model, on the same cores, would
+    otherwise use."""
+    last = None
     pending = None
     for event in events:
         pending = event
         now = time.monotonic()
-        if now - last >= every_s:
+        if last is None or now - last >= every_s:
             last = now
             pending = None
             yield event

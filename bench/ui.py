@@ -5,11 +5,14 @@ decode tokens/s (1000 / TPOT) of the recorded runs.
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
 previous page's JavaScript heap while the first tokens are generated, which the figure includes.
+With --quiet the page's "Draw the tokens while they stream" is off: a progress note every few
+seconds, text and charts at the end.
 
-    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload]
+    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload] [--quiet]
 """
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -26,24 +29,29 @@ from engine.store import Store  # noqa: E402
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def through_page(page, url, store, tokens, reload):
+def wait_until(check, what: str, timeout_s: float = 300) -> None:
+    """Poll every half second from here: Playwright's own waiting polls the page every frame, and
+    a database query runs on every core; either would take CPU time from the run being measured."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def through_page(page, url, store, tokens, reload, quiet):
     before = set(store.runs(1000)["run_id"])
     if reload or not page.url.endswith("/live"):
         page.goto(url + "/live")
     page.get_by_label("Prompt text").fill(PROMPT)
     page.get_by_label("Max new tokens").fill(str(tokens))
+    page.get_by_role("checkbox", name="Draw the tokens while they stream").set_checked(not quiet, force=True)
+    caption = page.get_by_text(re.compile(r"^Run #\d+, stopped by"))  # drawn when a run has ended
+    previous = caption.first.inner_text() if caption.count() else None
     page.get_by_role("button", name="Generate").click()
-    deadline = time.monotonic() + 300
-    while True:
-        new = store.runs(1000)
-        new = new[~new["run_id"].isin(before) & (new["status"] != "running")]
-        if len(new):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError("the page's run did not finish in 300 s")
-        time.sleep(0.5)
-    row = new.iloc[0]
-    page.get_by_text(f"Run #{row['run_id']},").wait_for(timeout=60_000)  # the page has drawn its result
+    wait_until(lambda: caption.count() > 0 and caption.first.inner_text() != previous, "the run's result")
+    new = store.runs(1000)
+    row = new[~new["run_id"].isin(before)].iloc[0]
     return 1e3 / row["tpot_ms"]
 
 
@@ -58,20 +66,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reload", action="store_true", help="load the page afresh before every run")
+    parser.add_argument("--quiet", action="store_true", help="turn off drawing the tokens while they stream")
     args = parser.parse_args()
     db = Path(tempfile.mkdtemp()) / "ui.duckdb"
     store = Store(db)
     page_rates, cli_rates = [], []
     with serve_app(db) as url, browser_page() as page:
-        through_page(page, url, store, 4, args.reload)  # the first page run loads the model into the server
+        through_page(page, url, store, 4, args.reload, args.quiet)  # the first page run loads the model into the server
         for i in range(args.rounds):
             for name in (["page", "cli"] if i % 2 == 0 else ["cli", "page"]):
                 if name == "page":
-                    page_rates.append(through_page(page, url, store, args.tokens, args.reload))
+                    page_rates.append(through_page(page, url, store, args.tokens, args.reload, args.quiet))
                 else:
                     cli_rates.append(from_cli(db, args.tokens))
     page_med, cli_med = statistics.median(page_rates), statistics.median(cli_rates)
     how = "the page loaded afresh for every run" if args.reload else "the page loaded once, Generate clicked per run"
+    how += "; drawing while streaming off" if args.quiet else "; tokens drawn while they stream"
     print(f"greedy fp32, up to {args.tokens} new tokens, {args.rounds} rounds alternating, browser open throughout; {how}")
     print(f"streamed through the page: median {page_med:.2f} decode tok/s ({', '.join(f'{r:.2f}' for r in page_rates)})")
     print(f"command line:              median {cli_med:.2f} decode tok/s ({', '.join(f'{r:.2f}' for r in cli_rates)})")

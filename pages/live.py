@@ -17,6 +17,10 @@ from ui import (bucket_chart, default_model_id, generation_queue, get_model, lev
 page_setup("Live generation")
 st.title("Live generation")
 
+LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small "
+             "machine: on a 2-core CPU, redrawing twice a second made decode about a quarter slower than the "
+             "command line (bench/ui.py). Off: the text and charts appear when the run ends, and the timings "
+             "are close to the engine's own.")
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
@@ -57,7 +61,9 @@ with st.form("live"):
     kv_dtype = c[3].selectbox("KV-cache precision", list(KV_DTYPES),
                               help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
                                    "fp32 weights; attention then runs in that precision.")
-    baseline = st.checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
+    c = st.columns(2)
+    baseline = c[0].checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
+    live = c[1].checkbox("Draw the tokens while they stream", True, help=LIVE_HELP)
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
     st.table(level_table(device).set_index("level"))
@@ -104,11 +110,13 @@ def summary(result: dict, gen: Generation) -> dict:
 # Streamlit's running-man icon redraws several times a second, costing the browser about 40 ms of CPU a
 # second that the model, on the same cores, loses; while a run streams, the page shows its own progress.
 HIDE_RUNNING_ICON = "<style>[data-testid=stStatusWidgetRunningIcon]{display:none}</style>"
-STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at most {limit} tokens so far</div>'
+STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at most {limit} tokens so far{rest}</div>'
+QUIET_NOTE = " (text and charts appear when the run ends: drawing while it streams is off)"
 
 
-def stream(lm, cfg, store, label: str):
-    """Run one generation, drawing text and buckets as they come; returns the finished Generation."""
+def stream(lm, cfg, store, label: str, live: bool):
+    """Run one generation, drawing text and buckets as they come (every half second), or when not
+    live only a progress note until the end; returns the finished Generation."""
     st.html(HIDE_RUNNING_ICON)
     st.markdown(f"**{label}**")
     live_box = st.empty()
@@ -116,11 +124,12 @@ def stream(lm, cfg, store, label: str):
     gen = Generation(lm, cfg, store=store)
     events = iter(gen)
     try:
-        for _ in throttled(events, every_s=0.5):
+        # not live: a short note every few seconds, which also lets a Stop click end the run
+        for _ in throttled(events, every_s=0.5 if live else 5.0):
             st.session_state["last_run"] = gen.run_id
-            # one raw-HTML element for text and bars: each element update costs the browser a redraw
-            live_box.html(coloured_tokens(gen.tokens, special) + live_bars(gen.tokens) + STREAMING_NOTE.format(
-                n=len(gen.tokens), limit=cfg.max_new_tokens))
+            note = STREAMING_NOTE.format(n=len(gen.tokens), limit=cfg.max_new_tokens, rest="" if live else QUIET_NOTE)
+            # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
+            live_box.html(coloured_tokens(gen.tokens, special) + live_bars(gen.tokens) + note if live else note)
     finally:
         events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
     with live_box.container():
@@ -177,11 +186,11 @@ if submitted and store is not None:
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
         try:
-            gen = stream(lm, cfg, store, "This run")
+            gen = stream(lm, cfg, store, "This run", live)
             if baseline:
                 base_lm = get_model(model_id, device)
                 base_cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new))
-                ref = stream(base_lm, base_cfg, store, "Baseline: fp32, greedy, KV cache on, dense")
+                ref = stream(base_lm, base_cfg, store, "Baseline: fp32, greedy, KV cache on, dense", live)
                 if ref.result["tpot_ms"] and gen.result["tpot_ms"]:
                     st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
                               f"{ref.result['tpot_ms'] / gen.result['tpot_ms']:.2f}x")
