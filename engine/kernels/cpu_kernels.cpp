@@ -26,11 +26,10 @@ static inline void add_rows(float* __restrict y, const float* const* rows, const
   }
 }
 
-// Returns y and the number of active inputs. Each thread takes a contiguous share of the active
-// rows and streams them whole into its own partial output (long contiguous reads, which the
-// hardware prefetcher follows); the partial outputs are summed at the end.
-// x is one token's input (any shape holding in_features values); y has x's shape with the last
-// dimension out_features.
+// x is one token's input (any shape holding in_features values). Returns y, shaped like x with the
+// last dimension out_features, and the number of active inputs. Each thread takes a contiguous
+// share of the active rows and streams them whole into its own partial output (long contiguous
+// reads, which the hardware prefetcher follows); the partial outputs are summed at the end.
 std::tuple<torch::Tensor, int64_t> sparse_gemv(torch::Tensor x, torch::Tensor w_t, double threshold) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "x must be float32");
   TORCH_CHECK(w_t.dim() == 2 && w_t.is_contiguous() && w_t.scalar_type() == torch::kFloat,
