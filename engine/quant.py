@@ -112,8 +112,9 @@ class Int8DynamicLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-        self._vnni = vnni_kernel() if w.device.type == "cpu" else None
-        if self._vnni is not None:
+        # a flag, not the extension itself: a module object would stop the layer being deep-copied
+        self.vnni = w.device.type == "cpu" and vnni_kernel() is not None
+        if self.vnni:
             self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
             self.register_buffer("scales", scales)
             self.register_buffer("row_sums", self.weight_int8.sum(dim=1, dtype=torch.int32))
@@ -131,8 +132,8 @@ class Int8DynamicLinear(torch.nn.Module):
         x2, lead = _linear_input(x.float())
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        if self._vnni is not None:
-            y = self._vnni.int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
+        if self.vnni:
+            y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
         elif x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
             y = torch.ops.quantized.linear_dynamic(x2, self._packed)
         else:

@@ -18,8 +18,8 @@ page_setup("Live generation")
 st.title("Live generation")
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small "
-             "machine: on a 2-core CPU, redrawing twice a second made decode about a quarter slower than the "
-             "command line (bench/ui.py). Off: the text and charts appear when the run ends, and the timings "
+             "machine: on a 2-core CPU, redrawing twice a second made decode about 30% slower than the "
+             "command line (bench/ui.py measured 0.69-0.71 of its speed). Off: the text and charts appear when the run ends, and the timings "
              "are close to the engine's own.")
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
@@ -129,7 +129,7 @@ def stream(lm, cfg, store, label: str, live: bool):
             st.session_state["last_run"] = gen.run_id
             note = STREAMING_NOTE.format(n=len(gen.tokens), limit=cfg.max_new_tokens, rest="" if live else QUIET_NOTE)
             # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
-            live_box.html(coloured_tokens(gen.tokens, special) + live_bars(gen.tokens) + note if live else note)
+            live_box.html((coloured_tokens(gen.tokens, special) + live_bars(gen.tokens) + note) if live else note)
     finally:
         events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
     with live_box.container():

@@ -1,4 +1,6 @@
 """Weight precision levels: real low-bit tensors, kernels that agree with their reference, honest bytes."""
+import copy
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_int8_dynamic_kernel_gives_the_integer_products_exactly():
     torch.manual_seed(0)
     linear = torch.nn.Linear(200, 96, bias=False)  # 200 inputs: whole 64-byte blocks and a remainder
     layer = Int8DynamicLinear(linear)
-    if layer._vnni is None:
+    if not layer.vnni:
         pytest.skip("this CPU has no AVX-512 VNNI: fbgemm runs int8-dyn")
     x = torch.randn(3, 200)
     x_scale = x.abs().amax(-1, keepdim=True) / 127
@@ -57,6 +59,7 @@ def test_int8_dynamic_kernel_gives_the_integer_products_exactly():
     expected = (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales
     assert torch.equal(layer(x), expected)
     assert relative_error(layer(x), linear(x)) < 3e-2
+    assert torch.equal(copy.deepcopy(layer)(x), expected)
 
 
 def test_int8_dynamic_falls_back_to_fbgemm_without_the_kernel(monkeypatch):
