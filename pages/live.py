@@ -157,11 +157,15 @@ def finished_run(store, run_id: int, timeout_s: float = 10.0) -> dict | None:
 
 
 store = open_store()
+stop_clicked = st.session_state.pop("stop_clicked", False)
 if "last_run" in st.session_state and not submitted and store is not None:
     last = st.session_state.pop("last_run")
     row = finished_run(store, last) if last is not None else None
     if row and row["status"] == "cancelled":
         st.warning(f"Run #{last} was stopped and is kept as cancelled ({row['n_new_tokens']} tokens).")
+    elif row and stop_clicked and row["status"] == "ok":
+        st.info(f"Run #{last} had already finished when Stop was clicked ({row['n_new_tokens']} tokens); "
+                "it is kept as ok: see it on the Runs and Distances pages.")
 
 if submitted and store is not None:
     cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
@@ -182,7 +186,8 @@ if submitted and store is not None:
         st.error(str(exc))
         st.stop()
     waiting = st.empty()
-    st.button("Stop", help="Ends the run now; it is kept as cancelled.")
+    st.button("Stop", help="Ends the run now; it is kept as cancelled.",
+              on_click=lambda: st.session_state.update(stop_clicked=True))
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
         try:

@@ -39,6 +39,10 @@ def test_live_generation_streams_and_records(page_db):
     runs = Store(page_db).runs()
     assert list(runs["status"]) == ["ok"]
     assert len(Store(page_db).tokens(int(runs["run_id"].iloc[0]))) == runs["n_new_tokens"].iloc[0]
+    # Stop clicked after the run ended: the page says so and the run stays ok
+    next(b for b in at.button if b.label == "Stop").click().run()
+    assert "had already finished when Stop was clicked" in at.info[0].value
+    assert list(Store(page_db).runs()["status"]) == ["ok"]
 
 
 def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
