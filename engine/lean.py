@@ -45,15 +45,44 @@ class LeanRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def fused_linear(*linears: nn.Linear) -> nn.Linear:
-    """One nn.Linear whose output is the given layers' outputs side by side."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    has_bias = linears[0].bias is not None
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
-    return fused
+SMALL_ROWS = 16  # up to this many rows (a decode step, a verification of drafts) go to the project's kernel
+
+
+class LeanLinear(nn.Linear):
+    """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: MKL's kernels
+    for 3 to 16 rows cost about twice its one-row kernel here, which made verifying K drafts cost
+    two plain steps; this one reads each weight once for all rows, and a row's result does not
+    depend on how many rows share the call. Other dtypes, quantized weights and prefills use F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
+                and x.numel() <= SMALL_ROWS * x.shape[-1]):
+            kernel = cpu_kernel(x) if weight.is_cpu else None
+            if kernel is not None:
+                return kernel.small_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
+
+
+def _lean_layer(weight: nn.Parameter, bias: nn.Parameter | None) -> LeanLinear:
+    layer = LeanLinear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = weight
+    if bias is not None:
+        layer.bias = bias
+    return layer
+
+
+def lean_linear(linear: nn.Linear) -> LeanLinear:
+    """A LeanLinear holding the layer's own parameters (shared, not copied: a tied head stays tied)."""
+    return _lean_layer(linear.weight, linear.bias)
+
+
+def fused_linear(*linears: nn.Linear) -> LeanLinear:
+    """One layer whose output is the given layers' outputs side by side."""
+    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    bias = (nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+            if linears[0].bias is not None else None)
+    return _lean_layer(weight, bias)
 
 
 def cpu_kernel(x: torch.Tensor):
@@ -85,7 +114,7 @@ class LeanAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim ** -0.5
         self.qkv_proj = fused_linear(hf_attention.q_proj, hf_attention.k_proj, hf_attention.v_proj)
-        self.o_proj = hf_attention.o_proj
+        self.o_proj = lean_linear(hf_attention.o_proj)
 
     def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
         batch, length, _ = x.shape
@@ -110,7 +139,7 @@ class LeanMLP(nn.Module):
         super().__init__()
         self.intermediate = hf_mlp.gate_proj.out_features
         self.gate_up_proj = fused_linear(hf_mlp.gate_proj, hf_mlp.up_proj)
-        self.down_proj = hf_mlp.down_proj
+        self.down_proj = lean_linear(hf_mlp.down_proj)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -158,7 +187,7 @@ class LeanLlama(nn.Module):
         self.config = hf_model.config
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.model = LeanBody(hf_model.model, hf_model.config)
-        self.lm_head = hf_model.lm_head
+        self.lm_head = lean_linear(hf_model.lm_head)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

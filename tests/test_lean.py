@@ -89,6 +89,43 @@ def test_cpu_kernels_compute_the_pytorch_expressions():
     torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n, k", [(64, 48), (67, 37), (3, 16)])
+def test_small_linear_gives_each_row_the_same_result_whatever_the_rows_beside_it(n, k):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, 11, k), torch.randn(n, k), torch.randn(n)
+    y = kernel.small_linear(x, w, b)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert y.shape == (1, 11, n)
+    for rows in [slice(0, 1), slice(3, 8), slice(10, 11)]:  # a decode step's row equals the same row verified with others
+        assert torch.equal(kernel.small_linear(x[:, rows], w, b), y[:, rows])
+    assert torch.equal(kernel.small_linear(x[0], w, None) + b, y[0])
+
+
+@torch.inference_mode()
+def test_lean_linear_uses_the_kernel_for_few_float32_rows_only(monkeypatch):
+    torch.manual_seed(0)
+    layer = lean.lean_linear(torch.nn.Linear(32, 24))
+    calls = []
+    real = optional_kernel()
+    if real is None:
+        pytest.skip("the C++ extension cannot be built here")
+
+    class Spy:
+        def small_linear(self, *args):
+            calls.append(args[0].shape)
+            return real.small_linear(*args)
+
+    monkeypatch.setattr(lean, "optional_kernel", lambda: Spy())
+    for rows in [1, lean.SMALL_ROWS, lean.SMALL_ROWS + 1]:
+        x = torch.randn(1, rows, 32)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    layer.to(torch.bfloat16)(torch.randn(1, 2, 32, dtype=torch.bfloat16))
+    assert calls == [(1, 1, 32), (1, lean.SMALL_ROWS, 32)]
+
+
 @torch.inference_mode()
 def test_the_pytorch_path_without_the_kernels_gives_the_same_logits(pair, monkeypatch):
     with_kernels = pair[0](input_ids=IDS, use_cache=False).logits
