@@ -312,18 +312,20 @@ def next_k(k: int, drafted: int, accepted: int, adaptive: bool, k_max: int) -> i
 class Backoff:
     """The adaptive setting's guard. The first decode steps run plain to measure a plain step's time
     per token; after that, every step with guesses adds to a balance the time it saved (or lost,
-    negative) against plain steps emitting the same tokens. When the balance falls below minus one
+    negative) against plain steps emitting the same tokens. When the balance falls below minus half a
     plain step, guessing pauses (8 steps, doubling after each loss up to 128), then tries again
     from a zero balance; savings are banked up to four plain steps. So a method whose guesses do not
-    land costs about one wasted step per trial, and one that pays keeps going through its misses."""
+    land costs about half a wasted step per trial, and one that pays keeps going through its misses."""
 
-    def __init__(self, plain_first: int = 2, first_pause: int = 8, max_pause: int = 128, bank: float = 4.0):
+    def __init__(self, plain_first: int = 2, first_pause: int = 8, max_pause: int = 128, bank: float = 4.0,
+                 give_up: float = 0.5):
         self.pause = plain_first
         self.wait = first_pause
         self.max_pause = max_pause
         self.bank = bank
         self.plain: deque[float] = deque(maxlen=8)  # recent plain steps' ms per token
         self.balance = 0.0  # ms saved by guessing since the last pause
+        self.give_up = give_up  # plain steps' worth of loss that pauses guessing
 
     def allows(self) -> bool:
         return self.pause == 0
@@ -335,7 +337,7 @@ class Backoff:
             return
         base = statistics.median(self.plain)
         self.balance = min(self.balance + base * emitted - step_ms, self.bank * base)
-        if self.balance < -base:
+        if self.balance < -self.give_up * base:
             self.pause, self.wait, self.balance = self.wait, min(2 * self.wait, self.max_pause), 0.0
 
 

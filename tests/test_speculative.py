@@ -62,7 +62,7 @@ def test_adaptive_backoff_pauses_guessing_that_loses_and_tries_again():
         assert not gate.allows()
         gate.record(10.0, 1, guessed=False)
     assert gate.allows()
-    gate.record(15.0, 1, guessed=True)  # 5 ms lost: within one plain step, keep guessing
+    gate.record(15.0, 1, guessed=True)  # 5 ms lost: within half a plain step, keep guessing
     assert gate.allows()
     gate.record(16.0, 1, guessed=True)  # 11 ms lost in all: pause
     for _ in range(4):
