@@ -241,6 +241,8 @@ class Generation:
         stream = TextStream(lm.tokenizer)
         ids = list(self.prompt_ids)
         self.cache = DynamicCache(config=lm.config) if cfg.kv_cache else None
+        if self.cache is not None and hasattr(self.drafter, "attach"):  # an early-exit draft shares the cache
+            self.drafter.attach(self.cache, self.kv_dtype)
         step_start = t_request
         pending = ids  # tokens the next forward must take in
         k = cfg.spec_k

@@ -167,12 +167,16 @@ class DraftModel:
             keep += 1
         keep = min(keep, len(ids) - 1)  # always feed at least the last token to get its logits
         crop_cache(self.cache, keep)
-        feed = ids[keep:]
+        drafts = self._draft(ids[keep:], k, self.cache, sample, generator)
+        self.cached_ids = ids + drafts[:-1]
+        return drafts
+
+    def _draft(self, feed: list[int], k: int, cache, sample, generator, **extra) -> list[int]:
         drafts: list[int] = []
         self.draft_probs = []
         for _ in range(k):
-            out = self.lm.model(input_ids=torch.tensor([feed], device=self.lm.device), cache=self.cache,
-                                use_cache=True, logits_to_keep=1)
+            out = self.lm.model(input_ids=torch.tensor([feed], device=self.lm.device), cache=cache,
+                                use_cache=True, logits_to_keep=1, **extra)
             logits = out.logits[0, -1].float().cpu()
             if sample is None:
                 token = int(logits.argmax())
@@ -182,7 +186,33 @@ class DraftModel:
                 self.draft_probs.append(probs)
             drafts.append(token)
             feed = [token]
-        self.cached_ids = ids + drafts[:-1]
+        return drafts
+
+
+class EarlyExitDraft(DraftModel):
+    """The target's first layers, its final norm and head as the draft (self-speculation). Attached
+    to the target's KV cache, it drafts on top of the entries the target has already written for
+    those layers, so it never re-reads the tokens accepted while it was not drafting (after a pause
+    of the adaptive setting, a catch-up of up to 128 tokens); its own entries are removed after."""
+
+    def __init__(self, draft: LoadedModel, layers: int):
+        super().__init__(draft)
+        self.layers = layers
+        self.shared = None
+        self.extra: dict = {}
+
+    def attach(self, cache, kv_dtype=None) -> None:
+        self.shared = cache
+        self.extra = {"kv_dtype": kv_dtype} if kv_dtype is not None else {}
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], k: int, sample=None, generator=None) -> list[int]:
+        start = self.shared.get_seq_length() if self.shared is not None else len(ids)
+        if start >= len(ids):  # no cache to share, or it holds the last token already
+            return super().propose(ids, k, sample, generator)
+        drafts = self._draft(ids[start:], k, self.shared, sample, generator, **self.extra)
+        for layer in self.shared.layers[:self.layers]:
+            layer.crop(start - layer.get_seq_length())
         return drafts
 
 
@@ -245,7 +275,7 @@ def make_drafter(target: LoadedModel, method: str, draft: str | None = None, max
             layers = int(draft.split(":", 1)[1])
         except ValueError:
             raise SpeculativeError(f"'{draft}' should name a layer count, like self-exit:8.") from None
-        return DraftModel(early_exit(target, layers))
+        return EarlyExitDraft(early_exit(target, layers), layers)
     model = load(draft)
     if not same_tokenizer(model.tokenizer, target.tokenizer):
         raise SpeculativeError(f"The draft model {model.name} does not share {target.name}'s tokenizer, so its "

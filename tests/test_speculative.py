@@ -76,6 +76,19 @@ def test_adaptive_backoff_pauses_guessing_that_loses_and_tries_again():
     assert gate.allows()
 
 
+@torch.inference_mode()
+def test_an_early_exit_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_was(tiny_lm):
+    ids = [1, 5, 9, 4, 7, 3]
+    cache = DynamicCache(config=tiny_lm.config)
+    tiny_lm.model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)  # the target has seen 4 tokens
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    shared = make_drafter(tiny_lm, "draft", "self-exit:1")
+    shared.attach(cache)
+    assert shared.propose(ids, 3) == make_drafter(tiny_lm, "draft", "self-exit:1").propose(ids, 3)
+    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+               for layer, (k, v) in zip(cache.layers, before))
+
+
 def test_lookahead_needs_the_lean_forward(calibration):
     with pytest.raises(GenerationError, match="lean forward"):
         Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, spec="lookahead"),
