@@ -42,7 +42,10 @@ class LevelInfo:
 def level_info(level: str, device: torch.device) -> LevelInfo:
     cpu = device.type == "cpu"
     if level == "fp32":
-        return LevelInfo(level, "dense fp32 GEMV/GEMM", True, "the reference: 4 bytes per weight")
+        kernel = ("Tokenpath's small-rows kernel for decode and verification of Llama models (engine/kernels), "
+                  "MKL for prefill and other models"
+                  if cpu and optional_kernel() is not None else "dense fp32 GEMV/GEMM")
+        return LevelInfo(level, kernel, True, "the reference: 4 bytes per weight")
     if level in ("bf16", "fp16"):
         return LevelInfo(level, f"dense {level} GEMV/GEMM", True,
                          "2 bytes per weight; on CPUs without fast 16-bit matrix units the arithmetic can cost more "
