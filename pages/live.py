@@ -17,10 +17,10 @@ from ui import (bucket_chart, default_model_id, generation_queue, get_model, lev
 page_setup("Live generation")
 st.title("Live generation")
 
-LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small "
-             "machine: on a 2-core CPU, redrawing twice a second made decode about 30% slower than the "
-             "command line (bench/ui.py measured 0.69-0.71 of its speed). Off: the text and charts appear when the run ends, and the timings "
-             "are close to the engine's own.")
+LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine. On a 2-core "
+             "CPU, redrawing once a second (text in five shades, the buckets as one picture) left decode within "
+             "noise of the command line (bench/ui.py: 0.99 and 1.07 of its speed); twice a second cost 5-13%. "
+             "Off: a progress note every 5 s, the text and charts when the run ends.")
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
@@ -74,21 +74,28 @@ with st.expander("Weight precision levels on this device: which kernel runs each
                "every weight; skip never reads the weights of zeroed inputs (CPU, fp32).")
 
 
-def coloured_tokens(tokens: list[dict], hidden: set[int]) -> str:
-    """Token pieces as HTML, each shaded by how long it took (darker = slower than the median);
-    special tokens (end of turn) are left out."""
+def coloured_tokens(tokens: list[dict], hidden: set[int], per_token: bool = True) -> str:
+    """Token pieces as HTML, each shaded by how long it took (darker = slower than the median; hover
+    for milliseconds); special tokens (end of turn) are left out. Not per_token (while a run
+    streams): five shades, neighbours of one shade in one element and no hover values, so that each
+    redraw gives the browser a few dozen elements to lay out instead of one per token."""
     if not tokens:
         return ""
     median = statistics.median(t["gap_ms"] for t in tokens) or 1.0
-    spans = []
+    runs = []  # [shade, hover title, text]
     for t in tokens:
         if t["token_id"] in hidden:
             continue
         heat = min(max(t["gap_ms"] / median - 1.0, 0.0), 2.0) / 2.0
-        spans.append(f'<span title="{t["gap_ms"]:.1f} ms" style="background: rgba(255, 127, 14, {0.08 + 0.6 * heat:.2f});'
-                     f' border-radius: 3px">{html.escape(t["piece"])}</span>')
-    return ('<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">' + "".join(spans)
-            + "</div>")
+        if per_token:
+            runs.append([heat, f' title="{t["gap_ms"]:.1f} ms"', t["piece"]])
+        elif runs and runs[-1][0] == round(heat * 4) / 4:
+            runs[-1][2] += t["piece"]
+        else:
+            runs.append([round(heat * 4) / 4, "", t["piece"]])
+    spans = "".join(f'<span{title} style="background: rgba(255, 127, 14, {0.08 + 0.6 * heat:.2f}); border-radius: 3px">'
+                    f'{html.escape(text)}</span>' for heat, title, text in runs)
+    return f'<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">{spans}</div>'
 
 
 def summary(result: dict, gen: Generation) -> dict:
@@ -115,7 +122,7 @@ QUIET_NOTE = " (text and charts appear when the run ends: drawing while it strea
 
 
 def stream(lm, cfg, store, label: str, live: bool):
-    """Run one generation, drawing text and buckets as they come (every half second), or when not
+    """Run one generation, drawing text and buckets as they come (every second), or when not
     live only a progress note until the end; returns the finished Generation."""
     st.html(HIDE_RUNNING_ICON)
     st.markdown(f"**{label}**")
@@ -125,11 +132,12 @@ def stream(lm, cfg, store, label: str, live: bool):
     events = iter(gen)
     try:
         # not live: a short note every few seconds, which also lets a Stop click end the run
-        for _ in throttled(events, every_s=0.5 if live else 5.0):
+        for _ in throttled(events, every_s=1.0 if live else 5.0):
             st.session_state["last_run"] = gen.run_id
             note = STREAMING_NOTE.format(n=len(gen.tokens), limit=cfg.max_new_tokens, rest="" if live else QUIET_NOTE)
             # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
-            live_box.html((coloured_tokens(gen.tokens, special) + live_bars(gen.tokens) + note) if live else note)
+            live_box.html((coloured_tokens(gen.tokens, special, per_token=False) + live_bars(gen.tokens) + note)
+                          if live else note)
     finally:
         events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
     with live_box.container():
