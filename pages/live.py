@@ -144,9 +144,10 @@ def stream(lm, cfg, store, label: str, live: bool):
         st.html(coloured_tokens(gen.tokens, special))
         st.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-final")
     figures = summary(gen.result, gen)
-    cols = st.columns(len(figures))
-    for col, (name, value) in zip(cols, figures.items()):
-        col.metric(name, value)
+    items = list(figures.items())
+    for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
+        for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
+            col.metric(name, value)
     st.caption(f"Run #{gen.run_id}, stopped by {gen.stop_reason}. Token shading: darker took longer than the "
                "median token (hover for milliseconds). Memory and compute are roofline estimates; the step times "
                "are measured.")
