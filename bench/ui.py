@@ -1,14 +1,15 @@
 """What the page costs: the same greedy generation streamed through the Live generation page in a
 real browser (Debian's Chromium) and run from the command line, alternating in one run. Compares
-decode tokens/s (1000 / TPOT) of the recorded runs.
+decode tokens/s (1000 / TPOT) of the recorded runs. Each round also runs the page with "Draw the
+tokens while they stream" off, in the same server process: live against quiet isolates what the
+drawing costs from what differs between the server process and a fresh command-line process (on
+a noisy machine the latter alone has ranged 0.81-1.03).
 
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
 previous page's JavaScript heap while the first tokens are generated, which the figure includes.
-With --quiet the page's "Draw the tokens while they stream" is off: a progress note every few
-seconds, text and charts at the end.
 
-    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload] [--quiet]
+    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload]
 """
 import argparse
 import json
@@ -66,26 +67,28 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reload", action="store_true", help="load the page afresh before every run")
-    parser.add_argument("--quiet", action="store_true", help="turn off drawing the tokens while they stream")
     args = parser.parse_args()
     db = Path(tempfile.mkdtemp()) / "ui.duckdb"
     store = Store(db)
-    page_rates, cli_rates = [], []
+    rates = {"page, drawn while streaming": [], "page, drawing off": [], "command line": []}
+    runs = {"page, drawn while streaming": lambda: through_page(page, url, store, args.tokens, args.reload, False),
+            "page, drawing off": lambda: through_page(page, url, store, args.tokens, args.reload, True),
+            "command line": lambda: from_cli(db, args.tokens)}
     with serve_app(db) as url, browser_page() as page:
-        through_page(page, url, store, 4, args.reload, args.quiet)  # the first page run loads the model into the server
+        through_page(page, url, store, 4, args.reload, False)  # the first page run loads the model into the server
+        names = list(runs)
         for i in range(args.rounds):
-            for name in (["page", "cli"] if i % 2 == 0 else ["cli", "page"]):
-                if name == "page":
-                    page_rates.append(through_page(page, url, store, args.tokens, args.reload, args.quiet))
-                else:
-                    cli_rates.append(from_cli(db, args.tokens))
-    page_med, cli_med = statistics.median(page_rates), statistics.median(cli_rates)
+            for name in names[i % 3:] + names[:i % 3]:
+                rates[name].append(runs[name]())
     how = "the page loaded afresh for every run" if args.reload else "the page loaded once, Generate clicked per run"
-    how += "; drawing while streaming off" if args.quiet else "; tokens drawn while they stream"
-    print(f"greedy fp32, up to {args.tokens} new tokens, {args.rounds} rounds alternating, browser open throughout; {how}")
-    print(f"streamed through the page: median {page_med:.2f} decode tok/s ({', '.join(f'{r:.2f}' for r in page_rates)})")
-    print(f"command line:              median {cli_med:.2f} decode tok/s ({', '.join(f'{r:.2f}' for r in cli_rates)})")
-    print(f"page / command line: {page_med / cli_med:.3f} (the page costs {1 - page_med / cli_med:.1%})")
+    print(f"greedy fp32, up to {args.tokens} new tokens, {args.rounds} rounds rotating, browser open throughout; {how}")
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    for name, r in rates.items():
+        print(f"{name + ':':<29} median {medians[name]:.2f} decode tok/s ({', '.join(f'{x:.2f}' for x in r)})")
+    live, quiet, cli = medians.values()
+    print(f"page drawn while streaming / command line: {live / cli:.3f} (the page costs {1 - live / cli:.1%})")
+    print(f"page with drawing off / command line:      {quiet / cli:.3f}")
+    print(f"drawn / drawing off, same server process:  {live / quiet:.3f} (the drawing costs {1 - live / quiet:.1%})")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ page_setup("Live generation")
 st.title("Live generation")
 
 LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine. On a 2-core "
-             "CPU, redrawing once a second (text in five shades, the buckets as one picture) left decode within "
-             "noise of the command line (bench/ui.py: 0.99 and 1.07 of its speed); twice a second cost 5-13%. "
-             "Off: a progress note every 5 s, the text and charts when the run ends.")
+             "CPU, redrawing once a second (text in five shades, the buckets as one picture) made decode about "
+             "13% slower than with drawing off (bench/ui.py). Off: a progress note every 5 s, the text and "
+             "charts when the run ends, and timings close to the engine's own.")
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
