@@ -4,6 +4,7 @@ PyTorch's cpp_extension once per version of its source (about 35 s, needs ninja 
 compiler) into ~/.cache/tokenpath/, loaded from there afterwards."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from pathlib import Path
@@ -59,3 +60,11 @@ def optional_kernel():
     except Exception:  # the build failed; remember, so that it is not retried on every call
         _unavailable = True
         return None
+
+
+@functools.cache
+def has_small_rows_kernel() -> bool:
+    """Whether the extension's small_linear runs here: it needs AVX-512 (a plain loop in its place
+    would be far slower than MKL)."""
+    kernel = optional_kernel()
+    return kernel is not None and kernel.has_avx512()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import optional_kernel
+from .cpu_kernels import has_small_rows_kernel, optional_kernel
 
 
 @dataclass
@@ -52,13 +52,14 @@ class LeanLinear(nn.Linear):
     """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: here MKL's
     kernels took 1.8x its one-row time for 5 rows and 2.4x for 9, so verifying drafts cost about two
     plain steps; this one (1.5x and 1.6x) reads each weight once for all rows, and a row's result does
-    not depend on how many rows share the call. Other dtypes, quantized weights and prefills use F.linear."""
+    not depend on how many rows share the call. Other dtypes, quantized weights, prefills and CPUs
+    without AVX-512 use F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.dtype == torch.float32 and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
                 and x.numel() <= SMALL_ROWS * x.shape[-1]):
-            kernel = cpu_kernel(x) if weight.is_cpu else None
+            kernel = cpu_kernel(x) if weight.is_cpu and has_small_rows_kernel() else None
             if kernel is not None:
                 return kernel.small_linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import cpu_has_vnni, optional_kernel
+from .cpu_kernels import cpu_has_vnni, has_small_rows_kernel, optional_kernel
 from .models import REPO_ROOT, LoadedModel
 
 LEVELS = ("fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo")
@@ -44,7 +44,7 @@ def level_info(level: str, device: torch.device) -> LevelInfo:
     if level == "fp32":
         kernel = ("Tokenpath's small-rows kernel for decode and verification of Llama models (engine/kernels), "
                   "MKL for prefill and other models"
-                  if cpu and optional_kernel() is not None else "dense fp32 GEMV/GEMM")
+                  if cpu and has_small_rows_kernel() else "dense fp32 GEMV/GEMM")
         return LevelInfo(level, kernel, True, "the reference: 4 bytes per weight")
     if level in ("bf16", "fp16"):
         return LevelInfo(level, f"dense {level} GEMV/GEMM", True,

@@ -157,9 +157,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 // Dot products of R weight rows with MC rows of x, each y[m][n] summed in the same order whatever
 // M is (16 lanes, then the lanes added in a fixed order): a row's result does not depend on how
 // many rows share the call, so verifying drafts gives the logits a one-row step gives.
+#ifdef __AVX512F__
 template <int R, int MC>
 static inline void dot_block(const float* const* w, const float* x, int64_t K, float* y, int64_t N) {
-#ifdef __AVX512F__
   __m512 acc[R][MC];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -183,14 +183,6 @@ static inline void dot_block(const float* const* w, const float* x, int64_t K, f
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += w[r][k] * x[m * K + k];
-      y[m * N + r] = sum;
-    }
-#endif
 }
 
 template <int R>
@@ -239,6 +231,21 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
+}
+#else
+// Without AVX-512 a plain loop would be far slower than MKL, so there is no small_linear to call.
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "small_linear needs AVX-512; this build has none");
+  return x;
+}
+#endif
+
+bool has_avx512() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
 }
 
 // RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
@@ -329,6 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32");
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
+  m.def("has_avx512", &has_avx512, "whether small_linear was built (it needs AVX-512)");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
