@@ -57,7 +57,7 @@ class LeanLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
+        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and type(weight) is nn.Parameter
                 and x.numel() <= SMALL_ROWS * x.shape[-1]):
             kernel = cpu_kernel(x) if weight.is_cpu and has_small_rows_kernel() else None
             if kernel is not None:

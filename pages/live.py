@@ -89,10 +89,12 @@ def coloured_tokens(tokens: list[dict], hidden: set[int], per_token: bool = True
         heat = min(max(t["gap_ms"] / median - 1.0, 0.0), 2.0) / 2.0
         if per_token:
             runs.append([heat, f' title="{t["gap_ms"]:.1f} ms"', t["piece"]])
-        elif runs and runs[-1][0] == round(heat * 4) / 4:
+            continue
+        shade = round(heat * 4) / 4
+        if runs and runs[-1][0] == shade:
             runs[-1][2] += t["piece"]
         else:
-            runs.append([round(heat * 4) / 4, "", t["piece"]])
+            runs.append([shade, "", t["piece"]])
     spans = "".join(f'<span{title} style="background: rgba(255, 127, 14, {0.08 + 0.6 * heat:.2f}); border-radius: 3px">'
                     f'{html.escape(text)}</span>' for heat, title, text in runs)
     return f'<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">{spans}</div>'
