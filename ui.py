@@ -148,32 +148,41 @@ def throttled(events, every_s: float = 0.2):
         yield pending
 
 
-def live_bars(token_rows: list[dict], height_px: int = 150) -> str:
+LIVE_BAR_COLUMNS = 300
+
+
+def live_bars(token_rows: list[dict], height_px: int = 150, max_columns: int = LIVE_BAR_COLUMNS) -> str:
     """The per-token stacked buckets as one SVG picture, for redrawing while a run streams: the
     browser decodes one image where a column of HTML elements per token cost it about 80 ms of
-    layout and paint per redraw, time the model on the same cores lost. The Plotly chart, with its
-    hover values, replaces it at the end."""
+    layout and paint per redraw, time the model on the same cores lost. Past max_columns tokens
+    each column is the mean of neighbouring tokens, so a redraw stays the same size however long
+    the run grows. The Plotly chart, with its hover values, replaces it at the end."""
     if not token_rows:
         return ""
-    totals = [sum(row[f"{b}_ms"] for b in BUCKETS) for row in token_rows]
-    top = max(totals) or 1.0
-    width = max(2, min(12, 900 // len(token_rows)))
+    per_column = -(-len(token_rows) // max_columns)
+    columns = []
+    for start in range(0, len(token_rows), per_column):
+        group = token_rows[start:start + per_column]
+        columns.append([sum(row[f"{b}_ms"] for row in group) / len(group) for b in BUCKETS])
+    top = max(sum(column) for column in columns) or 1.0
+    width = max(2, min(12, 900 // len(columns)))
     paths = {b: [] for b in BUCKETS}
-    for i, row in enumerate(token_rows):
+    for i, column in enumerate(columns):
         y = float(height_px)
-        for b in BUCKETS:  # physical at the bottom, as in the Plotly chart
-            h = row[f"{b}_ms"] / top * height_px
+        for b, ms in zip(BUCKETS, column):  # physical at the bottom, as in the Plotly chart
+            h = ms / top * height_px
             if h > 0.05:
-                y -= h
+                y = max(y - h, 0.0)  # the tallest column's top, without rounding error's "-0.0"
                 paths[b].append(f"M{i * (width + 1)} {y:.1f}h{width}v{h:.1f}h-{width}z")
     shapes = "".join(f'<path fill="{BUCKET_COLOURS[b]}" d="{"".join(d)}"/>' for b, d in paths.items() if d)
-    svg_width = len(token_rows) * (width + 1)
+    svg_width = len(columns) * (width + 1)
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{svg_width}" height="{height_px}">{shapes}'
            f'<line x1="0" y1="{height_px}" x2="{svg_width}" y2="{height_px}" stroke="#999"/></svg>')
     legend = " ".join(f'<span style="color:{BUCKET_COLOURS[b]}">&#9632;</span> {b}' for b in BUCKETS)
     picture = base64.b64encode(svg.encode()).decode()
-    return (f'<div style="font-size:0.8rem">Where each token\'s time went (ms per token; the tallest column is '
-            f'{top:.1f} ms) &nbsp; {legend}</div>'
+    what = "token" if per_column == 1 else f"mean of {per_column} tokens"
+    return (f'<div style="font-size:0.8rem">Where each token\'s time went (ms per token, one column per {what}; '
+            f'the tallest column is {top:.1f} ms) &nbsp; {legend}</div>'
             f'<img alt="per-token buckets" src="data:image/svg+xml;base64,{picture}" style="max-width:100%">'
             f'<div style="font-size:0.75rem;color:#666">token index 0 to {token_rows[-1]["idx"]}, growing while '
             f'the run streams</div>')

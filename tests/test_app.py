@@ -24,8 +24,20 @@ def test_home_lists_the_latest_runs(page_db, tiny_lm, calibration):
     assert len(table) == 1 and table["status"].iloc[0] == "ok"
 
 
-def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, tiny_lm, calibration):
+def svg_columns(picture: str) -> dict[int, list[float]]:
+    """The stacked heights of each column of a live_bars picture, keyed by x."""
     import base64
+    import re
+
+    svg = base64.b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode()
+    heights = {}
+    for _, d in re.findall(r'<path fill="([^"]+)" d="([^"]+)"', svg):
+        for x, h in re.findall(r"M(\d+) [\d.]+h\d+v([\d.]+)", d):
+            heights.setdefault(int(x), []).append(float(h))
+    return heights
+
+
+def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, tiny_lm, calibration):
     import re
 
     from ui import BUCKET_COLOURS, live_bars
@@ -34,11 +46,21 @@ def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, 
     gen.run()
     picture = live_bars(gen.tokens, height_px=150)
     assert picture.count("<img") == 1 and "<div style=\"width" not in picture
-    svg = base64.b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode()
-    heights = {}
-    for colour, d in re.findall(r'<path fill="([^"]+)" d="([^"]+)"', svg):
-        for x, h in re.findall(r"M(\d+) [\d.]+h\d+v([\d.]+)", d):
-            heights.setdefault(int(x), []).append(float(h))
+    heights = svg_columns(picture)
     assert len(heights) == 5  # one column per token
     assert max(sum(h) for h in heights.values()) == pytest.approx(150, abs=0.3)  # the tallest token fills the height
-    assert {c for c, _ in re.findall(r'<path fill="([^"]+)" d="([^"]+)"', svg)} <= set(BUCKET_COLOURS.values())
+    colours = re.findall(r'fill="([^"]+)"', __import__("base64").b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode())
+    assert set(colours) <= set(BUCKET_COLOURS.values())
+
+
+def test_long_runs_draw_means_of_neighbouring_tokens_in_a_bounded_picture():
+    from engine.store import BUCKETS
+    from ui import live_bars
+
+    rows = [{"idx": i, **{f"{b}_ms": 0.0 for b in BUCKETS}} for i in range(7)]
+    for i, ms in enumerate([1, 2, 3, 4, 5, 6, 30]):
+        rows[i]["compute_ms"] = float(ms)
+    picture = live_bars(rows, height_px=100, max_columns=3)  # 3 tokens a column: means 2, 5 and 30
+    heights = sorted(svg_columns(picture).items())
+    assert [sum(h) for _, h in heights] == pytest.approx([100 * 2 / 30, 100 * 5 / 30, 100], abs=0.1)
+    assert "mean of 3 tokens" in picture and "the tallest column is 30.0 ms" in picture
