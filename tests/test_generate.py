@@ -61,6 +61,25 @@ def test_stream_events_tile_the_run(tiny_lm, calibration, store):
     assert len(store.steps(result["run_id"])) == len(events)
 
 
+@pytest.mark.parametrize("every_tokens, every_s, written_after_5", [(4, 1e9, 4), (1000, 0.0, 5), (1000, 1e9, 0)])
+def test_rows_reach_the_database_while_the_run_goes_on(tiny_lm, calibration, store, monkeypatch, every_tokens,
+                                                      every_s, written_after_5):
+    from engine import generate
+
+    monkeypatch.setattr(generate, "FLUSH_EVERY_TOKENS", every_tokens)
+    monkeypatch.setattr(generate, "FLUSH_EVERY_S", every_s)
+    gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=12, ignore_eos=True), store=store,
+                     calibration=calibration)
+    it = iter(gen)
+    for _ in range(6):  # the sixth token's step begins after the fifth's rows were handed to the writer
+        next(it)
+    for write in gen._writes:
+        write.result()
+    assert len(store.tokens(gen.run_id)) == written_after_5
+    list(it)
+    assert len(store.tokens(gen.run_id)) == 12
+
+
 def test_closing_the_stream_records_a_cancelled_run(tiny_lm, calibration, store):
     gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=50), store=store, calibration=calibration)
     it = iter(gen)
