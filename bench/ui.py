@@ -2,8 +2,8 @@
 real browser (Debian's Chromium) and run from the command line, alternating in one run. Compares
 decode tokens/s (1000 / TPOT) of the recorded runs. Each round also runs the page with "Draw the
 tokens while they stream" off, in the same server process: live against quiet isolates what the
-drawing costs from what differs between the server process and a fresh command-line process (on
-a noisy machine the latter alone has ranged 0.81-1.03).
+drawing costs from what differs between the server process and a fresh command-line process (the
+latter alone: medians of 8-24 rounds from 0.93 to 1.01 on this noisy machine).
 
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
