@@ -24,14 +24,20 @@ def test_home_lists_the_latest_runs(page_db, tiny_lm, calibration):
     assert len(table) == 1 and table["status"].iloc[0] == "ok"
 
 
-def svg_columns(picture: str) -> dict[int, list[float]]:
-    """The stacked heights of each column of a live_bars picture, keyed by x."""
+def svg_text(picture: str) -> str:
+    """The SVG inside a live_bars picture."""
     import base64
     import re
 
-    svg = base64.b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode()
+    return base64.b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode()
+
+
+def svg_columns(picture: str) -> dict[int, list[float]]:
+    """The stacked heights of each column of a live_bars picture, keyed by x."""
+    import re
+
     heights = {}
-    for _, d in re.findall(r'<path fill="([^"]+)" d="([^"]+)"', svg):
+    for d in re.findall(r'<path fill="[^"]+" d="([^"]+)"', svg_text(picture)):
         for x, h in re.findall(r"M(\d+) [\d.]+h\d+v([\d.]+)", d):
             heights.setdefault(int(x), []).append(float(h))
     return heights
@@ -49,8 +55,7 @@ def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, 
     heights = svg_columns(picture)
     assert len(heights) == 5  # one column per token
     assert max(sum(h) for h in heights.values()) == pytest.approx(150, abs=0.3)  # the tallest token fills the height
-    colours = re.findall(r'fill="([^"]+)"', __import__("base64").b64decode(re.search(r"base64,([^\"]+)", picture).group(1)).decode())
-    assert set(colours) <= set(BUCKET_COLOURS.values())
+    assert set(re.findall(r'<path fill="([^"]+)"', svg_text(picture))) <= set(BUCKET_COLOURS.values())
 
 
 def test_long_runs_draw_means_of_neighbouring_tokens_in_a_bounded_picture():
