@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import os
 import threading
-import time
 from contextlib import contextmanager
 
 import pandas as pd
@@ -16,6 +15,7 @@ from engine import hardware, quant
 from engine.models import ModelError, load_model, pick_device
 from engine.quant import LEVELS, QuantError, level_info
 from engine.store import BUCKETS, Store, StoreError
+from engine.worker import GenerationWorker
 
 BUCKET_COLOURS = {"physical": "#8c564b", "memory": "#1f77b4", "compute": "#2ca02c", "time": "#ff7f0e",
                   "decision": "#d62728"}
@@ -92,6 +92,13 @@ def generation_queue() -> GenerationQueue:
     return GenerationQueue()
 
 
+@st.cache_resource(show_spinner=False)
+def generation_worker() -> GenerationWorker:
+    """The process the Live page's generations run in (engine.worker): the model's threads then share
+    no process with the server's."""
+    return GenerationWorker()
+
+
 def open_store() -> Store | None:
     try:
         return Store()
@@ -129,23 +136,6 @@ def run_label(row) -> str:
     if row.temperature:
         switches.append(f"T={row.temperature:g}")
     return f"#{row.run_id} {row.model} · {' · '.join(switches)} · {row.n_new_tokens or 0} tokens · {row.status}"
-
-
-def throttled(events, every_s: float = 0.2):
-    """Pass on the first event and then at most one per interval (and always the last): each page
-    update costs the browser and the server CPU time that the model, on the same cores, would
-    otherwise use."""
-    last = None
-    pending = None
-    for event in events:
-        pending = event
-        now = time.monotonic()
-        if last is None or now - last >= every_s:
-            last = now
-            pending = None
-            yield event
-    if pending is not None:
-        yield pending
 
 
 LIVE_BAR_COLUMNS = 300

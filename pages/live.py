@@ -2,17 +2,18 @@
 import html
 import statistics
 import time
+from dataclasses import asdict
 
 import streamlit as st
 
-from engine.generate import KV_DTYPES, MAX_NEW_TOKENS_CAP, Generation, GenConfig, GenerationError
+from engine.generate import KV_DTYPES, MAX_NEW_TOKENS_CAP, GenConfig, GenerationError
 from engine.models import workloads
 from engine.quant import INT4_GROUPS, LEVELS
-from engine.sparsity import MODES, SparsityError
+from engine.sparsity import MODES
 from engine.speculative import MAX_GUESSES, MAX_K, MAX_WINDOW, METHODS
-from engine import sparsity
-from ui import (bucket_chart, default_model_id, generation_queue, get_model, level_table, live_bars, open_store,
-                page_setup, throttled)
+from engine.worker import WorkerFailed, WorkerRefused
+from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
+                open_store, page_setup)
 
 page_setup("Live generation")
 st.title("Live generation")
@@ -101,8 +102,8 @@ def coloured_tokens(tokens: list[dict], hidden: set[int], per_token: bool = True
     return f'<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">{spans}</div>'
 
 
-def summary(result: dict, gen: Generation) -> dict:
-    decode = [s for s in gen.steps if s["kind"] == "decode"]
+def summary(result: dict, steps: list[dict]) -> dict:
+    decode = [s for s in steps if s["kind"] == "decode"]
     per_token_bytes = statistics.mean(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"]
                                       for s in decode) if decode else None
     figures = {"TTFT": f"{result['ttft_ms']:.0f} ms", "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
@@ -124,42 +125,48 @@ STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at
 QUIET_NOTE = " (text and charts appear when the run ends: drawing while it streams is off)"
 
 
-def stream(lm, cfg, store, label: str, live: bool):
-    """Run one generation, drawing text and buckets as they come (every second), or when not
-    live only a progress note until the end; returns the finished Generation."""
+def stream(request: dict, label: str, live: bool) -> dict:
+    """Run one request in the generation process, drawing text and buckets as they come (every
+    second), or when not live only a progress note until the end; returns the run's summary."""
     st.html(HIDE_RUNNING_ICON)
     st.markdown(f"**{label}**")
     live_box = st.empty()
-    special = set(lm.tokenizer.all_special_ids)
-    gen = Generation(lm, cfg, store=store)
-    events = iter(gen)
+    tokens = []
+    limit = request["config"]["max_new_tokens"]
+    # not live: a short note every few seconds, which also lets a Stop click end the run
+    run = generation_worker().generate(request, every_s=1.0 if live else 5.0)
     try:
-        # not live: a short note every few seconds, which also lets a Stop click end the run
-        for _ in throttled(events, every_s=1.0 if live else 5.0):
-            st.session_state["last_run"] = gen.run_id
-            note = STREAMING_NOTE.format(n=len(gen.tokens), limit=cfg.max_new_tokens, rest="" if live else QUIET_NOTE)
+        with st.spinner(f"Loading {request['model']} at {request['level']} (first time only) and prefilling..."):
+            _, ready = next(run)
+        st.session_state["last_run"] = ready["run_id"]
+        special = set(ready["special_ids"])
+        for kind, payload in run:
+            if kind == "done":
+                break
+            tokens.extend(payload)
+            note = STREAMING_NOTE.format(n=len(tokens), limit=limit, rest="" if live else QUIET_NOTE)
             # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
-            live_box.html((coloured_tokens(gen.tokens, special, per_token=False) + live_bars(gen.tokens) + note)
+            live_box.html((coloured_tokens(tokens, special, per_token=False) + live_bars(tokens) + note)
                           if live else note)
     finally:
-        events.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
+        run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
+    done = payload
     with live_box.container():
-        st.html(coloured_tokens(gen.tokens, special))
-        st.plotly_chart(bucket_chart(gen.tokens), width="stretch", key=f"{label}-final")
-    figures = summary(gen.result, gen)
-    items = list(figures.items())
+        st.html(coloured_tokens(done["tokens"], special))
+        st.plotly_chart(bucket_chart(done["tokens"]), width="stretch", key=f"{label}-final")
+    items = list(summary(done["result"], done["steps"]).items())
     for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
         for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
             col.metric(name, value)
-    st.caption(f"Run #{gen.run_id}, stopped by {gen.stop_reason}. Token shading: darker took longer than the "
-               "median token (hover for milliseconds). Memory and compute are roofline estimates; the step times "
-               "are measured.")
-    return gen
+    st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
+               "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "
+               "times are measured.")
+    return done
 
 
 def finished_run(store, run_id: int, timeout_s: float = 10.0) -> dict | None:
-    """The run's row once its thread has recorded how it ended: Streamlit starts the rerun that a Stop
-    click causes while the stopped run's thread is still closing it."""
+    """The run's row once the generation process has recorded how it ended: Streamlit starts the
+    rerun that a Stop click causes while the stopped run is still being closed."""
     deadline = time.monotonic() + timeout_s
     row = store.run(run_id)
     while row and row["status"] == "running" and time.monotonic() < deadline:
@@ -189,29 +196,21 @@ if submitted and store is not None:
     except GenerationError as exc:
         st.error(str(exc))
         st.stop()
-    lm = get_model(model_id, device, level, int(group))
-    if lm is None:
-        st.stop()
-    try:
-        lm = sparsity.variant(lm, float(target), mode, store)
-    except SparsityError as exc:
-        st.error(str(exc))
-        st.stop()
+    request = {"db": str(store.path), "model": model_id.strip() or "default", "device": device, "level": level,
+               "group": int(group), "sparsity": float(target), "sparsity_mode": mode, "config": asdict(cfg)}
     waiting = st.empty()
     st.button("Stop", help="Ends the run now; it is kept as cancelled.",
               on_click=lambda: st.session_state.update(stop_clicked=True))
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
         try:
-            gen = stream(lm, cfg, store, "This run", live)
+            done = stream(request, "This run", live)
             if baseline:
-                base_lm = get_model(model_id, device)
-                base_cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new))
-                ref = stream(base_lm, base_cfg, store, "Baseline: fp32, greedy, KV cache on, dense", live)
-                if ref.result["tpot_ms"] and gen.result["tpot_ms"]:
+                base = {**request, "level": "fp32", "sparsity": 0.0, "sparsity_mode": "mask",
+                        "config": asdict(GenConfig(prompt=prompt, max_new_tokens=int(max_new)))}
+                ref = stream(base, "Baseline: fp32, greedy, KV cache on, dense", live)
+                if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
                     st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
-                              f"{ref.result['tpot_ms'] / gen.result['tpot_ms']:.2f}x")
-        except GenerationError as exc:
+                              f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
+        except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
             st.error(str(exc))
-        except Exception as exc:  # an engine failure: the run is recorded with status error
-            st.error(f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")

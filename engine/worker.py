@@ -1,0 +1,214 @@
+"""Generations in a process of their own, for the dashboard.
+
+Inside Streamlit's server the model shares its process with the server's threads (its event loop,
+its polling of the config files); there a token's median time was 0-6% above a command-line
+process's in bench/ui.py. The worker is a plain Python process whose main thread runs the model,
+as the command line does, and keeps the loaded models between runs. The page sends a request and
+reads the new tokens when it wants to redraw; a stop message cancels the run, which the engine
+records as cancelled.
+
+Messages to the worker: a request dict, "stop", or None (quit). From it: ("ready", {run_id,
+special_ids}), ("tokens", [rows]), and one that ends the request: ("done", summary), ("refused",
+sentence) for input the engine turns down, or ("failed", sentence) for an engine failure.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+
+ENDINGS = ("done", "refused", "failed")
+
+
+class WorkerRefused(Exception):
+    """Input the engine turned down, in one sentence; nothing was run."""
+
+
+class WorkerFailed(Exception):
+    """The engine failed during the run (recorded with status error), or the worker process died."""
+
+
+class GenerationWorker:
+    """One worker process, started on first use and again if it dies; one generation at a time."""
+
+    def __init__(self):
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self._running = False  # a request sent whose ending message has not been read yet
+
+    def _connection(self) -> Connection:
+        if self._process is None or self._process.poll() is not None:
+            to_worker_r, to_worker_w = os.pipe()
+            from_worker_r, from_worker_w = os.pipe()
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "engine.worker", str(to_worker_r), str(from_worker_w)],
+                cwd=Path(__file__).resolve().parent.parent, pass_fds=(to_worker_r, from_worker_w))
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+            self._conn = _Duplex(from_worker_r, to_worker_w)
+        return self._conn
+
+    def generate(self, request: dict, every_s: float):
+        """Run one request. Yields ("ready", {"run_id", "special_ids"}) once the first token is out,
+        then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
+        Closing the generator early stops the run, which is then recorded as cancelled."""
+        with self._lock:
+            conn = self._connection()
+            conn.send(request)
+            self._running = True
+            try:
+                yield "ready", self._expect(conn, "ready")
+                while True:
+                    rows, summary = self._collect(conn, every_s)
+                    yield "tokens", rows
+                    if summary is not None:
+                        yield "done", summary
+                        return
+            finally:
+                if self._running:
+                    self._stop(conn)
+
+    def _expect(self, conn: Connection, kind: str):
+        what, payload = self._receive(conn)
+        if what != kind:
+            self._raise(what, payload)
+        return payload
+
+    def _collect(self, conn: Connection, wait_s: float) -> tuple[list[dict], dict | None]:
+        """The token rows that arrived within wait_s (read as they come, so the pipe never fills),
+        and the summary if the run ended."""
+        rows = []
+        deadline = time.monotonic() + wait_s
+        while conn.poll(max(deadline - time.monotonic(), 0.0)):
+            what, payload = self._receive(conn)
+            if what == "tokens":
+                rows.extend(payload)
+            elif what == "done":
+                return rows, payload
+            else:
+                self._raise(what, payload)
+        return rows, None
+
+    def _receive(self, conn: Connection):
+        try:
+            what, payload = conn.recv()
+        except (EOFError, OSError):
+            self._running = False
+            code = self._process.wait()
+            self._process = None
+            raise WorkerFailed(f"The generation process ended unexpectedly (exit code {code}); it starts again "
+                               "with the next run, and a run it had begun is kept as interrupted.") from None
+        if what in ENDINGS:
+            self._running = False
+        return what, payload
+
+    @staticmethod
+    def _raise(what: str, payload):
+        raise (WorkerRefused if what == "refused" else WorkerFailed)(payload)
+
+    def _stop(self, conn: Connection) -> None:
+        """Ask the worker to stop the run and wait until it has recorded it."""
+        try:
+            conn.send("stop")
+            while self._running:
+                self._receive(conn)
+        except WorkerFailed:
+            pass
+
+
+class _Duplex:
+    """A Connection pair over two pipes, used as one."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in = Connection(read_fd, writable=False)
+        self._out = Connection(write_fd, readable=False)
+
+    def send(self, obj) -> None:
+        self._out.send(obj)
+
+    def recv(self):
+        return self._in.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self._in.poll(timeout)
+
+
+def serve(conn) -> None:
+    """The worker's loop: one request at a time, in the main thread, until the page's end of the
+    pipes closes."""
+    models = ModelCache()
+    try:
+        while (request := conn.recv()) is not None:
+            if request != "stop":  # a stop that came after its run had ended
+                run(conn, request, models)
+    except EOFError:
+        pass
+
+
+class ModelCache:
+    """The base (fp32) model of the last (model id, device); its quantized and sparse variants are
+    cached by engine.quant."""
+
+    def __init__(self):
+        self.key = self.lm = None
+
+    def get(self, model_id: str, device: str):
+        from .models import load_model
+
+        if self.key != (model_id, device):
+            self.key, self.lm = None, None
+            self.lm = load_model(model_id, device=device)
+            self.key = (model_id, device)
+        return self.lm
+
+
+def run(conn, request: dict, models: ModelCache) -> None:
+    """One generation, its tokens sent as they come; a "stop" from the page cancels it."""
+    from . import quant, sparsity
+    from .generate import Generation, GenConfig, GenerationError
+    from .models import ModelError
+    from .sparsity import SparsityError
+    from .store import Store, StoreError
+
+    try:
+        store = Store(request["db"])
+        lm = quant.variant(models.get(request["model"], request["device"]), request["level"], request["group"])
+        lm = sparsity.variant(lm, request["sparsity"], request["sparsity_mode"], store)
+        gen = Generation(lm, GenConfig(**request["config"]), store=store)
+    except (ModelError, quant.QuantError, SparsityError, GenerationError, StoreError) as exc:
+        conn.send(("refused", str(exc)))
+        return
+    except Exception as exc:
+        conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
+        return
+    ready = {"special_ids": sorted(lm.tokenizer.all_special_ids)}
+    sent = 0
+    events = iter(gen)
+    try:
+        for _ in events:
+            if sent == 0:
+                conn.send(("ready", {**ready, "run_id": gen.run_id}))
+            conn.send(("tokens", gen.tokens[sent:]))
+            sent = len(gen.tokens)
+            if conn.poll(0) and conn.recv() == "stop":
+                events.close()
+                break
+    except Exception as exc:  # the engine has recorded the run with status error
+        if sent == 0:
+            conn.send(("ready", {**ready, "run_id": gen.run_id}))
+        conn.send(("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}"))
+        return
+    if sent == 0:
+        conn.send(("ready", {**ready, "run_id": gen.run_id}))
+    conn.send(("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.stop_reason,
+                        "tokens": gen.tokens, "steps": gen.steps}))
+
+
+if __name__ == "__main__":
+    serve(_Duplex(int(sys.argv[1]), int(sys.argv[2])))

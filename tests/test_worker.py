@@ -1,0 +1,66 @@
+"""The generation process the Live page runs its generations in (engine.worker), with the real model."""
+from dataclasses import asdict
+
+import pytest
+
+from engine.generate import Generation, GenConfig
+from engine.store import Store
+from engine.worker import GenerationWorker, WorkerFailed, WorkerRefused
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def worker():
+    return GenerationWorker()
+
+
+def request(db, model="default", level="fp32", sparsity=0.0, **config) -> dict:
+    cfg = GenConfig(prompt=config.pop("prompt", "Name a colour."), **config)
+    return {"db": str(db), "model": model, "device": "cpu", "level": level, "group": 32, "sparsity": sparsity,
+            "sparsity_mode": "mask", "config": asdict(cfg)}
+
+
+def test_the_worker_streams_the_tokens_an_in_process_run_gives(worker, default_lm, tmp_path):
+    kinds, rows = [], []
+    for kind, payload in worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=12), every_s=0.05):
+        kinds.append(kind)
+        if kind == "ready":
+            assert payload["special_ids"] and payload["run_id"] == 1
+        elif kind == "tokens":
+            rows.extend(payload)
+        else:
+            done = payload
+    assert kinds[0] == "ready" and kinds[-1] == "done" and "tokens" in kinds
+    local = Generation(default_lm, GenConfig(prompt="Name a colour.", max_new_tokens=12), telemetry=False).run()
+    assert [r["token_id"] for r in rows] == [r["token_id"] for r in done["tokens"]] == local["token_ids"]
+    assert done["result"]["text"] == local["text"]
+    assert Store(tmp_path / "w.duckdb").run(done["run_id"])["status"] == "ok"
+
+
+def test_closing_the_stream_stops_the_run_and_keeps_it_as_cancelled(worker, tmp_path):
+    run = worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=400, ignore_eos=True), every_s=0.05)
+    _, ready = next(run)
+    next(run)
+    run.close()
+    row = Store(tmp_path / "w.duckdb").run(ready["run_id"])
+    assert row["status"] == "cancelled" and 0 < row["n_new_tokens"] < 400
+
+
+def test_input_the_engine_turns_down_is_one_sentence_and_the_worker_goes_on(worker, tmp_path):
+    with pytest.raises(WorkerRefused, match="No model folder"):
+        list(worker.generate(request(tmp_path / "w.duckdb", model=str(tmp_path / "missing")), every_s=0.05))
+    with pytest.raises(WorkerRefused, match="Sparsity must be between"):
+        list(worker.generate(request(tmp_path / "w.duckdb", sparsity=1.5), every_s=0.05))
+    assert list(worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=2), every_s=0.05))[-1][0] == "done"
+
+
+def test_a_dead_worker_is_one_sentence_and_the_next_run_starts_a_new_one(tmp_path):
+    worker = GenerationWorker()
+    run = worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=400, ignore_eos=True), every_s=0.05)
+    _, ready = next(run)
+    worker._process.kill()
+    with pytest.raises(WorkerFailed, match="ended unexpectedly"):
+        list(run)
+    assert list(worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=2), every_s=0.05))[-1][0] == "done"
+    assert Store(tmp_path / "w.duckdb").run(ready["run_id"])["status"] == "interrupted"
