@@ -8,7 +8,7 @@ reads the new tokens when it wants to redraw; a stop message cancels the run, wh
 records as cancelled.
 
 Messages to the worker: a request dict, "stop", or None (quit). From it: ("ready", {run_id,
-special_ids}), ("tokens", [rows]), and one that ends the request: ("done", summary), ("refused",
+special_ids}), ("tokens", [rows]) in batches as often as the page redraws, and one that ends the request: ("done", summary), ("refused",
 sentence) for input the engine turns down, or ("failed", sentence) for an engine failure.
 """
 from __future__ import annotations
@@ -20,6 +20,12 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from . import quant, sparsity
+from .generate import Generation, GenConfig, GenerationError
+from .models import ModelError, load_model
+from .sparsity import SparsityError
+from .store import Store, StoreError
 
 
 ENDINGS = ("done", "refused", "failed")
@@ -60,15 +66,16 @@ class GenerationWorker:
         Closing the generator early stops the run, which is then recorded as cancelled."""
         with self._lock:
             conn = self._connection()
-            conn.send(request)
+            conn.send({**request, "every_s": every_s})
             self._running = True
             try:
                 yield "ready", self._expect(conn, "ready")
                 while True:
-                    rows, summary = self._collect(conn, every_s)
-                    yield "tokens", rows
-                    if summary is not None:
-                        yield "done", summary
+                    what, payload = self._receive(conn)
+                    if what not in ("tokens", "done"):
+                        self._raise(what, payload)
+                    yield what, payload
+                    if what == "done":
                         return
             finally:
                 if self._running:
@@ -79,21 +86,6 @@ class GenerationWorker:
         if what != kind:
             self._raise(what, payload)
         return payload
-
-    def _collect(self, conn: Connection, wait_s: float) -> tuple[list[dict], dict | None]:
-        """The token rows that arrived within wait_s (read as they come, so the pipe never fills),
-        and the summary if the run ended."""
-        rows = []
-        deadline = time.monotonic() + wait_s
-        while conn.poll(max(deadline - time.monotonic(), 0.0)):
-            what, payload = self._receive(conn)
-            if what == "tokens":
-                rows.extend(payload)
-            elif what == "done":
-                return rows, payload
-            else:
-                self._raise(what, payload)
-        return rows, None
 
     def _receive(self, conn: Connection):
         try:
@@ -159,10 +151,8 @@ class ModelCache:
         self.key = self.lm = None
 
     def get(self, model_id: str, device: str):
-        from .models import load_model
-
         if self.key != (model_id, device):
-            self.key, self.lm = None, None
+            self.key = self.lm = None  # let the old model go before the new one loads
             self.lm = load_model(model_id, device=device)
             self.key = (model_id, device)
         return self.lm
@@ -170,12 +160,6 @@ class ModelCache:
 
 def run(conn, request: dict, models: ModelCache) -> None:
     """One generation, its tokens sent as they come; a "stop" from the page cancels it."""
-    from . import quant, sparsity
-    from .generate import Generation, GenConfig, GenerationError
-    from .models import ModelError
-    from .sparsity import SparsityError
-    from .store import Store, StoreError
-
     try:
         store = Store(request["db"])
         lm = quant.variant(models.get(request["model"], request["device"]), request["level"], request["group"])
@@ -188,26 +172,26 @@ def run(conn, request: dict, models: ModelCache) -> None:
         conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
         return
     ready = {"special_ids": sorted(lm.tokenizer.all_special_ids)}
-    sent = 0
+    sent, last_sent = 0, 0.0
     events = iter(gen)
     try:
         for _ in events:
             if sent == 0:
                 conn.send(("ready", {**ready, "run_id": gen.run_id}))
-            conn.send(("tokens", gen.tokens[sent:]))
-            sent = len(gen.tokens)
+            # in batches, as often as the page redraws: each message wakes the page's process, which
+            # then takes a core from the model for a moment
+            if time.monotonic() - last_sent >= request["every_s"]:
+                conn.send(("tokens", gen.tokens[sent:]))
+                sent, last_sent = len(gen.tokens), time.monotonic()
             if conn.poll(0) and conn.recv() == "stop":
                 events.close()
                 break
     except Exception as exc:  # the engine has recorded the run with status error
-        if sent == 0:
-            conn.send(("ready", {**ready, "run_id": gen.run_id}))
-        conn.send(("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}"))
-        return
-    if sent == 0:
-        conn.send(("ready", {**ready, "run_id": gen.run_id}))
-    conn.send(("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.stop_reason,
-                        "tokens": gen.tokens, "steps": gen.steps}))
+        ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")
+    else:
+        ending = ("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.stop_reason,
+                           "tokens": gen.tokens, "steps": gen.steps})
+    conn.send(ending)
 
 
 if __name__ == "__main__":
