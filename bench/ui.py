@@ -1,9 +1,8 @@
 """What the page costs: the same greedy generation streamed through the Live generation page in a
 real browser (Debian's Chromium) and run from the command line, alternating in one run. Compares
 decode tokens/s (1000 / TPOT) of the recorded runs. Each round also runs the page with "Draw the
-tokens while they stream" off, in the same server process: live against quiet isolates what the
-drawing costs from what differs between the server process and a fresh command-line process (the
-latter alone: medians of 8-24 rounds from 0.93 to 1.01 on this noisy machine).
+tokens while they stream" off: drawn against not drawn isolates what the drawing costs from what
+differs between the page's generation process (engine/worker.py) and a fresh command-line process.
 
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
@@ -99,7 +98,7 @@ def main():
     # each round's own ratio: the machine's speed drifts between rounds more than within one
     for what, a, b, cost in [("page drawn while streaming / command line", live, cli, "the page costs"),
                              ("page with drawing off / command line", quiet, cli, None),
-                             ("drawn / drawing off, same server process", live, quiet, "the drawing costs")]:
+                             ("drawn / drawing off", live, quiet, "the drawing costs")]:
         ratios = [x / y for x, y in zip(a, b)]
         middle = statistics.median(ratios)
         low, high = median_interval(ratios)

@@ -1,15 +1,17 @@
 """Generations in a process of their own, for the dashboard.
 
-Inside Streamlit's server the model shares its process with the server's threads (its event loop,
-its polling of the config files); there a token's median time was 0-6% above a command-line
-process's in bench/ui.py. The worker is a plain Python process whose main thread runs the model,
-as the command line does, and keeps the loaded models between runs. The page sends a request and
-reads the new tokens when it wants to redraw; a stop message cancels the run, which the engine
-records as cancelled.
+With the model inside Streamlit's server process, a token's median time was 5-7% above a
+command-line process's in bench/ui.py (drawing off), and it stayed there with the model in a
+separate process that woke the page once per token. The worker is a plain Python process whose
+main thread runs the model, as the command line does; it keeps the loaded models between runs and
+sends the new tokens in batches, as often as the page redraws. With both, the page's runs matched
+the command line's (bench/ui.py, README). A stop message cancels the run, which the engine records
+as cancelled.
 
 Messages to the worker: a request dict, "stop", or None (quit). From it: ("ready", {run_id,
-special_ids}), ("tokens", [rows]) in batches as often as the page redraws, and one that ends the request: ("done", summary), ("refused",
-sentence) for input the engine turns down, or ("failed", sentence) for an engine failure.
+special_ids}), ("tokens", [rows]) in batches, and one message that ends the request: ("done",
+summary), ("refused", sentence) for input the engine turns down, or ("failed", sentence) for an
+engine failure.
 """
 from __future__ import annotations
 

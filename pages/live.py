@@ -19,10 +19,9 @@ page_setup("Live generation")
 st.title("Live generation")
 
 LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine. On a 2-core "
-             "CPU, redrawing once a second (text in five shades, the buckets as one picture) made decode about "
-             "1% slower than with drawing off in three runs of bench/ui.py (medians of 8-24 rounds; single "
-             "runs vary by 10% either way). Off: a progress note every 5 s, the text and charts when the run "
-             "ends.")
+             "CPU (bench/ui.py, medians of 24 rounds), decode with the page drawing once a second ran at "
+             "0.94-1.02 of its speed with drawing off, which matched the command line. Off: a progress note "
+             "every 5 s, the text and charts when the run ends.")
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
