@@ -1,8 +1,8 @@
 """Generations in a process of their own, for the dashboard.
 
-With the model inside Streamlit's server process, a token's median time was 5-7% above a
-command-line process's in bench/ui.py (drawing off), and it stayed there with the model in a
-separate process that woke the page once per token. The worker is a plain Python process whose
+With the model inside Streamlit's server process, a token's median time was up to 6% above a
+command-line process's in bench/ui.py with drawing off (1.059, 1.053 and 0.998 in three runs), and
+7% with the model in a separate process that woke the page once per token. The worker is a plain Python process whose
 main thread runs the model, as the command line does; it keeps the loaded models between runs and
 sends the new tokens in batches, as often as the page redraws. With both, the page's runs matched
 the command line's (bench/ui.py, README). A stop message cancels the run, which the engine records
@@ -46,11 +46,11 @@ class GenerationWorker:
 
     def __init__(self):
         self._process: subprocess.Popen | None = None
-        self._conn: Connection | None = None
+        self._conn: _Duplex | None = None
         self._lock = threading.Lock()
         self._running = False  # a request sent whose ending message has not been read yet
 
-    def _connection(self) -> Connection:
+    def _connection(self) -> _Duplex:
         if self._process is None or self._process.poll() is not None:
             to_worker_r, to_worker_w = os.pipe()
             from_worker_r, from_worker_w = os.pipe()
@@ -83,13 +83,13 @@ class GenerationWorker:
                 if self._running:
                     self._stop(conn)
 
-    def _expect(self, conn: Connection, kind: str):
+    def _expect(self, conn: _Duplex, kind: str):
         what, payload = self._receive(conn)
         if what != kind:
             self._raise(what, payload)
         return payload
 
-    def _receive(self, conn: Connection):
+    def _receive(self, conn: _Duplex):
         try:
             what, payload = conn.recv()
         except (EOFError, OSError):
@@ -106,7 +106,7 @@ class GenerationWorker:
     def _raise(what: str, payload):
         raise (WorkerRefused if what == "refused" else WorkerFailed)(payload)
 
-    def _stop(self, conn: Connection) -> None:
+    def _stop(self, conn: _Duplex) -> None:
         """Ask the worker to stop the run and wait until it has recorded it."""
         try:
             conn.send("stop")
@@ -161,7 +161,7 @@ class ModelCache:
 
 
 def run(conn, request: dict, models: ModelCache) -> None:
-    """One generation, its tokens sent as they come; a "stop" from the page cancels it."""
+    """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
     try:
         store = Store(request["db"])
         lm = quant.variant(models.get(request["model"], request["device"]), request["level"], request["group"])
