@@ -141,6 +141,7 @@ def stream(request: dict, label: str, live: bool) -> dict:
         special = set(ready["special_ids"])
         for kind, payload in run:
             if kind == "done":
+                done = payload
                 break
             tokens.extend(payload)
             note = STREAMING_NOTE.format(n=len(tokens), limit=limit, rest="" if live else QUIET_NOTE)
@@ -149,7 +150,6 @@ def stream(request: dict, label: str, live: bool) -> dict:
                           if live else note)
     finally:
         run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
-    done = payload
     with live_box.container():
         st.html(coloured_tokens(done["tokens"], special))
         st.plotly_chart(bucket_chart(done["tokens"]), width="stretch", key=f"{label}-final")
