@@ -31,6 +31,9 @@ from .store import Store, StoreError
 
 
 ENDINGS = ("done", "refused", "failed")
+# the page shows a spinner only for a start slower than this: the spinner's removal is a redraw that
+# would otherwise land on the first decode steps of every run
+SLOW_START_S = 0.3
 
 
 class WorkerRefused(Exception):
@@ -62,16 +65,24 @@ class GenerationWorker:
             self._conn = _Duplex(from_worker_r, to_worker_w)
         return self._conn
 
-    def generate(self, request: dict, every_s: float):
-        """Run one request. Yields ("ready", {"run_id", "special_ids"}) once the first token is out,
-        then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
-        Closing the generator early stops the run, which is then recorded as cancelled."""
+    def generate(self, request: dict, every_s: float, on_run_id=None):
+        """Run one request. Yields ("preparing", None) if the first token is not out within
+        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "special_ids"}) once
+        it is, then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
+        Closing the generator early stops the run, which is then recorded as cancelled.
+        on_run_id(run_id) is called as soon as the run has a number, also when the generator is
+        closed before it yielded "ready"."""
         with self._lock:
             conn = self._connection()
             conn.send({**request, "every_s": every_s})
             self._running = True
             try:
-                yield "ready", self._expect(conn, "ready")
+                if not conn.poll(SLOW_START_S):
+                    yield "preparing", None
+                what, payload = self._receive(conn, on_run_id)
+                if what != "ready":
+                    self._raise(what, payload)
+                yield what, payload
                 while True:
                     what, payload = self._receive(conn)
                     if what not in ("tokens", "done"):
@@ -81,15 +92,9 @@ class GenerationWorker:
                         return
             finally:
                 if self._running:
-                    self._stop(conn)
+                    self._stop(conn, on_run_id)
 
-    def _expect(self, conn: _Duplex, kind: str):
-        what, payload = self._receive(conn)
-        if what != kind:
-            self._raise(what, payload)
-        return payload
-
-    def _receive(self, conn: _Duplex):
+    def _receive(self, conn: _Duplex, on_run_id=None):
         try:
             what, payload = conn.recv()
         except (EOFError, OSError):
@@ -100,18 +105,20 @@ class GenerationWorker:
                                "with the next run, and a run it had begun is kept as interrupted.") from None
         if what in ENDINGS:
             self._running = False
+        elif what == "ready" and on_run_id:
+            on_run_id(payload["run_id"])
         return what, payload
 
     @staticmethod
     def _raise(what: str, payload):
         raise (WorkerRefused if what == "refused" else WorkerFailed)(payload)
 
-    def _stop(self, conn: _Duplex) -> None:
+    def _stop(self, conn: _Duplex, on_run_id) -> None:
         """Ask the worker to stop the run and wait until it has recorded it."""
         try:
             conn.send("stop")
             while self._running:
-                self._receive(conn)
+                self._receive(conn, on_run_id)
         except WorkerFailed:
             pass
 
@@ -173,16 +180,17 @@ def run(conn, request: dict, models: ModelCache) -> None:
     except Exception as exc:
         conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
         return
-    ready = {"special_ids": sorted(lm.tokenizer.all_special_ids)}
-    sent, last_sent = 0, 0.0
+    special_ids = sorted(lm.tokenizer.all_special_ids)
+    sent, last_sent = 0, None
     events = iter(gen)
     try:
         for _ in events:
-            if sent == 0:
-                conn.send(("ready", {**ready, "run_id": gen.run_id}))
+            if last_sent is None:
+                conn.send(("ready", {"special_ids": special_ids, "run_id": gen.run_id}))
+                last_sent = time.monotonic()  # the first batch too comes every_s later, not on the first steps
             # in batches, as often as the page redraws: each message wakes the page's process, which
             # then takes a core from the model for a moment
-            if time.monotonic() - last_sent >= request["every_s"]:
+            elif time.monotonic() - last_sent >= request["every_s"]:
                 conn.send(("tokens", gen.tokens[sent:]))
                 sent, last_sent = len(gen.tokens), time.monotonic()
             if conn.poll(0) and conn.recv() == "stop":

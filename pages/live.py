@@ -18,10 +18,12 @@ from ui import (bucket_chart, default_model_id, generation_queue, generation_wor
 page_setup("Live generation")
 st.title("Live generation")
 
-LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine. On a 2-core "
-             "CPU (bench/ui.py, medians of 24 rounds), decode with the page drawing once a second ran at "
-             "0.94-1.02 of its speed with drawing off, which matched the command line. Off: a progress note "
-             "every 5 s, the text and charts when the run ends.")
+LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine: 25-50 ms on a "
+             "2-core CPU, about 25 ms of it Streamlit's own update, the rest the text and picture, which grow "
+             "with the run. bench/ui.py measures what each choice costs decode against the command line "
+             "(README). At the end only: a progress note every 5 s, the text and charts when the run ends.")
+# how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
+REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
 shipped = workloads()
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
@@ -64,7 +66,7 @@ with st.form("live"):
                                    "fp32 weights; attention then runs in that precision.")
     c = st.columns(2)
     baseline = c[0].checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
-    live = c[1].checkbox("Draw the tokens while they stream", True, help=LIVE_HELP)
+    redraw_s = REDRAWS[c[1].selectbox("Draw the tokens while they stream", list(REDRAWS), index=1, help=LIVE_HELP)]
     submitted = st.form_submit_button("Generate", type="primary")
 with st.expander("Weight precision levels on this device: which kernel runs each"):
     st.table(level_table(device).set_index("level"))
@@ -121,35 +123,43 @@ def summary(result: dict, steps: list[dict]) -> dict:
 # second that the model, on the same cores, loses; while a run streams, the page shows its own progress.
 HIDE_RUNNING_ICON = "<style>[data-testid=stStatusWidgetRunningIcon]{display:none}</style>"
 STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at most {limit} tokens so far{rest}</div>'
-QUIET_NOTE = " (text and charts appear when the run ends: drawing while it streams is off)"
+QUIET_NOTE = " (text and charts appear when the run ends)"
 
 
-def stream(request: dict, label: str, live: bool) -> dict:
-    """Run one request in the generation process, drawing text and buckets as they come (every
-    second), or when not live only a progress note until the end; returns the run's summary."""
+def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> dict:
+    """Run one request in the generation process, drawing text and buckets every redraw_s seconds,
+    or with redraw_s None only a progress note until the end; returns the run's summary. The run's
+    number goes into started["run_id"] as soon as it is known; started["streaming"] is true until
+    the run is closed."""
     st.html(HIDE_RUNNING_ICON)
     st.markdown(f"**{label}**")
     live_box = st.empty()
     tokens = []
     limit = request["config"]["max_new_tokens"]
-    # not live: a short note every few seconds, which also lets a Stop click end the run
-    run = generation_worker().generate(request, every_s=1.0 if live else 5.0)
+    # drawn now, with the rest of the page, rather than on the run's first steps
+    live_box.html(STREAMING_NOTE.format(n=0, limit=limit, rest="" if redraw_s else QUIET_NOTE))
+    # at the end only: a short note every few seconds, which also lets a Stop click end the run
+    run = generation_worker().generate(request, every_s=redraw_s or 5.0,
+                                       on_run_id=lambda run_id: started.update(run_id=run_id))
+    started["streaming"] = True
     try:
-        with st.spinner(f"Loading {request['model']} at {request['level']} (first time only) and prefilling..."):
-            _, ready = next(run)
-        st.session_state["last_run"] = ready["run_id"]
+        kind, ready = next(run)
+        if kind == "preparing":  # a model or variant is loading
+            with st.spinner(f"Loading {request['model']} at {request['level']} (first time only) and prefilling..."):
+                _, ready = next(run)
         special = set(ready["special_ids"])
         for kind, payload in run:
             if kind == "done":
                 done = payload
                 break
             tokens.extend(payload)
-            note = STREAMING_NOTE.format(n=len(tokens), limit=limit, rest="" if live else QUIET_NOTE)
+            note = STREAMING_NOTE.format(n=len(tokens), limit=limit, rest="" if redraw_s else QUIET_NOTE)
             # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
             live_box.html((coloured_tokens(tokens, special, per_token=False) + live_bars(tokens) + note)
-                          if live else note)
+                          if redraw_s else note)
     finally:
         run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
+        started["streaming"] = False
     with live_box.container():
         st.html(coloured_tokens(done["tokens"], special))
         st.plotly_chart(bucket_chart(done["tokens"]), width="stretch", key=f"{label}-final")
@@ -163,26 +173,32 @@ def stream(request: dict, label: str, live: bool) -> dict:
     return done
 
 
-def finished_run(store, run_id: int, timeout_s: float = 10.0) -> dict | None:
-    """The run's row once the generation process has recorded how it ended: Streamlit starts the
-    rerun that a Stop click causes while the stopped run is still being closed."""
+def last_run(started: dict, timeout_s: float = 15.0) -> int | None:
+    """The number of the run this session started last, once its stream is closed (and the run
+    recorded as ended). Streamlit starts the rerun that a Stop click causes while the stopped run
+    is still being closed in the old script thread, which may not even have its number yet."""
     deadline = time.monotonic() + timeout_s
-    row = store.run(run_id)
-    while row and row["status"] == "running" and time.monotonic() < deadline:
+    while started.get("streaming") and time.monotonic() < deadline:
         time.sleep(0.1)
-        row = store.run(run_id)
-    return row
+    return started.pop("run_id", None)
+
+
+def tokens_said(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 store = open_store()
 stop_clicked = st.session_state.pop("stop_clicked", False)
-if "last_run" in st.session_state and not submitted and store is not None:
-    last = st.session_state.pop("last_run")
-    row = finished_run(store, last) if last is not None else None
+# the run this session started last: a plain dict that stream() and the worker's generator fill without
+# touching st.session_state, where every access is a point at which a Stop click's rerun interrupts
+started = st.session_state.setdefault("started_run", {})
+last = last_run(started)
+if last is not None and not submitted and store is not None:
+    row = store.run(last)
     if row and row["status"] == "cancelled":
-        st.warning(f"Run #{last} was stopped and is kept as cancelled ({row['n_new_tokens']} tokens).")
+        st.warning(f"Run #{last} was stopped and is kept as cancelled ({tokens_said(row['n_new_tokens'])}).")
     elif row and stop_clicked and row["status"] == "ok":
-        st.info(f"Run #{last} had already finished when Stop was clicked ({row['n_new_tokens']} tokens); "
+        st.info(f"Run #{last} had already finished when Stop was clicked ({tokens_said(row['n_new_tokens'])}); "
                 "it is kept as ok: see it on the Runs and Distances pages.")
 
 if submitted and store is not None:
@@ -203,11 +219,11 @@ if submitted and store is not None:
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
         try:
-            done = stream(request, "This run", live)
+            done = stream(request, "This run", redraw_s, started)
             if baseline:
                 base = {**request, "level": "fp32", "sparsity": 0.0, "sparsity_mode": "mask",
                         "config": asdict(GenConfig(prompt=prompt, max_new_tokens=int(max_new)))}
-                ref = stream(base, "Baseline: fp32, greedy, KV cache on, dense", live)
+                ref = stream(base, "Baseline: fp32, greedy, KV cache on, dense", redraw_s, started)
                 if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
                     st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
                               f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")

@@ -48,7 +48,7 @@ def test_live_generation_streams_and_records(page_db):
 def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
     at = live_run(tokens=4, **{"Weights": "int4-wo", "KV cache": False,
                                "Run the fp32 greedy baseline too, on the same prompt, and compare": True,
-                               "Draw the tokens while they stream": False})
+                               "Draw the tokens while they stream": "at the end only"})
     assert not at.exception and not at.error
     runs = Store(page_db).runs().sort_values("run_id")
     assert list(runs["quant"]) == ["int4-wo g32", "fp32"]

@@ -21,6 +21,10 @@ def request(db, model="default", level="fp32", sparsity=0.0, **config) -> dict:
             "sparsity_mode": "mask", "config": asdict(cfg)}
 
 
+def until_ready(run) -> dict:
+    return next(payload for kind, payload in run if kind == "ready")
+
+
 def test_the_worker_streams_the_tokens_an_in_process_run_gives(worker, default_lm, tmp_path):
     kinds, rows = [], []
     for kind, payload in worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=12), every_s=0.05):
@@ -31,7 +35,8 @@ def test_the_worker_streams_the_tokens_an_in_process_run_gives(worker, default_l
             rows.extend(payload)
         else:
             done = payload
-    assert kinds[0] == "ready" and kinds[-1] == "done" and "tokens" in kinds
+    # a fresh worker loads the model first: the page shows its spinner for that only
+    assert kinds[:2] == ["preparing", "ready"] and kinds[-1] == "done" and "tokens" in kinds
     local = Generation(default_lm, GenConfig(prompt="Name a colour.", max_new_tokens=12), telemetry=False).run()
     streamed = [r["token_id"] for r in rows]  # in batches: the ones after the last batch come with "done"
     assert streamed and streamed == local["token_ids"][:len(streamed)]
@@ -40,13 +45,27 @@ def test_the_worker_streams_the_tokens_an_in_process_run_gives(worker, default_l
     assert Store(tmp_path / "w.duckdb").run(done["run_id"])["status"] == "ok"
 
 
+def test_no_batch_comes_before_every_s_has_passed_since_the_first_token(worker, tmp_path):
+    kinds = [kind for kind, _ in worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=12), every_s=1e9)]
+    assert kinds[-2:] == ["ready", "done"] and "tokens" not in kinds
+
+
 def test_closing_the_stream_stops_the_run_and_keeps_it_as_cancelled(worker, tmp_path):
     run = worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=400, ignore_eos=True), every_s=0.05)
-    _, ready = next(run)
+    ready = until_ready(run)
     next(run)
     run.close()
     row = Store(tmp_path / "w.duckdb").run(ready["run_id"])
     assert row["status"] == "cancelled" and 0 < row["n_new_tokens"] < 400
+
+
+def test_a_run_stopped_while_the_model_loads_still_reports_its_number(tmp_path):
+    ids = []
+    run = GenerationWorker().generate(request(tmp_path / "w.duckdb", max_new_tokens=400, ignore_eos=True),
+                                      every_s=0.05, on_run_id=ids.append)
+    assert next(run) == ("preparing", None)  # a fresh worker loads the model
+    run.close()
+    assert len(ids) == 1 and Store(tmp_path / "w.duckdb").run(ids[0])["status"] == "cancelled"
 
 
 def test_input_the_engine_turns_down_is_one_sentence_and_the_worker_goes_on(worker, tmp_path):
@@ -60,7 +79,7 @@ def test_input_the_engine_turns_down_is_one_sentence_and_the_worker_goes_on(work
 def test_a_dead_worker_is_one_sentence_and_the_next_run_starts_a_new_one(tmp_path):
     worker = GenerationWorker()
     run = worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=400, ignore_eos=True), every_s=0.05)
-    _, ready = next(run)
+    ready = until_ready(run)
     worker._process.kill()
     with pytest.raises(WorkerFailed, match="ended unexpectedly"):
         list(run)
