@@ -1,14 +1,15 @@
 """What the page costs: the same greedy generation streamed through the Live generation page in a
 real browser (Debian's Chromium) and run from the command line, alternating in one run. Compares
-decode tokens/s (1000 / TPOT) of the recorded runs. Each round also runs the page with "Draw the
-tokens while they stream" off: drawn against not drawn isolates what the drawing costs from what
+decode tokens/s (1000 / TPOT) of the recorded runs. The page runs once per round for each choice of
+"Draw the tokens while they stream" given with --redraw (by default the page's default, every 2
+seconds, and at the end only): drawn against not drawn isolates what the drawing costs from what
 differs between the page's generation process (engine/worker.py) and a fresh command-line process.
 
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
 previous page's JavaScript heap while the first tokens are generated, which the figure includes.
 
-    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload]
+    .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload] [--redraw "every second" ...]
 """
 import argparse
 import json
@@ -27,6 +28,8 @@ from browser import browser_page, serve_app  # noqa: E402
 from engine.store import Store  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+REDRAWS = ["every second", "every 2 seconds", "every 5 seconds", "at the end only"]  # the page's choices
+NOT_DRAWN = REDRAWS[-1]
 
 
 # Resolves once the page shows a run-ended caption other than the one it showed before: a
@@ -42,13 +45,14 @@ WATCH_RUN_END = """([previous, timeoutMs]) => { window.__runEnded = new Promise(
 }); }"""
 
 
-def through_page(page, url, store, tokens, reload, quiet, timeout_s: float = 300):
+def through_page(page, url, store, tokens, reload, redraw, timeout_s: float = 300):
     before = set(store.runs(1000)["run_id"])
     if reload or not page.url.endswith("/live"):
         page.goto(url + "/live")
     page.get_by_label("Prompt text").fill(PROMPT)
     page.get_by_label("Max new tokens").fill(str(tokens))
-    page.get_by_role("checkbox", name="Draw the tokens while they stream").set_checked(not quiet, force=True)
+    page.get_by_role("combobox", name="Draw the tokens while they stream").click()
+    page.get_by_role("option", name=redraw, exact=True).click()
     caption = page.get_by_text(re.compile(r"^Run #\d+, stopped by"))  # drawn when a run has ended
     previous = caption.first.inner_text() if caption.count() else None
     page.evaluate(WATCH_RUN_END, [previous, timeout_s * 1000])
@@ -77,33 +81,39 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reload", action="store_true", help="load the page afresh before every run")
+    parser.add_argument("--redraw", action="append", choices=REDRAWS,
+                        help="a choice of 'Draw the tokens while they stream' to run (repeatable); "
+                             "default: every 2 seconds and at the end only")
     args = parser.parse_args()
+    redraws = args.redraw or ["every 2 seconds", NOT_DRAWN]
     db = Path(tempfile.mkdtemp()) / "ui.duckdb"
     store = Store(db)
-    rates = {"page, drawn while streaming": [], "page, drawing off": [], "command line": []}
-    runs = {"page, drawn while streaming": lambda: through_page(page, url, store, args.tokens, args.reload, False),
-            "page, drawing off": lambda: through_page(page, url, store, args.tokens, args.reload, True),
-            "command line": lambda: from_cli(db, args.tokens)}
+    runs = {f"page, {how}": (lambda how=how: through_page(page, url, store, args.tokens, args.reload, how))
+            for how in redraws}
+    runs["command line"] = lambda: from_cli(db, args.tokens)
+    rates = {name: [] for name in runs}
     with serve_app(db) as url, browser_page() as page:
-        through_page(page, url, store, 4, args.reload, False)  # the first page run loads the model into the server
+        through_page(page, url, store, 4, args.reload, redraws[0])  # the first page run starts the worker
         names = list(runs)
         for i in range(args.rounds):
-            for name in names[i % 3:] + names[:i % 3]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 rates[name].append(runs[name]())
     how = "the page loaded afresh for every run" if args.reload else "the page loaded once, Generate clicked per run"
     print(f"greedy fp32, up to {args.tokens} new tokens, {args.rounds} rounds rotating, browser open throughout; {how}")
     for name, r in rates.items():
-        print(f"{name + ':':<29} median {statistics.median(r):.2f} decode tok/s ({', '.join(f'{x:.2f}' for x in r)})")
-    live, quiet, cli = rates.values()
+        print(f"{name + ':':<31} median {statistics.median(r):.2f} decode tok/s ({', '.join(f'{x:.2f}' for x in r)})")
     # each round's own ratio: the machine's speed drifts between rounds more than within one
-    for what, a, b, cost in [("page drawn while streaming / command line", live, cli, "the page costs"),
-                             ("page with drawing off / command line", quiet, cli, None),
-                             ("drawn / drawing off", live, quiet, "the drawing costs")]:
-        ratios = [x / y for x, y in zip(a, b)]
+    pairs = [(f"page, {how} / command line", f"page, {how}", "command line",
+              "the page costs" if how != NOT_DRAWN else None) for how in redraws]
+    if NOT_DRAWN in redraws:
+        pairs += [(f"{how} / at the end only", f"page, {how}", f"page, {NOT_DRAWN}", "the drawing costs")
+                  for how in redraws if how != NOT_DRAWN]
+    for what, a, b, cost in pairs:
+        ratios = [x / y for x, y in zip(rates[a], rates[b])]
         middle = statistics.median(ratios)
         low, high = median_interval(ratios)
         note = f" ({cost} {1 - middle:.1%})" if cost else ""
-        print(f"{what + ':':<43} median of rounds {middle:.3f}{note}, 90% interval {low:.3f}-{high:.3f}; "
+        print(f"{what + ':':<46} median of rounds {middle:.3f}{note}, 90% interval {low:.3f}-{high:.3f}; "
               f"rounds {', '.join(f'{r:.2f}' for r in ratios)}")
 
 
