@@ -16,6 +16,10 @@ from ui import (bucket_chart, default_model_id, generation_queue, generation_wor
                 open_store, page_setup)
 
 page_setup("Live generation")
+# On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
+# draws frame by frame while the model's first tokens run: without it the page's side used 10 ms of CPU
+# per second of a 128-token decode instead of 22 (bench/ui.py's PageCpu, drawing at the end only).
+st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
 
 LIVE_HELP = ("Every redraw costs the browser CPU time that the model shares on a small machine: 25-50 ms on a "
