@@ -12,14 +12,19 @@ previous page's JavaScript heap while the first tokens are generated, which the 
     .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload] [--redraw "every second" ...]
 """
 import argparse
-import json
 import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from datetime import timezone
 from pathlib import Path
+
+import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -59,14 +64,73 @@ def through_page(page, url, store, tokens, reload, redraw, timeout_s: float = 30
     page.get_by_role("button", name="Generate").click()
     page.evaluate("() => window.__runEnded")
     new = store.runs(1000)
-    row = new[~new["run_id"].isin(before)].iloc[0]
-    return 1e3 / row["tpot_ms"]
+    return int(new[~new["run_id"].isin(before)]["run_id"].iloc[0])
 
 
-def from_cli(db, tokens):
-    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", PROMPT, "--max-new-tokens",
-                          str(tokens), "--json", "--db", str(db)], cwd=ROOT, capture_output=True, text=True, check=True)
-    return 1e3 / json.loads(out.stdout)["tpot_ms"]
+def from_cli(db, store, tokens):
+    subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", PROMPT, "--max-new-tokens", str(tokens),
+                    "--json", "--db", str(db)], cwd=ROOT, capture_output=True, text=True, check=True)
+    return int(store.runs(1)["run_id"].iloc[0])
+
+
+class PageCpu:
+    """CPU seconds used by the page's side, Chromium's processes and the Streamlit server (not the
+    generation worker, not the command line, not Playwright's driver), summed over processes and
+    sampled every 0.1 s in a thread (about 0.5 ms of CPU a sample). Needs no steady machine: it
+    counts work, where tokens/s drift with everything else the host runs."""
+
+    def __init__(self, every_s: float = 0.1):
+        self.samples = []  # (wall-clock seconds, CPU seconds so far)
+        self._last = {}  # pid -> its CPU seconds at the previous sample
+        self._total = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _page_side(proc) -> bool:
+        cmdline = " ".join(proc.cmdline())
+        return "chrom" in proc.name() or ("streamlit" in cmdline and "engine.worker" not in cmdline)
+
+    def _sample(self, every_s: float) -> None:
+        procs, found_at = [], 0.0
+        while not self._stop.wait(every_s):
+            if time.monotonic() - found_at > 2.0:  # Chromium starts and ends helper processes
+                procs = [p for p in psutil.Process().children(recursive=True) if self._safe(self._page_side, p)]
+                found_at = time.monotonic()
+            for p in procs:
+                cpu = self._safe(lambda p: sum(p.cpu_times()[:2]), p)
+                if cpu is not None:
+                    self._total += max(cpu - self._last.get(p.pid, cpu), 0.0)
+                    self._last[p.pid] = cpu
+            self.samples.append((time.time(), self._total))
+
+    @staticmethod
+    def _safe(read, proc):
+        try:
+            return read(proc)
+        except psutil.Error:
+            return None
+
+    def during(self, start: float, end: float) -> float:
+        """CPU seconds between two wall-clock times, interpolated between samples."""
+        times = [t for t, _ in self.samples]
+        totals = [c for _, c in self.samples]
+        return float(np.interp(end, times, totals) - np.interp(start, times, totals))
+
+
+def decode_window(store, run_id: int) -> tuple[float, float]:
+    """Wall-clock seconds from the run's first token to its last: its decode."""
+    started = store.run(run_id)["started_at"].replace(tzinfo=timezone.utc).timestamp()
+    t_ms = store.tokens(run_id)["t_ms"]
+    return started + t_ms.min() / 1e3, started + t_ms.max() / 1e3
 
 
 def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
@@ -90,14 +154,19 @@ def main():
     store = Store(db)
     runs = {f"page, {how}": (lambda how=how: through_page(page, url, store, args.tokens, args.reload, how))
             for how in redraws}
-    runs["command line"] = lambda: from_cli(db, args.tokens)
+    runs["command line"] = lambda: from_cli(db, store, args.tokens)
     rates = {name: [] for name in runs}
-    with serve_app(db) as url, browser_page() as page:
+    page_cpu = {name: [] for name in runs}  # ms of the page side's CPU per second of decode
+    with serve_app(db) as url, browser_page() as page, PageCpu() as cpu:
         through_page(page, url, store, 4, args.reload, redraws[0])  # the first page run starts the worker
         names = list(runs)
         for i in range(args.rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:
-                rates[name].append(runs[name]())
+                run_id = runs[name]()
+                rates[name].append(1e3 / store.run(run_id)["tpot_ms"])
+                time.sleep(0.3)  # a sample after the decode's end
+                start, end = decode_window(store, run_id)
+                page_cpu[name].append(1e3 * cpu.during(start, end) / (end - start))
     how = "the page loaded afresh for every run" if args.reload else "the page loaded once, Generate clicked per run"
     print(f"greedy fp32, up to {args.tokens} new tokens, {args.rounds} rounds rotating, browser open throughout; {how}")
     for name, r in rates.items():
@@ -115,6 +184,10 @@ def main():
         note = f" ({cost} {1 - middle:.1%})" if cost else ""
         print(f"{what + ':':<46} median of rounds {middle:.3f}{note}, 90% interval {low:.3f}-{high:.3f}; "
               f"rounds {', '.join(f'{r:.2f}' for r in ratios)}")
+    print("CPU of the page's side (Chromium's processes and the Streamlit server) during each run's decode, "
+          "ms per second of decode (psutil, every 0.1 s); with the command line the page sat idle:")
+    for name, ms in page_cpu.items():
+        print(f"{name + ':':<31} median {statistics.median(ms):.0f} ms/s (runs {min(ms):.0f}-{max(ms):.0f})")
 
 
 if __name__ == "__main__":
