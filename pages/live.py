@@ -25,7 +25,7 @@ st.title("Live generation")
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine: "
              "about 35 ms on a 2-core CPU, 25 ms of it Streamlit's own update. Decode speed against the command "
              "line there (bench/ui.py, medians of 24 rounds): every second 0.95, every 2 seconds 0.94-0.98, at "
-             "the end only 0.97-0.99. At the end only: a progress note every 5 s, the text and charts when the "
+             "the end only 0.96-0.99. At the end only: a progress note every 5 s, the text and charts when the "
              "run ends.")
 # how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
 REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
