@@ -2,11 +2,11 @@
 
 With the model inside Streamlit's server process, a token's median time was up to 6% above a
 command-line process's in bench/ui.py with drawing off (1.059, 1.053 and 0.998 in three runs), and
-7% with the model in a separate process that woke the page once per token. The worker is a plain Python process whose
-main thread runs the model, as the command line does; it keeps the loaded models between runs and
-sends the new tokens in batches, as often as the page redraws. With both, the page's runs matched
-the command line's (bench/ui.py, README). A stop message cancels the run, which the engine records
-as cancelled.
+7% with the model in a separate process that woke the page once per token. The worker is a plain
+Python process whose main thread runs the model, as the command line does; it keeps the loaded
+models between runs and sends the new tokens in batches, as often as the page redraws. With both,
+the page's runs with drawing off matched the command line's (bench/ui.py, README). A stop message
+cancels the run, which the engine records as cancelled.
 
 Messages to the worker: a request dict, "stop", or None (quit). From it: ("ready", {run_id,
 special_ids}), ("tokens", [rows]) in batches, and one message that ends the request: ("done",
