@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import hardware  # noqa: E402
 from engine.accounting import model_shape  # noqa: E402
-from engine.generate import Generation, GenConfig, prompt_ids  # noqa: E402
+from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.text import prompt_ids  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.store import Store  # noqa: E402
 

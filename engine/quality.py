@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from .models import REPO_ROOT, LoadedModel
+from .models import LoadedModel
+from .paths import EVAL_TEXT
 
-EVAL_TEXT = REPO_ROOT / "data" / "eval.txt"
 WINDOW = 512  # tokens per forward; the text is scored in consecutive windows
 
 

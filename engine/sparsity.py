@@ -21,13 +21,14 @@ import torch.nn.functional as F
 
 from . import sparse24
 from .cpu_kernels import kernel
-from .models import REPO_ROOT, LoadedModel
+from .errors import UserError
+from .models import LoadedModel
+from .paths import CALIBRATION_TEXT
 
 MODES = ("mask", "skip")  # activation sparsity; "2:4" (weights, CUDA only) lives in engine.sparse24
-CALIBRATION_TEXT = REPO_ROOT / "data" / "calibration.txt"
 
 
-class SparsityError(Exception):
+class SparsityError(UserError):
     """A sparsity setting that cannot run; the message is one sentence for the user."""
 
 

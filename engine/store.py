@@ -1,87 +1,32 @@
 """The DuckDB run store: every run, step, token, telemetry sample and calibration.
 
-Connections are short (open, write, close) so the app and the command line can both record;
-a writer that finds the file locked by another process waits and retries."""
+Connections are short (open, write, close) so the app and the command line can both record; a writer
+that finds the file locked by another process waits and retries. A run's rows live in its journal
+(engine.journal) until the run ends, when one transaction writes them and completes the run row; a run
+whose process died is folded in from its journal by the next Store opened on the file."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
-import pandas as pd
 import psutil
 
-from .models import REPO_ROOT
+from . import recovery
+from .distances import BUCKETS  # noqa: F401 (older importers)
+from .errors import UserError
+from .paths import default_db_path
+from .schema import MIGRATIONS, SCHEMA_VERSION
+from .sql import complete_run, insert_batches, utcnow
 
-SCHEMA_VERSION = 4
 LOCK_WAIT_S = 60.0
-BUCKETS = ("physical", "memory", "compute", "time", "decision")
-_BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
-
-MIGRATIONS = {
-    1: [
-        "CREATE TABLE tokenpath_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
-        "CREATE SEQUENCE run_ids START 1",
-        f"""CREATE TABLE runs (
-            run_id BIGINT PRIMARY KEY DEFAULT nextval('run_ids'),
-            started_at TIMESTAMP, finished_at TIMESTAMP, status VARCHAR,
-            model VARCHAR, device VARCHAR, dtype VARCHAR, kv_cache BOOLEAN, temperature DOUBLE,
-            config VARCHAR, hardware VARCHAR, prompt VARCHAR, output VARCHAR, token_ids INTEGER[],
-            n_prompt_tokens INTEGER, n_new_tokens INTEGER, ttft_ms DOUBLE, tpot_ms DOUBLE,
-            tokens_per_s DOUBLE, decode_tokens_per_s DOUBLE, total_ms DOUBLE,
-            itl_p50_ms DOUBLE, itl_p90_ms DOUBLE, itl_p99_ms DOUBLE, {_BUCKET_COLS},
-            metrics VARCHAR, error VARCHAR, host VARCHAR, pid INTEGER, pid_started DOUBLE)""",
-        f"""CREATE TABLE steps (
-            run_id BIGINT, step INTEGER, kind VARCHAR, n_input INTEGER, n_emitted INTEGER,
-            context_len INTEGER, draft_ms DOUBLE, upload_ms DOUBLE, forward_ms DOUBLE, sync_ms DOUBLE,
-            select_ms DOUBLE, host_ms DOUBLE, wall_ms DOUBLE, weight_bytes BIGINT, kv_read_bytes BIGINT,
-            kv_write_bytes BIGINT, flops DOUBLE, memory_est_ms DOUBLE, compute_est_ms DOUBLE,
-            roofline_ms DOUBLE, waste_fraction DOUBLE, {_BUCKET_COLS})""",
-        f"""CREATE TABLE tokens (
-            run_id BIGINT, idx INTEGER, step INTEGER, token_id INTEGER, piece VARCHAR,
-            t_ms DOUBLE, gap_ms DOUBLE, {_BUCKET_COLS})""",
-        """CREATE TABLE telemetry (
-            run_id BIGINT, t_ms DOUBLE, cpu_percent DOUBLE, rss_bytes BIGINT, gpu_util_percent DOUBLE,
-            gpu_mem_used_bytes BIGINT, gpu_power_w DOUBLE, gpu_sm_clock_mhz DOUBLE,
-            gpu_mem_clock_mhz DOUBLE, gpu_temp_c DOUBLE)""",
-        "CREATE TABLE calibration (device_key VARCHAR, created_at TIMESTAMP, results VARCHAR)",
-    ],
-    2: [
-        "ALTER TABLE runs ADD COLUMN quant VARCHAR DEFAULT 'fp32'",
-        """CREATE TABLE quality (
-            created_at TIMESTAMP, model VARCHAR, device VARCHAR, variant VARCHAR, settings VARCHAR,
-            perplexity DOUBLE, kl_mean DOUBLE, top1_agreement DOUBLE, n_tokens INTEGER,
-            eval_text_sha VARCHAR, first_divergence INTEGER, seconds DOUBLE)""",
-    ],
-    3: [
-        "ALTER TABLE runs ADD COLUMN sparsity DOUBLE DEFAULT 0",
-        "ALTER TABLE runs ADD COLUMN sparsity_mode VARCHAR",
-        """CREATE TABLE sparsity_thresholds (model VARCHAR, sparsity DOUBLE, text_sha VARCHAR,
-            created_at TIMESTAMP, thresholds VARCHAR)""",
-    ],
-    4: [
-        "ALTER TABLE steps ADD COLUMN drafted INTEGER DEFAULT 0",
-        "ALTER TABLE steps ADD COLUMN accepted INTEGER DEFAULT 0",
-        "ALTER TABLE runs ADD COLUMN spec VARCHAR DEFAULT 'none'",
-    ],
-}
 
 
-class StoreError(Exception):
-    """The database cannot be used; the message is one sentence for the user."""
-
-
-def default_db_path() -> Path:
-    return Path(os.environ.get("TOKENPATH_DB", REPO_ROOT / "data" / "runs.duckdb"))
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+class StoreError(UserError):
+    """The database cannot be used."""
 
 
 def _is_lock_error(exc: Exception) -> bool:
@@ -93,7 +38,7 @@ class Store:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_db_path()
         self._prepare()
-        self.mark_interrupted()
+        self.recover()
 
     @contextmanager
     def connect(self):
@@ -141,19 +86,16 @@ class Store:
                     con.execute(statement)
                 con.execute("INSERT OR REPLACE INTO tokenpath_meta VALUES ('schema_version', ?)", [str(v)])
                 con.execute("COMMIT")
+            try:  # a file or folder that can be read but not written fails here, before any run starts
+                con.execute("INSERT OR REPLACE INTO tokenpath_meta VALUES ('last_opened', ?)", [utcnow().isoformat()])
+                con.execute("CHECKPOINT")
+            except duckdb.Error as exc:
+                raise StoreError(f"{self.path} cannot be written ({str(exc).splitlines()[0]}); nothing was recorded: "
+                                 "point --db or TOKENPATH_DB at a writable file.") from None
 
-    def mark_interrupted(self) -> int:
-        """Runs left 'running' by a process on this host that no longer exists become 'interrupted'."""
-        host = socket.gethostname()
-        with self.connect() as con:
-            rows = con.execute("SELECT run_id, pid, pid_started FROM runs WHERE status = 'running' AND host = ?",
-                               [host]).fetchall()
-            dead = [run_id for run_id, pid, started in rows if not _process_alive(pid, started)]
-            for run_id in dead:
-                con.execute("UPDATE runs SET status = 'interrupted', finished_at = ?, "
-                            "error = 'the process recording this run ended before the run did' WHERE run_id = ?",
-                            [utcnow(), run_id])
-        return len(dead)
+    def recover(self) -> int:
+        """Fold in the runs whose process died (engine.recovery); returns how many changed."""
+        return recovery.recover(self)
 
     def start_run(self, *, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str) -> int:
         me = psutil.Process()
@@ -171,27 +113,17 @@ class Store:
 
     def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
                    error: str | None = None, batches: dict[str, list[dict]] | None = None) -> None:
-        """Complete the run row, writing its last batches of rows in the same connection."""
-        metrics = dict(metrics or {})
-        columns = ["n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s",
-                   "total_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"]
-        values = [metrics.get(c) for c in columns]
-        distances = metrics.get("distances_ms") or {}
-        columns += [f"{b}_ms" for b in BUCKETS]
-        values += [distances.get(b) for b in BUCKETS]
-        assignments = ", ".join(f"{c} = ?" for c in columns)
+        """Write the run's rows and complete its row, in one transaction."""
         with self.connect() as con:
-            _insert_batches(con, batches or {})
-            con.execute(
-                f"UPDATE runs SET finished_at = ?, status = ?, output = ?, token_ids = ?, metrics = ?, error = ?, "
-                f"{assignments} WHERE run_id = ?",
-                [utcnow(), status, output, list(token_ids), json.dumps(metrics), error, *values, run_id],
-            )
+            con.execute("BEGIN")
+            insert_batches(con, batches or {})
+            complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error)
+            con.execute("COMMIT")
 
     def insert(self, batches: dict[str, list[dict]]) -> None:
         """Rows for several tables ({table: [row dict, ...]}) in one connection."""
         with self.connect() as con:
-            _insert_batches(con, batches)
+            insert_batches(con, batches)
 
     def query(self, sql: str, params=None):
         """A pandas DataFrame of any read query."""
@@ -255,20 +187,3 @@ class Store:
         if not row:
             return None
         return {**json.loads(row[0]), "created_at": row[1].isoformat(timespec="seconds")}
-
-
-def _insert_batches(con, batches: dict[str, list[dict]]) -> None:
-    for table, rows in batches.items():
-        if rows:
-            con.register("batch", pd.DataFrame(rows))
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM batch")
-            con.unregister("batch")
-
-
-def _process_alive(pid: int | None, started: float | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        return abs(psutil.Process(pid).create_time() - (started or 0.0)) < 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False

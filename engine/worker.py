@@ -1,21 +1,21 @@
-"""Generations in a process of their own, for the dashboard.
+"""Model work in a process of its own, for the dashboard: generations, sweeps, calibration.
 
-With the model inside Streamlit's server process, a token's median time was up to 6% above a
-command-line process's in bench/ui.py with drawing off (1.059, 1.053 and 0.998 in three runs), and
-7% with the model in a separate process that woke the page once per token. The worker is a plain
-Python process whose main thread runs the model, as the command line does; it keeps the loaded
-models between runs and sends the new tokens in batches, as often as the page redraws. With both,
-the page's runs with drawing off matched the command line's (bench/ui.py, README). A stop message
-cancels the run, which the engine records as cancelled.
+The worker is a plain Python process whose main thread runs the model, as the command line does, so
+the model never shares a process (or a Python interpreter lock) with the Streamlit server; it keeps
+the loaded models between runs and sends new tokens in batches, as often as the page redraws, since
+each message wakes the page's process, which then takes a core from the model (measured in
+bench/results/ui.md). A stop message cancels the run, which the engine records as cancelled.
 
-Messages to the worker: a request dict, "stop", or None (quit). From it: ("ready", {run_id,
-special_ids}), ("tokens", [rows]) in batches, and one message that ends the request: ("done",
-summary), ("refused", sentence) for input the engine turns down, or ("failed", sentence) for an
-engine failure.
+Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
+generation, {"db", "device", "calibrate": True} for a calibration), "stop", or None (quit). From it:
+("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
+request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
+sentence) for an engine failure.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,11 +23,14 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from . import quant, sparsity
-from .generate import Generation, GenConfig, GenerationError
-from .models import ModelError, load_model
-from .sparsity import SparsityError
-from .store import Store, StoreError
+from . import hardware
+from .errors import UserError
+from .generate import Generation
+from .models import pick_device
+from .prepare import prepare
+from .record import RecordDeferred
+from .spec import RunSpec
+from .store import Store
 
 
 ENDINGS = ("done", "refused", "failed")
@@ -143,38 +146,39 @@ class _Duplex:
 def serve(conn) -> None:
     """The worker's loop: one request at a time, in the main thread, until the page's end of the
     pipes closes."""
-    models = ModelCache()
     try:
         while (request := conn.recv()) is not None:
-            if request != "stop":  # a stop that came after its run had ended
-                run(conn, request, models)
+            if request == "stop":  # a stop that came after its run had ended
+                continue
+            if request.get("calibrate"):
+                calibrate(conn, request)
+            else:
+                run(conn, request)
     except EOFError:
         pass
 
 
-class ModelCache:
-    """The base (fp32) model of the last (model id, device); its quantized and sparse variants are
-    cached by engine.quant."""
-
-    def __init__(self):
-        self.key = self.lm = None
-
-    def get(self, model_id: str, device: str):
-        if self.key != (model_id, device):
-            self.key = self.lm = None  # let the old model go before the new one loads
-            self.lm = load_model(model_id, device=device)
-            self.key = (model_id, device)
-        return self.lm
-
-
-def run(conn, request: dict, models: ModelCache) -> None:
-    """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
+def calibrate(conn, request: dict) -> None:
+    """A fresh calibration of the device, stored; answered with ("done", {"calibration": ...})."""
     try:
         store = Store(request["db"])
-        lm = quant.variant(models.get(request["model"], request["device"]), request["level"], request["group"])
-        lm = sparsity.variant(lm, request["sparsity"], request["sparsity_mode"], store)
-        gen = Generation(lm, GenConfig(**request["config"]), store=store)
-    except (ModelError, quant.QuantError, SparsityError, GenerationError, StoreError) as exc:
+        results = hardware.calibration_for(pick_device(request["device"]), store, fresh=True)
+    except UserError as exc:
+        conn.send(("refused", str(exc)))
+        return
+    conn.send(("ready", {"run_id": None, "special_ids": []}))
+    conn.send(("done", {"calibration": results}))
+
+
+def run(conn, request: dict) -> None:
+    """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
+    try:
+        spec = RunSpec.from_dict(request["spec"])
+        spec.check()
+        store = Store(request["db"])
+        lm = prepare(spec, store)
+        gen = Generation(lm, spec.gen, store=store)
+    except UserError as exc:
         conn.send(("refused", str(exc)))
         return
     except Exception as exc:
@@ -196,6 +200,8 @@ def run(conn, request: dict, models: ModelCache) -> None:
             if conn.poll(0) and conn.recv() == "stop":
                 events.close()
                 break
+    except RecordDeferred as exc:
+        ending = ("failed", str(exc))
     except Exception as exc:  # the engine has recorded the run with status error
         ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")
     else:
@@ -204,5 +210,13 @@ def run(conn, request: dict, models: ModelCache) -> None:
     conn.send(ending)
 
 
+def _stop_on_sigterm() -> None:
+    """A SIGTERM to the worker ends its run as a Stop does (recorded as cancelled), then the worker."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 if __name__ == "__main__":
+    _stop_on_sigterm()
     serve(_Duplex(int(sys.argv[1]), int(sys.argv[2])))

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from engine.generate import Generation, GenConfig, GenerationError, TextStream, prompt_ids, select_token
+from engine.generate import Generation, GenConfig, GenerationError
+from engine.step import select_token
+from engine.text import TextStream, prompt_ids
 from engine.models import tiny_model
 
 PROMPTS = ["Hello there", "def add(a, b):", "The weather today is"]
@@ -61,23 +63,23 @@ def test_stream_events_tile_the_run(tiny_lm, calibration, store):
     assert len(store.steps(result["run_id"])) == len(events)
 
 
-@pytest.mark.parametrize("every_tokens, every_s, written_after_5", [(4, 1e9, 4), (1000, 0.0, 5), (1000, 1e9, 0)])
-def test_rows_reach_the_database_while_the_run_goes_on(tiny_lm, calibration, store, monkeypatch, every_tokens,
-                                                      every_s, written_after_5):
-    from engine import generate
+def test_each_step_reaches_the_journal_at_once_and_the_database_at_the_end(tiny_lm, calibration, store):
+    from engine import journal
 
-    monkeypatch.setattr(generate, "FLUSH_EVERY_TOKENS", every_tokens)
-    monkeypatch.setattr(generate, "FLUSH_EVERY_S", every_s)
     gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=12, ignore_eos=True), store=store,
                      calibration=calibration)
     it = iter(gen)
-    for _ in range(6):  # the sixth token's step begins after the fifth's rows were handed to the writer
+    for _ in range(5):
         next(it)
-    for write in gen._writes:
-        write.result()
-    assert len(store.tokens(gen.run_id)) == written_after_5
+    path = journal.journal_path(store.path, gen.run_id)
+    kept = journal.read(path)
+    assert [t["token_id"] for t in kept["tokens"]] == gen.token_ids[:5]
+    assert len(kept["steps"]) == 5 and kept["text"] == gen.text
+    assert not journal.owner_gone(path)  # the live run holds it
+    assert store.tokens(gen.run_id).empty  # no database write while the run goes on
     list(it)
-    assert len(store.tokens(gen.run_id)) == 12
+    assert len(store.tokens(gen.run_id)) == 12 and len(store.steps(gen.run_id)) == 12
+    assert not path.exists()
 
 
 def test_closing_the_stream_records_a_cancelled_run(tiny_lm, calibration, store):
@@ -111,7 +113,15 @@ def test_an_engine_failure_is_a_recorded_error_run(tiny_lm, calibration, store, 
     (dict(prompt="hi", max_new_tokens=0), "max_new_tokens"),
     (dict(prompt="hi", max_new_tokens=100000), "max_new_tokens"),
     (dict(prompt="hi", temperature=-1), "temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", temperature=float("inf")), "temperature"),
     (dict(prompt="hi", top_p=0), "top_p"),
+    (dict(prompt="hi", top_p=float("nan")), "top_p"),
+    (dict(prompt="hi", seed=2**64), "seed"),
+    (dict(prompt="hi", seed=-1), "seed"),
+    (dict(prompt="hi", spec_k=0), "draft length"),
+    (dict(prompt="bad \udcff bytes"), "UTF-8"),
+    (dict(prompt="hi", max_new_tokens=2.5), "max_new_tokens"),
     (dict(prompt="hi " * 400, max_new_tokens=200), "context"),
 ])
 def test_bad_input_is_one_sentence_and_records_nothing(tiny_lm, calibration, store, kwargs, message):

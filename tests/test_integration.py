@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.accounting import cache_nbytes, model_shape
-from engine.generate import Generation, GenConfig, prompt_ids
+from engine.generate import Generation, GenConfig
+from engine.text import prompt_ids
 from engine.store import BUCKETS
 
 pytestmark = pytest.mark.integration

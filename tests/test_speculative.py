@@ -7,8 +7,8 @@ from tokenizers.models import WordLevel
 
 from engine.generate import Generation, GenConfig, GenerationError
 from engine.models import LoadedModel, tiny_model, workloads
-from engine.speculative import (METHODS, Backoff, Lookahead, PromptLookup, SpeculativeError, Tree, crop_cache,
-                                early_exit, expected_speedup, greedy_accept, make_drafter, next_k, tree_accept)
+from engine.drafters import Jacobi, Lookahead, PromptLookup, SpeculativeError, Tree, crop_cache, early_exit
+from engine.speculative import Backoff, expected_speedup, greedy_accept, make_drafter, next_k, tree_accept
 
 
 def test_prompt_lookup_continues_the_latest_match():
@@ -19,7 +19,6 @@ def test_prompt_lookup_continues_the_latest_match():
 
 
 def test_jacobi_guesses_the_targets_leftover_predictions():
-    from engine.speculative import Jacobi
 
     jacobi = Jacobi()
     assert jacobi.propose([4, 9], 3) == [9, 9, 9]
@@ -82,9 +81,9 @@ def test_an_early_exit_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_was
     cache = DynamicCache(config=tiny_lm.config)
     tiny_lm.model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)  # the target has seen 4 tokens
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    shared = make_drafter(tiny_lm, "draft", "self-exit:1")
+    shared = make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="self-exit:1"))
     shared.attach(cache)
-    assert shared.propose(ids, 3) == make_drafter(tiny_lm, "draft", "self-exit:1").propose(ids, 3)
+    assert shared.propose(ids, 3) == make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="self-exit:1")).propose(ids, 3)
     assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
                for layer, (k, v) in zip(cache.layers, before))
 
@@ -141,7 +140,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_lm):
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")))
     stranger = LoadedModel(name="stranger", model=tiny_lm.model, tokenizer=other, device=tiny_lm.device)
     with pytest.raises(SpeculativeError, match="tokenizer"):
-        make_drafter(tiny_lm, "draft", "some/model", load=lambda _: stranger)
+        make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="some/model"), load=lambda _: stranger)
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -220,11 +219,3 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_lm, calibrati
     # the draft's own distribution is far from the target's, so the test could see a wrong acceptance rule
     assert total_variation(plain, draft_alone) > 0.3
     assert total_variation(plain, speculative) < 0.15  # seeded, so the same on every run
-
-
-def test_the_command_line_offers_every_method():
-    from engine.cli import build_parser
-
-    spec = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
-                if a.dest == "spec")
-    assert tuple(spec.choices) == METHODS

@@ -1,0 +1,8 @@
+"""The one base class for errors a user can cause or fix.
+
+Its message is one sentence saying what is wrong and what to do; the command line prints it and exits 2,
+the pages show it, the worker sends it back as a refusal."""
+
+
+class UserError(Exception):
+    """Input or a state the user can fix; str(exc) is one sentence for them."""
