@@ -1,7 +1,7 @@
 """Tokenpath home: the thesis, the detected device, one live generation, the latest runs."""
 import streamlit as st
 
-from engine.store import BUCKETS
+from engine.distances import BUCKETS, FORMULAS
 from ui import BUCKET_MEANING, default_model_id, device_facts, open_store, page_setup
 
 page_setup("Tokenpath")
@@ -16,13 +16,11 @@ st.markdown(
 with st.expander("The five buckets and how they are computed", expanded=False):
     for bucket in BUCKETS:
         st.markdown(f"- **{bucket}**: {BUCKET_MEANING[bucket]}")
-    st.markdown(
-        "Per step: `memory = min(bytes / bandwidth, forward)`, `compute = min(max(FLOPs / peak - bytes / "
-        "bandwidth, 0), forward - memory)`, `time = forward - memory - compute + select + host`, `decision = "
-        "waste x forward` with `waste = 1 - roofline(useful work) / roofline(work done)`. Bandwidth and peak "
-        "come from this device's calibration; bytes and FLOPs from the loaded model's real tensors. Memory and "
-        "compute are **estimates** from that roofline model; the step times and their sum are measured."
-    )
+    st.markdown("Per step, in milliseconds (from `engine/distances.py`, the code that computes them):")
+    st.code(FORMULAS, language=None)
+    st.markdown("Bandwidth and peak come from this device's calibration; bytes and FLOPs from the loaded model's "
+                "real tensors. Memory and compute are **estimates** from that roofline model; the step times and "
+                "their sum are measured.")
 
 facts = device_facts("auto")
 col_device, col_model = st.columns(2)

@@ -1,5 +1,5 @@
-"""What every page shares: the cached model, the store, the generation lock, bucket colours.
-Pages stay thin: they call the engine and read DuckDB through these."""
+"""What every page shares: the store, the generation queue and process, bucket colours.
+Pages stay thin: they send model work to the generation process and read DuckDB through these."""
 from __future__ import annotations
 
 import base64
@@ -11,11 +11,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import hardware, quant
-from engine.models import ModelError, load_model, pick_device
-from engine.quant import LEVELS, QuantError, level_info
-from engine.store import BUCKETS, Store, StoreError
-from engine.worker import GenerationWorker
+from engine import hardware
+from engine.distances import BUCKETS
+from engine.models import pick_device
+from engine.quant import LEVELS, level_info
+from engine.spec import RunSpec
+from engine.store import Store, StoreError
+from engine.worker import GenerationWorker, WorkerFailed
 
 BUCKET_COLOURS = {"physical": "#8c564b", "memory": "#1f77b4", "compute": "#2ca02c", "time": "#ff7f0e",
                   "decision": "#d62728"}
@@ -46,15 +48,9 @@ def page_setup(title: str) -> None:
             st.page_link(path, label=label)
 
 
-@st.cache_resource(max_entries=1, show_spinner=False)
-def cached_model(model_id: str, device: str):
-    """The fp32 model; other precision levels are derived from it and cached by engine.quant."""
-    return load_model(model_id, device=device)
-
-
 def level_table(device: str):
     rows = []
-    for level in LEVELS:
+    for level in LEVELS:  # the registry: a level registered anywhere shows here
         info = level_info(level, pick_device(device))
         rows.append({"level": level, "kernel": info.kernel,
                      "accelerated": "yes" if info.accelerated else "no (emulated)", "what it means": info.note})
@@ -116,14 +112,19 @@ def default_model_id() -> str:
     return os.environ.get("TOKENPATH_MODEL", "default")
 
 
-def get_model(model_id: str, device: str = "auto", level: str = "fp32", group_size: int = 32):
-    """The loaded model at this weight precision, or None after showing the one-sentence reason."""
-    try:
-        with st.spinner(f"Loading {model_id} at {level} (first time only)..."):
-            return quant.variant(cached_model(model_id, device), level, group_size)
-    except (ModelError, QuantError) as exc:
-        st.error(str(exc))
-        return None
+def run_in_worker(request: dict, on_wait=None) -> dict:
+    """Run one request (a generation, or a calibration) in the generation process after the queue's
+    earlier requests, and return its ending summary; raises WorkerRefused or WorkerFailed with one
+    sentence. Model work never runs in the server process."""
+    with generation_queue().turn(on_wait or (lambda position: None)):
+        for kind, payload in generation_worker().generate(request, every_s=60.0):
+            if kind == "done":
+                return payload
+    raise WorkerFailed("The generation process ended the request without a result.")
+
+
+def worker_request(spec: RunSpec, store: Store) -> dict:
+    return {"db": str(store.path), "spec": spec.to_dict()}
 
 
 def run_label(row) -> str:
@@ -143,8 +144,8 @@ LIVE_BAR_COLUMNS = 300
 
 def live_bars(token_rows: list[dict], height_px: int = 150, max_columns: int = LIVE_BAR_COLUMNS) -> str:
     """The per-token stacked buckets as one SVG picture, for redrawing while a run streams: the
-    browser decodes one image where a column of HTML elements per token cost it about 80 ms of
-    layout and paint per redraw, time the model on the same cores lost. Past max_columns tokens
+    browser decodes one image where a column of HTML elements per token cost it layout and paint at
+    every redraw, time the model on the same cores lost. Past max_columns tokens
     each column is the mean of neighbouring tokens, so a redraw stays the same size however long
     the run grows. The Plotly chart, with its hover values, replaces it at the end."""
     if not token_rows:

@@ -1,11 +1,17 @@
-"""What the benchmarks share: the prompt and decode rates that resist a shared machine's spikes."""
+"""What the benchmarks share: the prompt, decode rates that resist a shared machine's spikes, and the
+result file each benchmark writes (bench/results/<name>.md, stamped with date, machine, command, commit)."""
+import contextlib
+import io
+import os
 import statistics
+import subprocess
 import sys
 import time
-from pathlib import Path
+from datetime import datetime, timezone
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.generate import Generation, GenConfig  # noqa: E402
+from engine.generate import Generation, GenConfig
+from engine.hardware import cpu_facts
+from engine.paths import REPO_ROOT, RESULTS
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -43,3 +49,41 @@ def lockstep_rates(variants: dict, calibration, n: int, rounds: int) -> tuple[di
             rates[k].append(1e3 / statistics.median(token_ms[1:]))  # the first token came with the prefill
             steps[k] = [s for s in gen.steps if s["kind"] == "decode"]
     return rates, steps
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
+def _commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+@contextlib.contextmanager
+def recorded(name: str):
+    """Print as usual, and write everything printed to bench/results/<name>.md when the block ends."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, buffer)):
+        yield
+    cpu = cpu_facts()
+    stamp = [f"# bench/{name}.py", "",
+             f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- machine: {cpu['model']}, {cpu['physical_cores']} physical / {cpu['logical_cores']} logical cores, "
+             f"{cpu['ram_bytes'] / 2**30:.0f} GiB; load average {os.getloadavg()[0]:.1f} at the end",
+             f"- command: `python {' '.join(sys.argv)}`",
+             f"- commit: {_commit()}", "", "```"]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text("\n".join(stamp) + "\n" + buffer.getvalue().rstrip() + "\n```\n")

@@ -10,20 +10,19 @@ token / calibrated read bandwidth).
 """
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import hardware  # noqa: E402
-from engine.accounting import model_shape  # noqa: E402
-from engine.generate import Generation, GenConfig  # noqa: E402
-from engine.text import prompt_ids  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from engine.store import Store  # noqa: E402
+from common import recorded
+from engine import hardware
+from engine.accounting import model_shape
+from engine.generate import Generation, GenConfig
+from engine.text import prompt_ids
+from engine.models import load_model
+from engine.store import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -91,4 +90,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("decode"):
+        main()

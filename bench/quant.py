@@ -6,15 +6,12 @@ decode tokens/s (the levels' generations advanced token by token in turn; bench/
 """
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import hardware, quality  # noqa: E402
-from engine.accounting import model_shape  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from engine.quant import available_levels, level_info, quantize  # noqa: E402
-from common import lockstep_rates  # noqa: E402
+from engine import hardware, quality
+from engine.accounting import model_shape
+from engine.models import load_model
+from engine.quant import available_levels, level_info, quantize
+from common import lockstep_rates, recorded
 
 
 def main():
@@ -49,4 +46,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("quant"):
+        main()

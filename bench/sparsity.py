@@ -8,13 +8,10 @@ data/eval.txt; mask and skip compute the same function, so quality is measured o
 """
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import hardware, quality, sparsity  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from common import lockstep_rates  # noqa: E402
+from engine import hardware, quality, sparsity
+from engine.models import load_model
+from common import lockstep_rates, recorded
 
 
 def main():
@@ -47,4 +44,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("sparsity"):
+        main()

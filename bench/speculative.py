@@ -7,14 +7,11 @@ expects from the measured acceptance and cost ratio; per workload, the slowest a
 """
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import hardware  # noqa: E402
-from engine.generate import GenConfig  # noqa: E402
-from engine.models import load_model, workloads  # noqa: E402
-from common import lockstep  # noqa: E402
+from engine import hardware
+from engine.generate import GenConfig
+from engine.models import load_model, workloads
+from common import lockstep, recorded
 
 METHODS = {
     "greedy": dict(),
@@ -69,4 +66,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("speculative"):
+        main()

@@ -27,10 +27,9 @@ import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from browser import browser_page, serve_app  # noqa: E402
-from engine.store import Store  # noqa: E402
+from browser import browser_page, serve_app
+from common import recorded
+from engine.store import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 REDRAWS = ["every second", "every 2 seconds", "every 5 seconds", "at the end only"]  # the page's choices
@@ -191,4 +190,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("ui"):
+        main()

@@ -1,5 +1,7 @@
 """Latency by distance: split a step's measured wall time into five buckets that sum to it.
 
+The formulas (FORMULAS, which the Home page shows as they are):
+
     physical = upload + download/sync                        (crossing a link)
     memory   = min(bytes moved / calibrated bandwidth, forward)
     compute  = min(max(FLOPs / calibrated peak - memory estimate, 0), forward - memory)
@@ -20,6 +22,7 @@ if TYPE_CHECKING:  # the attribution itself needs no torch
 
 BUCKETS = ("physical", "memory", "compute", "time", "decision")
 PHASES = ("draft", "upload", "forward", "sync", "select", "host")
+FORMULAS = __doc__.split("as they are):\n\n", 1)[1]
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,10 @@ SMALL_ROWS = 24  # up to this many rows (a decode step, a verification of drafts
 
 
 class LeanLinear(nn.Linear):
-    """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: here MKL's
-    kernels took 1.8x its one-row time for 5 rows and 2.4x for 9, so verifying drafts cost about two
-    plain steps; this one (1.5x and 1.6x) reads each weight once for all rows, and a row's result does
-    not depend on how many rows share the call. Other dtypes, quantized weights, prefills and CPUs
-    without AVX-512 use F.linear."""
+    """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: MKL's few-row
+    kernels pack the weights first, so verifying drafts cost nearly two plain steps; this one reads each
+    weight once for all rows, and a row's result does not depend on how many rows share the call. Other
+    dtypes, quantized weights, prefills and CPUs without AVX-512 use F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

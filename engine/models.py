@@ -96,7 +96,7 @@ def default_model_dir() -> Path:
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF once into a plain safetensors folder (about 30 s here).
+    """Dequantize a GGUF once into a plain safetensors folder (tens of seconds, once).
 
     A model loaded from GGUF carries a quantization config that refuses save_pretrained, so
     rebuild it from its config without that entry and load the state dict."""

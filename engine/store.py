@@ -7,6 +7,7 @@ whose process died is folded in from its journal by the next Store opened on the
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -22,7 +23,8 @@ from .paths import default_db_path
 from .schema import MIGRATIONS, SCHEMA_VERSION
 from .sql import complete_run, insert_batches, utcnow
 
-LOCK_WAIT_S = 60.0
+# how long a writer waits for a database file that another process holds
+LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
 
 
 class StoreError(UserError):

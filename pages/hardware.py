@@ -5,7 +5,8 @@ import streamlit as st
 
 from engine import hardware
 from engine.models import pick_device
-from ui import device_facts, open_store, page_setup
+from engine.worker import WorkerFailed, WorkerRefused
+from ui import device_facts, open_store, page_setup, run_in_worker
 
 page_setup("Hardware")
 st.title("Hardware")
@@ -32,8 +33,12 @@ with c[1]:
     st.subheader("Calibration")
     key = hardware.device_key(device)
     if st.button("Calibrate now (a few seconds)") and store is not None:
-        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost..."):
-            hardware.calibration_for(device, store, fresh=True)
+        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
+                        "(after any generation already queued)..."):
+            try:
+                run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
+            except (WorkerRefused, WorkerFailed) as exc:
+                st.error(str(exc))
     stored = store.latest_calibration(key) if store is not None else None
     if stored is None:
         st.info("Not calibrated yet on this device: press the button, or run `python -m engine calibrate`. "

@@ -6,9 +6,10 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine import kvcalc
-from engine.generate import Generation, GenConfig
+from engine.spec import GenConfig, RunSpec
+from engine.worker import WorkerFailed, WorkerRefused
 from engine.kvcalc import KVCalcError, human
-from ui import default_model_id, get_model, open_store, page_setup
+from ui import default_model_id, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")
 
@@ -142,9 +143,12 @@ store = open_store()
 if store is not None:
     live = kvcalc.spec_from_model_folder("default")
     if st.button("Measure now (a short recorded run)"):
-        lm = get_model(default_model_id())
-        if lm is not None:
-            Generation(lm, GenConfig("Describe a lighthouse.", max_new_tokens=16), store=store).run()
+        spec = RunSpec(gen=GenConfig("Describe a lighthouse.", max_new_tokens=16), model=default_model_id())
+        try:
+            with st.spinner("Running in the generation process..."):
+                run_in_worker(worker_request(spec, store))
+        except (WorkerRefused, WorkerFailed) as exc:
+            st.error(str(exc))
     runs = store.query(
         "SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' AND model = ? "
         "AND kv_cache ORDER BY run_id DESC LIMIT 10", [live.name])

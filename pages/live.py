@@ -2,77 +2,90 @@
 import html
 import statistics
 import time
-from dataclasses import asdict
 
 import streamlit as st
 
-from engine.generate import KV_DTYPES, MAX_NEW_TOKENS_CAP, GenConfig, GenerationError
+from engine.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
+from engine.dtypes import KV_CHOICES
 from engine.models import workloads
 from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES
-from engine.speculative import MAX_GUESSES, MAX_K, MAX_WINDOW, METHODS
+from engine.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
+from engine.speculative import METHODS
 from engine.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                open_store, page_setup)
+                open_store, page_setup, worker_request)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
-# draws frame by frame while the model's first tokens run: without it the page's side used 10 ms of CPU
-# per second of a 128-token decode instead of 22 (bench/ui.py's PageCpu, drawing at the end only).
+# draws frame by frame while the model's first tokens run on the same cores.
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
 
-LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine: "
-             "about 35 ms on a 2-core CPU, 25 ms of it Streamlit's own update. Decode speed against the command "
-             "line there (bench/ui.py, medians of 24 rounds): every second 0.95, every 2 seconds 0.94-0.98, at "
-             "the end only 0.96-0.99. At the end only: a progress note every 5 s, the text and charts when the "
-             "run ends.")
+LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
+             "drawing less often leaves more of it to the model (the measured cost of each choice is in "
+             "bench/results/ui.md). At the end only: a progress note every 5 s, the text and charts when the run "
+             "ends.")
 # how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
 REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
 shipped = workloads()
+DEFAULTS = {"model": default_model_id(), "device": "auto", "max_new": 64, "group": 32, "mode": "mask",
+            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "draft_model": "self-int8", "spec_k": 4,
+            "adaptive": False, "max_ngram": 3, "window": 4, "guesses": 4, "kv_dtype": "auto", "redraw": "every 2 seconds"}
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
 with st.form("live"):
     prompt = st.text_area("Prompt text", shipped[choice]["prompt"] if choice in shipped else
-                          "Explain in two sentences why a KV cache speeds up text generation.", height=140)
+                          "Explain in two sentences why a KV cache speeds up text generation.", height=120)
+    # the four switches the product is about; everything else is one click away
     c = st.columns(4)
-    model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id")
-    device = c[1].selectbox("Device", ["auto", "cpu", "cuda", "mps"])
-    max_new = c[2].number_input("Max new tokens", 1, MAX_NEW_TOKENS_CAP, 64)
-    kv_cache = c[3].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
-    c = st.columns(4)
-    level = c[0].selectbox("Weights", LEVELS)
-    group = c[1].selectbox("int4 group size", INT4_GROUPS)
-    target = c[2].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05)
-    mode = c[3].selectbox("Sparsity mode", [*MODES, "2:4"], help="mask: zero small inputs, dense matmul; "
-                          "skip: never read their weights; 2:4: prune 2 of every 4 weights (NVIDIA GPUs, bf16/fp16)")
-    c = st.columns(4)
-    temperature = c[0].number_input("Temperature (0 = greedy)", 0.0, 5.0, 0.0, 0.1)
-    top_p = c[1].number_input("Top-p", 0.01, 1.0, 1.0, 0.05)
-    top_k = c[2].number_input("Top-k (0 = off)", 0, 1000, 0)
-    seed = c[3].number_input("Seed", 0, 2**31 - 1, 0)
-    c = st.columns(4)
-    spec = c[0].selectbox("Speculative decoding", METHODS, help="Greedy only: drafts are checked by one target "
-                          "forward, so the output equals plain greedy's.")
-    draft_model = c[1].text_input("Draft model (for draft)", "self-int8",
-                                  help="self-int8, self-exit:K (the first K layers), or a model id or folder")
-    spec_k = c[2].number_input("Draft length K", 1, MAX_K, 4)
-    adaptive = c[3].toggle("Adaptive", False, help="Grow K after full acceptance, shrink it after a rejection; "
-                           "pause guessing while it costs more per token than plain steps.")
-    c = st.columns(4)
-    max_ngram = c[0].number_input("N-gram size", 2, 6, 3, help="Prompt lookup: the longest n-gram matched. "
-                                  "Lookahead: N, the length of the n-grams it collects and verifies.")
-    window = c[1].number_input("Lookahead window W", 1, MAX_WINDOW, 4,
-                               help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
-    guesses = c[2].number_input("Lookahead guesses G", 1, MAX_GUESSES, 4,
-                                help="At most this many collected n-grams verified per step.")
-    kv_dtype = c[3].selectbox("KV-cache precision", list(KV_DTYPES),
-                              help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
-                                   "fp32 weights; attention then runs in that precision.")
-    c = st.columns(2)
-    baseline = c[0].checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
-    redraw_s = REDRAWS[c[1].selectbox("Draw the tokens while they stream", list(REDRAWS), index=1, help=LIVE_HELP)]
+    kv_cache = c[0].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
+    level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
+    spec = c[2].selectbox("Speculative decoding", list(METHODS),
+                          help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
+    target = c[3].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05, help="The share of each layer's inputs set "
+                         "to zero; the mode (under More settings) decides whether their weights are still read.")
+    with st.expander("More settings"):
+        c = st.columns(4)
+        model_id = c[0].text_input("Model", DEFAULTS["model"], help="'default', a local folder or a Hugging Face id")
+        device = c[1].selectbox("Device", ["auto", "cpu", "cuda", "mps"])
+        max_new = c[2].number_input("Max new tokens", 1, MAX_NEW_TOKENS_CAP, DEFAULTS["max_new"])
+        kv_dtype = c[3].selectbox("KV-cache precision", list(KV_CHOICES),
+                                  help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
+                                       "fp32 weights; attention then runs in that precision.")
+        c = st.columns(4)
+        group = c[0].selectbox("int4 group size", INT4_GROUPS)
+        mode = c[1].selectbox("Sparsity mode", [*MODES, "2:4"], help="mask: zero small inputs, dense matmul; "
+                              "skip: never read their weights; 2:4: prune 2 of every 4 weights (NVIDIA GPUs, bf16/fp16)")
+        temperature = c[2].number_input("Temperature (0 = greedy)", 0.0, 5.0, DEFAULTS["temperature"], 0.1)
+        top_p = c[3].number_input("Top-p", 0.01, 1.0, DEFAULTS["top_p"], 0.05)
+        c = st.columns(4)
+        top_k = c[0].number_input("Top-k (0 = off)", 0, 1000, DEFAULTS["top_k"])
+        seed = c[1].number_input("Seed", 0, 2**31 - 1, DEFAULTS["seed"])
+        draft_model = c[2].text_input("Draft model (for draft)", DEFAULTS["draft_model"],
+                                      help="self-int8, self-exit:K (the first K layers), or a model id or folder")
+        spec_k = c[3].number_input("Draft length K", 1, MAX_K, DEFAULTS["spec_k"])
+        c = st.columns(4)
+        adaptive = c[0].toggle("Adaptive", DEFAULTS["adaptive"], help="Grow K after full acceptance, shrink it after "
+                               "a rejection; pause guessing while it costs more per token than plain steps.")
+        max_ngram = c[1].number_input("N-gram size", 2, 6, DEFAULTS["max_ngram"], help="Prompt lookup: the longest "
+                                      "n-gram matched. Lookahead: N, the length of the n-grams it collects and verifies.")
+        window = c[2].number_input("Lookahead window W", 1, MAX_WINDOW, DEFAULTS["window"],
+                                   help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
+        guesses = c[3].number_input("Lookahead guesses G", 1, MAX_GUESSES, DEFAULTS["guesses"],
+                                    help="At most this many collected n-grams verified per step.")
+        c = st.columns(2)
+        baseline = c[0].checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
+        redraw_label = c[1].selectbox("Draw the tokens while they stream", list(REDRAWS), index=1, help=LIVE_HELP)
     submitted = st.form_submit_button("Generate", type="primary")
+chosen = {"model": model_id, "device": device, "max_new": max_new, "group": group, "mode": mode,
+          "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "draft_model": draft_model,
+          "spec_k": spec_k, "adaptive": adaptive, "max_ngram": max_ngram, "window": window, "guesses": guesses,
+          "kv_dtype": kv_dtype, "redraw": redraw_label}
+changed = [f"{name.replace('_', ' ')} {value}" for name, value in chosen.items() if value != DEFAULTS[name]]
+st.caption("More settings: " + (html.escape(", ".join(changed)) if changed else "all at their defaults")
+           + (", with the fp32 baseline" if baseline else ""))
+redraw_s = REDRAWS[redraw_label]
 with st.expander("Weight precision levels on this device: which kernel runs each"):
     st.table(level_table(device).set_index("level"))
     st.caption("Accelerated: the kernel reads the low-bit weights directly, so fewer bytes cross from memory. "
@@ -124,8 +137,8 @@ def summary(result: dict, steps: list[dict]) -> dict:
     return figures
 
 
-# Streamlit's running-man icon redraws several times a second, costing the browser about 40 ms of CPU a
-# second that the model, on the same cores, loses; while a run streams, the page shows its own progress.
+# Streamlit's running-man icon redraws several times a second, browser CPU time that the model, on the
+# same cores, loses; while a run streams, the page shows its own progress.
 HIDE_RUNNING_ICON = "<style>[data-testid=stStatusWidgetRunningIcon]{display:none}</style>"
 STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at most {limit} tokens so far{rest}</div>'
 QUIET_NOTE = " (text and charts appear when the run ends)"
@@ -140,17 +153,19 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     st.markdown(f"**{label}**")
     live_box = st.empty()
     tokens = []
-    limit = request["config"]["max_new_tokens"]
+    spec = request["spec"]
+    limit = spec["gen"]["max_new_tokens"]
     # drawn now, with the rest of the page, rather than on the run's first steps
     live_box.html(STREAMING_NOTE.format(n=0, limit=limit, rest="" if redraw_s else QUIET_NOTE))
     # at the end only: a short note every few seconds, which also lets a Stop click end the run
     run = generation_worker().generate(request, every_s=redraw_s or 5.0,
                                        on_run_id=lambda run_id: started.update(run_id=run_id))
     started["streaming"] = True
+    done = None
     try:
         kind, ready = next(run)
         if kind == "preparing":  # a model or variant is loading
-            with st.spinner(f"Loading {request['model']} at {request['level']} (first time only) and prefilling..."):
+            with st.spinner(f"Loading {spec['model']} at {spec['weights']} (first time only) and prefilling..."):
                 _, ready = next(run)
         special = set(ready["special_ids"])
         for kind, payload in run:
@@ -165,6 +180,8 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     finally:
         run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
         started["streaming"] = False
+        if done is None:  # refused or failed: the progress note goes, the message takes its place
+            live_box.empty()
     with live_box.container():
         st.html(coloured_tokens(done["tokens"], special))
         st.plotly_chart(bucket_chart(done["tokens"]), width="stretch", key=f"{label}-final")
@@ -202,6 +219,7 @@ if last is not None and not submitted and store is not None:
     row = store.run(last)
     if row and row["status"] == "cancelled":
         st.warning(f"Run #{last} was stopped and is kept as cancelled ({tokens_said(row['n_new_tokens'])}).")
+        st.html(coloured_tokens(store.tokens(last).to_dict("records"), set()))
     elif row and stop_clicked and row["status"] == "ok":
         st.info(f"Run #{last} had already finished when Stop was clicked ({tokens_said(row['n_new_tokens'])}); "
                 "it is kept as ok: see it on the Runs and Distances pages.")
@@ -211,13 +229,14 @@ if submitted and store is not None:
                     top_p=float(top_p), top_k=int(top_k), seed=int(seed), spec=spec, spec_k=int(spec_k),
                     adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
                     window=int(window), guesses=int(guesses), kv_dtype=kv_dtype)
+    run_spec = RunSpec(gen=cfg, model=model_id.strip() or "default", device=device, weights=level,
+                       group_size=int(group), sparsity=float(target), sparsity_mode=mode)
     try:
-        cfg.check()
+        run_spec.check()
     except GenerationError as exc:
         st.error(str(exc))
         st.stop()
-    request = {"db": str(store.path), "model": model_id.strip() or "default", "device": device, "level": level,
-               "group": int(group), "sparsity": float(target), "sparsity_mode": mode, "config": asdict(cfg)}
+    request = worker_request(run_spec, store)
     waiting = st.empty()
     st.button("Stop", help="Ends the run now; it is kept as cancelled.",
               on_click=lambda: st.session_state.update(stop_clicked=True))
@@ -226,9 +245,10 @@ if submitted and store is not None:
         try:
             done = stream(request, "This run", redraw_s, started)
             if baseline:
-                base = {**request, "level": "fp32", "sparsity": 0.0, "sparsity_mode": "mask",
-                        "config": asdict(GenConfig(prompt=prompt, max_new_tokens=int(max_new)))}
-                ref = stream(base, "Baseline: fp32, greedy, KV cache on, dense", redraw_s, started)
+                base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
+                               device=device)
+                ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
+                             started)
                 if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
                     st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
                               f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")

@@ -1,4 +1,5 @@
-"""Sweeps: a grid of settings on one workload, run in order, compared, and read by the advisor."""
+"""Sweeps: a grid of settings on one workload, run in order in the generation process, compared, and
+read by the advisor."""
 import itertools
 import time
 
@@ -6,14 +7,14 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import sparsity
 from engine.advisor import advise
-from engine.generate import Generation, GenConfig, GenerationError
-from engine.models import workloads
+from engine.distances import BUCKETS
+from engine.models import pick_device, workloads
 from engine.quant import available_levels
-from engine.sparsity import SparsityError
-from engine.store import BUCKETS
-from ui import BUCKET_COLOURS, default_model_id, generation_queue, get_model, open_store, page_setup
+from engine.spec import GenConfig, RunSpec
+from engine.speculative import METHODS
+from engine.worker import WorkerFailed, WorkerRefused
+from ui import BUCKET_COLOURS, default_model_id, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("Sweeps")
 st.title("Sweeps")
@@ -22,16 +23,13 @@ st.markdown("Run every combination of the chosen settings on one workload, one a
 shipped = workloads()
 device = "auto"
 SPARSITY = {"dense": (0.0, "mask"), "mask 50%": (0.5, "mask"), "skip 50%": (0.5, "skip")}
-SPEC = {"none": {}, "prompt lookup": dict(spec="prompt-lookup", spec_k=4, adaptive=True),
-        "draft self-int8": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
-        "lookahead": dict(spec="lookahead", window=4, max_ngram=3, guesses=4, adaptive=True),
-        "jacobi": dict(spec="jacobi", spec_k=4, adaptive=True)}
+SPEC = {name: dict(spec=name, **m.sweep) if name != "none" else {} for name, m in METHODS.items()}
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
     c = st.columns(5)
-    levels = c[0].multiselect("Weights", ["fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo"],
-                              default=["fp32", "int8-dyn", "int4-wo"])
+    runnable = available_levels(pick_device(device))
+    levels = c[0].multiselect("Weights", runnable, default=[lv for lv in ("fp32", "int8-dyn", "int4-wo") if lv in runnable])
     kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
     sparsities = c[2].multiselect("Sparsity (fp32 only)", ["dense", "mask 50%", "skip 50%"], default=["dense"])
     specs = c[3].multiselect("Speculative", list(SPEC), default=["none"])
@@ -52,33 +50,27 @@ if go_button and store is not None:
     if not grid:
         st.error("Choose at least one value in every list.")
         st.stop()
-    base_lm = get_model(default_model_id(), device)
-    if base_lm is None:
-        st.stop()
     bar = st.progress(0.0, text="Starting...")
     results, started = [], time.monotonic()
-    with generation_queue().turn(lambda pos: bar.progress(0.0, text=f"Waiting: {pos} generation(s) ahead.")):
-        for i, (lv, k, sp, sd) in enumerate(grid):
-            name = label(lv, k, sp, sd)
-            try:
-                lm = get_model(default_model_id(), device, lv)
-                if lm is None or lv not in available_levels(lm.device):
-                    continue
-                lm = sparsity.variant(lm, *SPARSITY[sp], store)
-                cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on",
-                                ignore_eos=True, **SPEC[sd])
-                gen = Generation(lm, cfg, store=store)
-                result = gen.run()
-            except (GenerationError, SparsityError) as exc:
-                st.error(f"{name}: {exc}")
-                continue
-            results.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
-                            / result["n_new_tokens"] for b in BUCKETS},
-                            "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_ms": result["ttft_ms"],
-                            "tokens_per_s": result["tokens_per_s"]})
-            elapsed = time.monotonic() - started
-            left = elapsed / (i + 1) * (len(grid) - i - 1)
-            bar.progress((i + 1) / len(grid), text=f"{i + 1} of {len(grid)} done; about {left:.0f} s left")
+    for i, (lv, k, sp, sd) in enumerate(grid):
+        name = label(lv, k, sp, sd)
+        cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on", ignore_eos=True,
+                        **SPEC[sd])
+        spec = RunSpec(gen=cfg, model=default_model_id(), device=device, weights=lv, sparsity=SPARSITY[sp][0],
+                       sparsity_mode=SPARSITY[sp][1])
+        try:
+            result = run_in_worker(worker_request(spec, store), on_wait=lambda pos: bar.progress(
+                i / len(grid), text=f"Waiting: {pos} generation(s) ahead."))["result"]
+        except (WorkerRefused, WorkerFailed) as exc:
+            st.error(f"{name}: {exc}")
+            continue
+        results.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
+                        / result["n_new_tokens"] for b in BUCKETS},
+                        "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_ms": result["ttft_ms"],
+                        "tokens_per_s": result["tokens_per_s"]})
+        elapsed = time.monotonic() - started
+        left = elapsed / (i + 1) * (len(grid) - i - 1)
+        bar.progress((i + 1) / len(grid), text=f"{i + 1} of {len(grid)} done; about {left:.0f} s left")
     st.session_state["sweep_results"] = results
 
 results = st.session_state.get("sweep_results")

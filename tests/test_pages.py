@@ -46,7 +46,7 @@ def test_live_generation_streams_and_records(page_db):
 
 
 def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
-    at = live_run(tokens=4, **{"Weights": "int4-wo", "KV cache": False,
+    at = live_run(tokens=4, **{"Weight precision": "int4-wo", "KV cache": False,
                                "Run the fp32 greedy baseline too, on the same prompt, and compare": True,
                                "Draw the tokens while they stream": "at the end only"})
     assert not at.exception and not at.error
@@ -54,6 +54,16 @@ def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
     assert list(runs["quant"]) == ["int4-wo g32", "fp32"]
     assert list(runs["kv_cache"]) == [False, True]
     assert any("Speedup" in m.label for m in at.metric)
+
+
+def test_live_first_view_is_the_four_switches_and_more_settings_are_summarised(page_db):
+    at = open_page("pages/live.py")
+    assert [e.label for e in at.expander][0] == "More settings"
+    assert "all at their defaults" in at.caption[0].value
+    next(w for w in at.number_input if w.label == "Max new tokens").set_value(9)
+    next(w for w in at.toggle if w.label == "Adaptive").set_value(True)
+    at.run()
+    assert at.caption[0].value == "More settings: max new 9, adaptive True"
 
 
 def test_live_sparsity_switch(page_db):
@@ -77,7 +87,7 @@ def test_live_bad_input_is_one_sentence(page_db):
     at = live_run(prompt="  ")
     assert not at.exception
     assert "empty" in at.error[0].value
-    at = live_run(**{"Weights": "int8-wo", "Activation sparsity": 0.5})
+    at = live_run(**{"Weight precision": "int8-wo", "Activation sparsity": 0.5})
     assert "float weights" in at.error[0].value
     assert Store(page_db).runs().empty
 

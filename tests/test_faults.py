@@ -1,0 +1,138 @@
+"""Faults: real command-line runs killed, terminated and interrupted at any moment of their life, and
+a database held by another process; every started run stays present and consistent."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from engine import journal
+from engine.models import tiny_model
+from engine.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as a model folder, so command-line runs load in a second."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    lm = tiny_model(lean_forward=False)
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def start(db: Path, model: Path, tokens: int = 400, **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine", "generate", "--prompt", "Count the stars", "--raw", "--model", str(model),
+           "--max-new-tokens", str(tokens), "--db", str(db)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+
+
+def tokens_in_journal(db: Path) -> int:
+    paths = list(journal.journal_dir(db).glob("run-*.jsonl")) if journal.journal_dir(db).is_dir() else []
+    return sum(len(journal.read(p)["tokens"]) for p in paths)
+
+
+def wait_for_tokens(db: Path, proc: subprocess.Popen, n: int, timeout_s: float = 300) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen = tokens_in_journal(db)
+        if seen >= n:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} tokens (exit code {proc.poll()})")
+
+
+def assert_consistent(db: Path) -> list[dict]:
+    """Every run's tokens, steps and totals agree; returns the runs."""
+    store = Store(db)
+    runs = store.runs(1000).to_dict("records")
+    for run in runs:
+        assert run["status"] in ("ok", "cancelled", "interrupted"), run
+        tokens, steps = store.tokens(run["run_id"]), store.steps(run["run_id"])
+        assert run["n_new_tokens"] == len(tokens) == steps["n_emitted"].sum(), run["run_id"]
+        assert list(tokens["idx"]) == list(range(len(tokens)))
+        if len(tokens):
+            assert run["total_ms"] == pytest.approx(tokens["t_ms"].iloc[-1])
+            assert run["memory_ms"] == pytest.approx(steps["memory_ms"].sum())
+            assert list(run["token_ids"]) == list(tokens["token_id"])
+    assert not list(journal.journal_dir(db).glob("*.jsonl")), "a journal was left after folding"
+    return runs
+
+
+def test_kill_9_at_random_moments_keeps_every_started_run_whole(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    rng = random.Random(7)
+    kept_at_kill = []
+    for i in range(6):
+        proc = start(db, tiny_folder, tokens=rng.choice([3, 60, 400]))
+        if i % 2:  # during decode, once tokens are flowing
+            seen = wait_for_tokens(db, proc, rng.randint(1, 30)) if proc.poll() is None else None
+        else:  # any moment: loading, prefill, decode or the final write
+            time.sleep(rng.uniform(0.0, 6.0))
+            seen = tokens_in_journal(db)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        kept_at_kill.append(seen)
+    runs = assert_consistent(db)
+    interrupted = [r for r in runs if r["status"] == "interrupted"]
+    assert interrupted, "no kill landed inside a run"
+    assert all(r["error"] for r in interrupted)
+
+
+def test_a_killed_run_keeps_every_token_its_journal_had(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    proc = start(db, tiny_folder)
+    seen = wait_for_tokens(db, proc, 25)
+    proc.kill()
+    proc.wait(timeout=60)
+    (run,) = assert_consistent(db)
+    assert run["status"] == "interrupted" and run["n_new_tokens"] >= seen
+    assert run["ttft_ms"] is not None and run["output"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_record_a_cancelled_run_with_its_tokens(tiny_folder, tmp_path, sig):
+    db = tmp_path / "runs.duckdb"
+    proc = start(db, tiny_folder)
+    seen = wait_for_tokens(db, proc, 10)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 130
+    assert "Traceback" not in proc.stderr.read()
+    (run,) = assert_consistent(db)
+    assert run["status"] == "cancelled" and run["n_new_tokens"] >= seen
+
+
+def test_a_database_held_by_another_process_defers_the_record_and_loses_nothing(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    proc = start(db, tiny_folder, tokens=400, TOKENPATH_LOCK_WAIT_S="2")
+    wait_for_tokens(db, proc, 1)
+    holder = duckdb.connect(str(db), read_only=True)  # any other connection holds the file
+    try:
+        assert proc.wait(timeout=300) == 1
+        message = proc.stderr.read()
+    finally:
+        holder.close()
+    assert "could not be written" in message and "recorded as run" not in message
+    (run,) = assert_consistent(db)  # the next open folds the journal in, with the run's own ending
+    assert run["status"] == "ok" and run["n_new_tokens"] > 0
+
+
+def test_a_truncated_database_is_refused_before_anything_runs(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 3])
+    proc = start(db, tiny_folder)
+    assert proc.wait(timeout=300) == 2
+    message = proc.stderr.read()
+    assert message.startswith("error: ") and "Traceback" not in message and "run None" not in message
