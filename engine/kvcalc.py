@@ -148,6 +148,11 @@ def spec_from_model_folder(model: str) -> AttentionSpec:
     return spec_from_config(config, name=name, params=params or None)
 
 
+def project_model_folders() -> dict[str, Path]:
+    """The project's own converted models (data/models/NAME with a config.json), by folder name."""
+    return {p.parent.name: p.parent for p in sorted((DATA / "models").glob("*/config.json"))}
+
+
 def load_presets() -> dict[str, AttentionSpec]:
     raw = json.loads((DATA / "kv_presets.json").read_text())
     return {p["name"]: spec_from_config(p["config"], name=p["name"], params=p["params"]) for p in raw["presets"]}
@@ -221,6 +226,7 @@ def longest_context(s: AttentionSpec, free_bytes: float, dtype: str, batch: int,
 def calculate(s: AttentionSpec, context: int = 2048, dtype: str = "fp16", batch: int = 1, tp: int = 1,
               group: int = DEFAULT_GROUP, weight_dtype: str = "bf16", gpus: list[dict] | None = None) -> dict:
     """Everything the page and `python -m engine kvcalc --json` show."""
+    _check_sizes(context=context, batch=batch, tp=tp)
     bits = bits_per_value(dtype, group)
     per_token_values = values_per_token(s, tp)
     total = kv_bytes(s, context, dtype, batch, tp, group)

@@ -265,6 +265,8 @@ def link_gbps(setup: Setup) -> float:
 
 
 def pipeline_send_us(setup: Setup, message_bytes: float) -> float:
+    if setup.pp == 1:
+        return 0.0
     link = interconnects()[setup.interconnect]
     return (setup.pp - 1) * (setup.efficiency.collective_fixed_us + link["hop_latency_us"]
                              + message_bytes / (link_gbps(setup) * setup.efficiency.link * 1e3))
@@ -339,6 +341,11 @@ def check_setup(setup: Setup) -> Setup:
     if setup.interconnect not in interconnects():
         raise PlanError(f"Unknown interconnect {shapes._show(setup.interconnect)}: use one of "
                         f"{', '.join(interconnects())}.")
+    most = setup.gpu["gpu_link"].get("max_gpus")
+    if interconnects()[setup.interconnect]["link"] == "gpu" and most and (tp or gpus // pp) > most:
+        raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} joins at most {most} GPUs: "
+                        f"use the pcie interconnect for tensor parallel over more.")
+    link_gbps(setup) if (tp or gpus // pp) > 1 or pp > 1 else None
     kvcalc.bits_per_value(setup.kv_dtype)
     weight_bits(setup)
     for name in ("batch", "prompt_tokens", "new_tokens"):
@@ -462,3 +469,51 @@ def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, w
     step = step_buckets(setup, 1, context_tokens)
     total = step["memory"] + step["compute"] + step["time"]
     return {b: step[b] / total for b in ("memory", "compute", "time")}
+
+
+# --- this machine -----------------------------------------------------------------------------
+
+LOCAL_HOST_US = 250.0  # the decode loop's Python bookkeeping per step (token selection, cache and record keeping)
+ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
+    """This machine as a planner GPU: its calibrated gemv bandwidth, matmul peaks and no links."""
+    gflops = calibration["matmul_gflops"]
+    peaks = {ENGINE_LEVELS.get(k, k): v / 1e3 for k, v in gflops.items()}
+    peaks.setdefault("fp32", gflops.get("float32", 1.0) / 1e3)
+    return {"id": "local", "name": calibration.get("device_key", "this machine"),
+            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": calibration["memory_gbps"], "peak_tflops": peaks,
+            "gpu_link": {"name": "none", "gbps_per_direction": None}, "host_link": {"name": "none",
+                                                                                  "gbps_per_direction": None}}
+
+
+def local_efficiency(calibration: dict) -> Efficiency:
+    """The calibration already measures achieved figures (gemv bandwidth, matmul peak, one dispatch), so the
+    factors are 1 and the fixed cost is the calibrated dispatch per operation plus the loop's host work."""
+    return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
+                      step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
+
+
+def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
+               prompt_tokens: int = 32, new_tokens: int = 64, bits_per_weight: float | None = None) -> dict:
+    """The planner's prediction for a run on this machine with this calibration."""
+    setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
+                  bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
+                  new_tokens=new_tokens, efficiency=local_efficiency(calibration))
+    return plan(setup)
+
+
+def plan_for_run(run: dict, calibration: dict) -> dict:
+    """local_plan for a stored run's configuration (a row of the runs table as a dict): the model's folder,
+    its dtype, the bits per weight its forward really read, its KV precision and lengths."""
+    from .models import DEFAULT_MODEL_NAME
+
+    metrics = json.loads(run["metrics"]) if isinstance(run.get("metrics"), str) else (run.get("metrics") or {})
+    model = resolve_model("default" if run["model"] == DEFAULT_MODEL_NAME else run["model"])
+    weights = ENGINE_LEVELS.get(run["dtype"], "fp32")
+    read_bytes = metrics.get("weight_bytes_per_forward")
+    bits = read_bytes * 8 / model.read_params() if read_bytes else None
+    return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or weights,
+                      prompt_tokens=int(run["n_prompt_tokens"]), new_tokens=max(int(run["n_new_tokens"] or 1), 1),
+                      bits_per_weight=bits)
