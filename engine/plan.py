@@ -22,12 +22,12 @@ its active parameters)."""
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import kvcalc, shapes
 from .shapes import ShapeError
+from .store import BUCKETS
 
 DATA = kvcalc.DATA
 LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5}  # int4: 16-bit scale per 32
@@ -325,9 +325,6 @@ def speculative(setup: Setup, context: int) -> dict:
     return {"buckets": {b: v / emitted for b, v in buckets.items()}, "tokens_per_step": emitted}
 
 
-BUCKETS = ("physical", "memory", "compute", "time", "decision")
-
-
 def check_setup(setup: Setup) -> Setup:
     """The setup with its counts checked; one sentence for what is wrong and what is allowed."""
     whole = shapes.whole
@@ -391,7 +388,7 @@ def plan(setup: Setup, require_fit: bool = False) -> dict:
     else:
         step = step_buckets(setup, 1, context)
         buckets, per_step = {b: step[b] for b in BUCKETS}, 1.0
-    prefill = step_buckets(replace(setup, batch=setup.batch), setup.prompt_tokens, 0)
+    prefill = step_buckets(setup, setup.prompt_tokens, 0)
     memory = memory_per_gpu(setup)
     if require_fit and not memory["fits"]:
         raise PlanError(f"{setup.model.name} does not fit: it needs {kvcalc.human(memory['total_bytes'])} per GPU and "

@@ -156,22 +156,33 @@ for r, setup in zip(results, setups):
 st.subheader("Scaling curves (estimates)")
 left, right = st.columns(2)
 scaling, latency = go.Figure(), go.Figure()
-for r, setup in zip(results, setups):
+CURVE_COLOURS = ["#17becf", "#9467bd", "#bcbd22", "#e377c2"]  # per configuration, apart from the bucket colours
+
+
+def fit_markers(rows: list[dict], colour: str) -> dict:
+    """Filled where the configuration fits in GPU memory, hollow where it does not."""
+    return dict(color=colour, size=9, symbol=["circle" if x["fits"] else "circle-open" for x in rows])
+
+
+for r, setup, colour in zip(results, setups, CURVE_COLOURS):
     rows = plan.gpu_sweep(setup)
     scaling.add_scatter(x=[x["gpus"] for x in rows], y=[x["tokens_per_s_per_user"] for x in rows], name=label(r),
-                        mode="lines+markers")
+                        mode="lines+markers", line_color=colour, marker=fit_markers(rows, colour),
+                        text=["" if x["fits"] else "does not fit" for x in rows])
     sweep = plan.batch_sweep(setup)
     latency.add_scatter(x=[x["tokens_per_s_total"] for x in sweep], y=[x["decode_ms_per_token"] for x in sweep],
                         text=[f"batch {x['batch']}" + ("" if x["fits"] else " (does not fit)") for x in sweep],
-                        name=label(r), mode="lines+markers")
+                        name=label(r), mode="lines+markers", line_color=colour, marker=fit_markers(sweep, colour))
 scaling.update_layout(xaxis_title="GPUs (tensor parallel)", yaxis_title="tokens/s per user", height=360,
-                      xaxis_type="log", margin=dict(l=40, r=10, t=30, b=40), showlegend=False)
+                      xaxis=dict(type="log", tickvals=[1, 2, 4, 8], ticktext=["1", "2", "4", "8"]),
+                      margin=dict(l=40, r=10, t=30, b=40), showlegend=False)
 latency.update_layout(xaxis_title="aggregate tokens/s", yaxis_title="ms per token per user", height=360,
                       margin=dict(l=40, r=10, t=30, b=40), legend=dict(orientation="h", y=-0.3))
 left.plotly_chart(scaling, width="stretch")
 right.plotly_chart(latency, width="stretch")
 st.caption("Left: the physical bucket grows with the GPU count while memory shrinks. Right: one point per batch "
-           "size from 1 to 256; to the right, more users share each weight read.")
+           "size from 1 to 256; to the right, more users share each weight read. Hollow markers: does not fit in "
+           "GPU memory.")
 
 
 def planned_vs_measured(store) -> pd.DataFrame:
