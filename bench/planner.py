@@ -1,0 +1,114 @@
+"""The planner against published batch-1 decode speeds: predicted and measured tokens/s for every point of
+data/plan_calibration.json, each error and the median absolute error, written to bench/results/planner.md.
+With --local N it also runs the default model N times on this machine (a fresh calibration before each run)
+and sets the planner's prediction for each run beside its measured time per output token.
+
+    python bench/planner.py              (no model is loaded; it takes a second)
+    python bench/planner.py --local 3    (about a minute per run on a quiet 2-core machine)"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from engine import hardware, plan  # noqa: E402
+
+
+def predict(point: dict) -> float:
+    setup = plan.Setup(model=plan.resolve_model(point["model"]), gpu=plan.get_gpu(point["gpu"]), gpus=point["gpus"],
+                       interconnect=point["interconnect"], weights=point["weights"],
+                       bits_per_weight=point.get("bits_per_weight"), kv_dtype=point["kv_dtype"], batch=point["batch"],
+                       prompt_tokens=point["prompt_tokens"], new_tokens=point["new_tokens"])
+    return plan.plan(setup)["tokens_per_s_per_user"]
+
+
+def table() -> tuple[list[dict], float]:
+    points = json.loads((ROOT / "data" / "plan_calibration.json").read_text())["points"]
+    rows = []
+    for p in points:
+        predicted = predict(p)
+        rows.append({**p, "predicted": predicted, "error": predicted / p["measured_tokens_per_s"] - 1})
+    return rows, statistics.median(abs(r["error"]) for r in rows)
+
+
+def local_runs(n: int) -> list[dict]:
+    """Planned against measured decode time per token for n real runs of the default model (fp32)."""
+    from engine.store import Store
+
+    db = Path(tempfile.mkdtemp()) / "planner.duckdb"
+    engine = [sys.executable, "-m", "engine"]
+    rows = []
+    for _ in range(n):
+        load = os.getloadavg()[0]
+        subprocess.run([*engine, "calibrate", "--db", str(db)], cwd=ROOT, check=True, capture_output=True)
+        out = subprocess.run([*engine, "generate", "--prompt", "Why is the sky blue?", "--max-new-tokens", "64",
+                              "--json", "--db", str(db)], cwd=ROOT, check=True, capture_output=True, text=True)
+        result = json.loads(out.stdout)
+        planned = plan.plan_for_run(Store(db).run(result["run_id"]), result["calibration"])
+        rows.append({"measured": result["tpot_ms"], "planned": planned["decode_ms_per_token"],
+                     "memory_gbps": result["calibration"]["memory_gbps"], "load": load,
+                     "load_after": os.getloadavg()[0], "buckets": planned["distances_ms"]})
+    return rows
+
+
+def render_local(rows: list[dict]) -> str:
+    lines = ["", "## On this machine: the default model, fp32, 64 new tokens", "",
+             "Command per run: `python -m engine calibrate`, then `python -m engine generate --prompt \"Why is the "
+             "sky blue?\" --max-new-tokens 64 --json`; planned = `plan.plan_for_run` with the calibration the run "
+             "was attributed with.", "",
+             "| run | load average before / after | calibrated GB/s | measured TPOT ms | planned ms | planned / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r['load']:.1f} / {r['load_after']:.1f} | {r['memory_gbps']:.1f} | {r['measured']:.1f} | "
+                     f"{r['planned']:.1f} | {r['planned'] / r['measured']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def stamp() -> str:
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    cpu = hardware.cpu_facts()
+    return (f"{datetime.date.today().isoformat()}, {cpu['model']} ({cpu['logical_cores']} logical cores), "
+            f"command `python bench/planner.py {' '.join(sys.argv[1:])}`, commit {commit}")
+
+
+def render(rows: list[dict], median: float) -> str:
+    lines = ["# Planner against published batch-1 decode speeds", "", stamp(), "",
+             "Predicted by `engine/plan.py` with its default efficiency factors; measured as published (sources in "
+             "`data/plan_calibration.json`). Error = predicted / measured - 1.", "",
+             "| model | GPU | GPUs | weights | engine | measured tok/s | predicted tok/s | error |",
+             "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        weights = r["weights"] + (f" ({r['bits_per_weight']:g} bits)" if "bits_per_weight" in r else "")
+        lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} | {weights} | {r['engine']} | "
+                     f"{r['measured_tokens_per_s']:.2f} | {r['predicted']:.2f} | {r['error']:+.1%} |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines += ["", f"Median absolute error {median:.1%} over {len(rows)} points; largest {worst['error']:+.1%} "
+              f"({worst['model']}, {worst['gpus']} x {worst['gpu']}, {worst['weights']}, {worst['engine']})."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local", type=int, default=0, help="also plan and measure N real runs on this machine")
+    args = parser.parse_args()
+    rows, median = table()
+    text = render(rows, median)
+    if args.local:
+        text += render_local(local_runs(args.local))
+    print(text)
+    out = ROOT / "bench" / "results" / "planner.md"
+    os.makedirs(out.parent, exist_ok=True)
+    out.write_text(text)
+    print(f"written to {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
