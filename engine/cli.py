@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from . import served_cli
+
 USER_ERROR = 2
 
 
@@ -34,6 +36,9 @@ def load_variant(args, store=None):
 def cmd_generate(args) -> int:
     from .generate import Generation, GenConfig
     from .store import Store
+
+    if args.endpoint:  # a served model: the run goes to the server
+        return served_cli.cmd_generate(args)
 
     cfg = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -257,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N")
     g.add_argument("--window", type=int, default=4, help="for --spec lookahead: W, columns of the lookahead branch")
     g.add_argument("--guesses", type=int, default=4, help="for --spec lookahead: G, n-grams verified per step")
+    served_cli.add_generate_options(g)
     common(g)
     g.set_defaults(func=cmd_generate)
 
@@ -302,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="convert the embedded default model once")
     p.set_defaults(func=cmd_prepare)
+    served_cli.add_parsers(sub)
     return parser
 
 

@@ -62,13 +62,15 @@ class VLLMServer:
     """One vLLM process group. Use as a context manager, or call start() and stop()."""
 
     def __init__(self, port: int | None = None, dtype: str = "bfloat16", threads: int = 1,
-                 max_model_len: int = 2048, log_path: str | Path | None = None, extra_args: list[str] | None = None):
+                 max_model_len: int = 2048, log_path: str | Path | None = None, extra_args: list[str] | None = None,
+                 api_key: str | None = None):
         if dtype not in DTYPES:
             raise VLLMError(f"Unknown dtype '{dtype}' for vLLM: use one of {', '.join(DTYPES)}.")
         self.port = port or free_port()
         self.dtype, self.threads, self.max_model_len = dtype, threads, max_model_len
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/tokenpath-vllm-{self.port}.log")
         self.extra_args = list(extra_args or [])
+        self.api_key = api_key  # handed over in the environment, so it never shows in the process list
         self.process: subprocess.Popen | None = None
         self.model_name = DEFAULT_MODEL_NAME
 
@@ -83,12 +85,15 @@ class VLLMServer:
                 "--disable-uvicorn-access-log", *self.extra_args]
 
     def start(self, timeout_s: float = START_TIMEOUT_S, on_wait=None) -> str:
-        """Start the server and return its URL once GET /v1/models answers."""
+        """Start the server and return its URL once it reports itself healthy."""
         if _port_taken(self.port):
             raise VLLMError(f"Port {self.port} on {HOST} is already in use: pick another with --port.")
         command = self.command()
         log = open(self.log_path, "w")
-        self.process = subprocess.Popen(command, env=server_env(self.threads), stdout=log, stderr=subprocess.STDOUT,
+        env = server_env(self.threads)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         cwd=REPO_ROOT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
@@ -140,7 +145,7 @@ def _port_taken(port: int) -> bool:
 
 
 def _answers(url: str) -> bool:
-    try:
-        return httpx2.get(f"{url}/v1/models", timeout=2.0).status_code == 200
+    try:  # /health needs no key
+        return httpx2.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx2.HTTPError:
         return False
