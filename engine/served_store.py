@@ -77,11 +77,11 @@ def sweeps(store: Store, limit: int = 50):
 
 
 def sweep_requests(store: Store, sweep_id: int):
-    return store.query("SELECT * FROM requests WHERE sweep_id = ? ORDER BY concurrency, idx", [sweep_id])
+    return store.query("SELECT * FROM requests WHERE sweep_id = ? ORDER BY concurrency, idx", [int(sweep_id)])
 
 
 def sweep_samples(store: Store, sweep_id: int):
-    return store.query("SELECT * FROM load_samples WHERE sweep_id = ? ORDER BY concurrency, t_ms", [sweep_id])
+    return store.query("SELECT * FROM load_samples WHERE sweep_id = ? ORDER BY concurrency, t_ms", [int(sweep_id)])
 
 
 def served_runs(store: Store, limit: int = 50):
