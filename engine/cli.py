@@ -158,8 +158,11 @@ def kv_spec_from_args(args):
 
     if args.preset:
         presets = kvcalc.load_presets()
-        matches = [name for name in presets if args.preset.lower() in name.lower()]
-        exact = [name for name in matches if name.lower() == args.preset.lower()]
+        from .plan import preset_ids
+
+        wanted = preset_ids().get(args.preset.lower(), args.preset).lower()
+        matches = [name for name in presets if wanted in name.lower()]
+        exact = [name for name in matches if name.lower() == wanted]
         if len(exact or matches) != 1:
             raise kvcalc.KVCalcError(f"Preset '{args.preset}' matches {len(matches)} presets; choose one of: "
                                      + "; ".join(presets) + ".")
@@ -174,7 +177,7 @@ def kv_spec_from_args(args):
     else:
         raise kvcalc.KVCalcError("Give --preset NAME, --config PATH, --model default|FOLDER, or all of --layers, "
                                  "--kv-heads and --head-dim.")
-    if args.window:
+    if args.window is not None or args.sliding_layers is not None:
         s = kvcalc.with_window(s, args.window, args.sliding_layers)
     if args.params is not None:
         s = kvcalc.replace(s, params=args.params)
@@ -306,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kvcalc)
 
+    from .plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     p = sub.add_parser("prepare", help="convert the embedded default model once")
     p.set_defaults(func=cmd_prepare)
     served_cli.add_parsers(sub)

@@ -11,17 +11,15 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import shapes
 from .models import REPO_ROOT
+from .shapes import ShapeError as KVCalcError  # bad calculator input: one sentence for the user
 
 DATA = REPO_ROOT / "data"
 KV_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
 GROUPED = {"int8", "int4"}  # integer formats keep a 16-bit scale per group of values
 DEFAULT_GROUP = 64
 WEIGHT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
-
-
-class KVCalcError(Exception):
-    """Bad calculator input; the message is one sentence for the user."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +37,12 @@ class AttentionSpec:
     max_context: int | None = None
 
     def __post_init__(self):
-        for field_name in ("layers", "kv_heads", "head_dim", "attention_heads"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
-                raise KVCalcError(f"{field_name} must be a whole number of at least 1, not {value!r}.")
-        if self.kv_heads > self.attention_heads:
-            raise KVCalcError(f"kv_heads ({self.kv_heads}) cannot exceed attention heads ({self.attention_heads}).")
-        if self.window is not None and self.window < 1:
-            raise KVCalcError(f"The sliding window must be at least 1 token, not {self.window}.")
+        checked = shapes.check_attention(self.layers, self.attention_heads, self.kv_heads, self.head_dim,
+                                         self.kind, self.latent_dim, self.window, self.sliding_layers)
+        checked["params"] = None if self.params is None else shapes.number("params", self.params)
+        checked["max_context"] = shapes.optional_whole("max_context", self.max_context)
+        for field_name, value in checked.items():
+            object.__setattr__(self, field_name, value)
 
 
 def attention_kind(heads: int, kv_heads: int) -> str:
@@ -57,7 +53,7 @@ def attention_kind(heads: int, kv_heads: int) -> str:
 
 def spec(name: str = "custom", *, layers: int, kv_heads: int, head_dim: int, attention_heads: int | None = None,
          **extra) -> AttentionSpec:
-    heads = attention_heads or kv_heads
+    heads = attention_heads if attention_heads is not None else kv_heads
     return AttentionSpec(name=name, layers=layers, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                          kind=extra.pop("kind", None) or attention_kind(heads, kv_heads), **extra)
 
@@ -69,41 +65,65 @@ def _first(config: dict, *names):
     return None
 
 
+def _field(config: dict, *names, low: int = 1, as_name: str = "layers"):
+    """The first of these config fields that is set, checked as a whole number (named as in the config)."""
+    for name in names:
+        if config.get(name) is not None:
+            return shapes.whole(name, config[name], low, shapes.LIMITS[as_name])
+    return None
+
+
+def _sliding(text: dict, layers: int) -> tuple[int | None, int]:
+    """(window, how many layers use it) from sliding_window, use_sliding_window and layer_types."""
+    if not text.get("sliding_window") or text.get("use_sliding_window", True) is False:
+        return None, 0
+    window = _field(text, "sliding_window", as_name="window")
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        return window, layers
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise KVCalcError("layer_types must be a list of layer names such as \"sliding_attention\".")
+    if len(layer_types) != layers:
+        raise KVCalcError(f"layer_types lists {len(layer_types)} layers but the model has {layers}.")
+    sliding = sum(t == "sliding_attention" for t in layer_types)
+    return (window if sliding else None), sliding
+
+
 def spec_from_config(config: dict, name: str = "from config.json", params: float | None = None) -> AttentionSpec:
     """An AttentionSpec from a Hugging Face config.json dict (Llama, Mistral, Gemma, Falcon, DeepSeek ...)."""
     if not isinstance(config, dict):
         raise KVCalcError("The config must be a JSON object (a model's config.json).")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise KVCalcError("architectures must be a list of class names such as \"LlamaForCausalLM\".")
     if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
                                  for a in architectures):
-        raise KVCalcError(f"This config describes {', '.join(architectures)}, not a causal language model, "
+        raise KVCalcError(f"This config describes {', '.join(architectures)[:200]}, not a causal language model, "
                           "so it has no KV cache to size.")
-    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(text, "num_attention_heads", "n_head", "num_heads")
-    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    layers = _field(text, "num_hidden_layers", "n_layer", "num_layers", as_name="layers")
+    heads = _field(text, "num_attention_heads", "n_head", "num_heads", as_name="attention_heads")
+    hidden = _field(text, "hidden_size", "n_embd", "d_model", as_name="hidden_size")
     if not layers or not heads:
         raise KVCalcError("The config has no layer or attention-head count (num_hidden_layers, "
                           "num_attention_heads), so it is not a causal language model config this calculator reads.")
-    kv_heads = _first(text, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    kv_heads = _field(text, "num_key_value_heads", "num_kv_heads", "n_head_kv", as_name="kv_heads")
     if kv_heads is None:
-        kv_heads = 1 if text.get("multi_query") else heads
-    head_dim = _first(text, "head_dim") or (hidden // heads if hidden else None)
+        kv_heads = 1 if text.get("multi_query") is True else heads
+    head_dim = _field(text, "head_dim", as_name="head_dim") or (hidden // heads if hidden else None)
     if not head_dim:
-        raise KVCalcError("The config gives neither head_dim nor hidden_size, so the head size is unknown.")
-    window, sliding = None, 0
-    layer_types = text.get("layer_types")
-    if text.get("sliding_window") and text.get("use_sliding_window", True):
-        window = int(text["sliding_window"])
-        sliding = sum(t == "sliding_attention" for t in layer_types) if layer_types else int(layers)
-    common = dict(name=name, params=params, max_context=_first(text, "max_position_embeddings", "n_positions"),
-                  window=window if sliding else None, sliding_layers=sliding)
+        raise KVCalcError("The config gives neither head_dim nor a hidden_size of at least the head count, "
+                          "so the head size is unknown.")
+    window, sliding = _sliding(text, layers)
+    common = dict(name=name, params=params, window=window, sliding_layers=sliding,
+                  max_context=_field(text, "max_position_embeddings", "n_positions", as_name="max_context"))
     if text.get("kv_lora_rank"):
-        latent = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
-        return AttentionSpec(layers=int(layers), attention_heads=int(heads), kv_heads=int(heads),
-                             head_dim=int(head_dim), kind="MLA", latent_dim=latent, **common)
-    return AttentionSpec(layers=int(layers), attention_heads=int(heads), kv_heads=int(kv_heads),
-                         head_dim=int(head_dim), kind=attention_kind(int(heads), int(kv_heads)), **common)
+        latent = _field(text, "kv_lora_rank", as_name="latent_dim") + (
+            _field(text, "qk_rope_head_dim", low=0, as_name="latent_dim") or 0)
+        return AttentionSpec(layers=layers, attention_heads=heads, kv_heads=heads, head_dim=head_dim, kind="MLA",
+                             latent_dim=latent, **common)
+    return AttentionSpec(layers=layers, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         kind=attention_kind(heads, kv_heads), **common)
 
 
 def spec_from_model_config(config, name: str, params: float | None = None) -> AttentionSpec:
@@ -128,6 +148,11 @@ def spec_from_model_folder(model: str) -> AttentionSpec:
     return spec_from_config(config, name=name, params=params or None)
 
 
+def project_model_folders() -> dict[str, Path]:
+    """The project's own converted models (data/models/NAME with a config.json), by folder name."""
+    return {p.parent.name: p.parent for p in sorted((DATA / "models").glob("*/config.json"))}
+
+
 def load_presets() -> dict[str, AttentionSpec]:
     raw = json.loads((DATA / "kv_presets.json").read_text())
     return {p["name"]: spec_from_config(p["config"], name=p["name"], params=p["params"]) for p in raw["presets"]}
@@ -139,9 +164,8 @@ def load_gpus() -> list[dict]:
 
 def bits_per_value(dtype: str, group: int = DEFAULT_GROUP) -> float:
     if dtype not in KV_BITS:
-        raise KVCalcError(f"Unknown KV precision '{dtype}': use one of {', '.join(KV_BITS)}.")
-    if group < 1:
-        raise KVCalcError(f"The quantization group size must be at least 1, not {group}.")
+        raise KVCalcError(f"Unknown KV precision {shapes._show(dtype)}: use one of {', '.join(KV_BITS)}.")
+    group = shapes.whole("group", group)
     return KV_BITS[dtype] + (16 / group if dtype in GROUPED else 0)
 
 
@@ -173,16 +197,15 @@ def kv_bytes(s: AttentionSpec, context: int, dtype: str = "fp16", batch: int = 1
 
 def _check_sizes(**sizes) -> None:
     for name, value in sizes.items():
-        if not isinstance(value, int) or value < (0 if name == "context" else 1):
-            raise KVCalcError(f"{name} must be a whole number of at least {0 if name == 'context' else 1}, not {value!r}.")
+        shapes.whole(name, value, 0 if name == "context" else 1)
 
 
 def weights_bytes(params: float | None, dtype: str = "bf16", tp: int = 1) -> float | None:
     if params is None:
         return None
-    if params <= 0:
-        raise KVCalcError(f"The parameter count must be positive, not {params}.")
-    return params * WEIGHT_BITS[dtype] / 8 / tp
+    if dtype not in WEIGHT_BITS:
+        raise KVCalcError(f"Unknown weight precision {shapes._show(dtype)}: use one of {', '.join(WEIGHT_BITS)}.")
+    return shapes.number("params", params) * WEIGHT_BITS[dtype] / 8 / shapes.whole("tp", tp)
 
 
 def longest_context(s: AttentionSpec, free_bytes: float, dtype: str, batch: int, tp: int, group: int,
@@ -203,6 +226,7 @@ def longest_context(s: AttentionSpec, free_bytes: float, dtype: str, batch: int,
 def calculate(s: AttentionSpec, context: int = 2048, dtype: str = "fp16", batch: int = 1, tp: int = 1,
               group: int = DEFAULT_GROUP, weight_dtype: str = "bf16", gpus: list[dict] | None = None) -> dict:
     """Everything the page and `python -m engine kvcalc --json` show."""
+    _check_sizes(context=context, batch=batch, tp=tp)
     bits = bits_per_value(dtype, group)
     per_token_values = values_per_token(s, tp)
     total = kv_bytes(s, context, dtype, batch, tp, group)
@@ -266,14 +290,18 @@ def human(n_bytes: float | None) -> str:
 
 
 def with_window(s: AttentionSpec, window: int | None, sliding_layers: int | None = None) -> AttentionSpec:
-    return replace(s, window=window, sliding_layers=(sliding_layers if sliding_layers is not None else s.layers)
-                   if window else 0)
+    """The same model with a sliding window on sliding_layers of its layers (all when not given)."""
+    if not window:
+        if sliding_layers:
+            raise KVCalcError("Sliding layers need a sliding window: give the window length too.")
+        return replace(s, window=None, sliding_layers=0)
+    window = shapes.whole("window", window)
+    return replace(s, window=window, sliding_layers=s.layers if sliding_layers is None else sliding_layers)
 
 
 def read_config_file(path: str | Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise KVCalcError(f"No config file at {path}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise KVCalcError(f"{path} is not valid JSON, so it is not a config.json.") from None
+    """A config.json from a file (or from the config.json inside a model folder), read with a size limit."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    return shapes.read_json_file(path)

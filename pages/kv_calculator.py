@@ -5,7 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import kvcalc
+from engine import kvcalc, shapes
 from engine.generate import Generation, GenConfig
 from engine.kvcalc import KVCalcError, human
 from ui import default_model_id, get_model, open_store, page_setup
@@ -30,9 +30,18 @@ def both_units(column, label: str, n_bytes: float | None) -> None:
         column.caption(binary.rstrip(")"))
 
 
+UPLOAD_MB = 1  # a config.json is a few kB
+
+
+def read_upload(upload) -> dict:
+    """An uploaded config.json, read with a size limit whatever the uploader let through."""
+    return shapes.parse_json_bytes(upload.read(shapes.CONFIG_MAX_BYTES + 1), upload.name)
+
+
 def pick_spec() -> kvcalc.AttentionSpec | None:
     presets = kvcalc.load_presets()
-    source = st.radio("Model", ["Preset", "Custom shape", "config.json", "Loaded default model"], horizontal=True)
+    source = st.radio("Model", ["Preset", "Custom shape", "Upload a config.json", "Project model folder"],
+                      horizontal=True)
     if source == "Preset":
         name = st.selectbox("Preset", list(presets), index=0)
         return presets[name]
@@ -43,23 +52,20 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
         kv_heads = c[2].number_input("KV heads", value=96, step=1)
         head_dim = c[3].number_input("Head dim", value=128, step=1)
         window = c[4].number_input("Sliding window (0 = none)", value=0, step=1)
-        s = kvcalc.spec(layers=int(layers), kv_heads=int(kv_heads), head_dim=int(head_dim),
-                        attention_heads=int(heads))
-        return kvcalc.with_window(s, int(window)) if window else s
-    if source == "config.json":
-        upload = st.file_uploader("A model's config.json", type=["json"])
-        path = st.text_input("...or a local path to one")
-        if upload is not None:
-            try:
-                config = json.loads(upload.getvalue())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise KVCalcError("The uploaded file is not valid JSON, so it is not a config.json.") from None
-            return kvcalc.spec_from_config(config, name=upload.name)
-        if path.strip():
-            return kvcalc.spec_from_config(kvcalc.read_config_file(path.strip()), name=path.strip())
-        st.info("Upload a config.json or type a path to one.")
+        s = kvcalc.spec(layers=layers, kv_heads=kv_heads, head_dim=head_dim, attention_heads=heads)
+        return kvcalc.with_window(s, window) if window else s
+    if source == "Upload a config.json":
+        upload = st.file_uploader(f"A model's config.json (at most {UPLOAD_MB} MB)", type=["json"],
+                                  max_upload_size=UPLOAD_MB)
+        if upload is None:
+            st.info("Upload a model's config.json.")
+            return None
+        return kvcalc.spec_from_config(read_upload(upload), name=upload.name)
+    folders = kvcalc.project_model_folders()
+    if not folders:
+        st.info("No model folders under data/models yet: run `make` (or `python -m engine prepare`).")
         return None
-    return kvcalc.spec_from_model_folder("default")
+    return kvcalc.spec_from_model_folder(str(folders[st.selectbox("Model folder", list(folders))]))
 
 
 try:
@@ -79,13 +85,13 @@ try:
         result = kvcalc.calculate(spec, context=int(context), dtype=dtype, batch=int(batch), tp=int(tp),
                                   group=int(group), weight_dtype=weight_dtype)
 except KVCalcError as exc:
-    st.error(str(exc))
+    st.error(shapes.markdown_literal(exc))
     st.stop()
 
 if spec is None:
     st.stop()
 
-st.subheader(f"{spec.name}: {spec.kind}")
+st.subheader(shapes.markdown_literal(f"{spec.name}: {spec.kind}"))
 m = st.columns(4)
 m[0].metric("Values per token", f"{result['values_per_token']:,}")
 both_units(m[1], "Bytes per token", result["bytes_per_token"])
@@ -115,8 +121,9 @@ table = pd.DataFrame({
     "fits": gpus["fits"],
     "longest context that fits": gpus["longest_context"],
     "largest batch at this context": gpus["largest_batch"],
-    "read the KV cache once (ms per decode step)": gpus["kv_read_ms_per_step"].round(3),
-    "read the weights once (ms per decode step)": gpus["weights_read_ms_per_step"].round(3),
+    "read the KV cache once (ms per decode step)": pd.to_numeric(gpus["kv_read_ms_per_step"]).round(3),
+    # all None when the parameter count is unknown: numeric NaN, shown as empty cells
+    "read the weights once (ms per decode step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
 })
 st.dataframe(table, hide_index=True, width="stretch")
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "

@@ -170,3 +170,69 @@ def test_calculator_equals_the_default_models_real_cache(calibration, dtype):
         gen.run()
         context = len(gen.prompt_ids) + new - 1
         assert cache_nbytes(gen.cache) == kv_bytes(s, context, dtype)
+
+
+def _config(tmp_path, **fields) -> str:
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "hidden_size": 4096}
+    config.update(fields)
+    path = tmp_path / "config.json"
+    # json.dumps writes NaN and Infinity for float("nan") and float("inf"), as some exporters do
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+BAD_KVCALC = {
+    "tp 0": lambda p: ["--preset", "llama-2-7b", "--tp", "0"],
+    "context 10**400": lambda p: ["--preset", "llama-2-7b", "--context", "1" + "0" * 400],
+    "batch 10**400": lambda p: ["--preset", "llama-2-7b", "--batch", "1" + "0" * 400],
+    "params 1e400": lambda p: ["--preset", "llama-2-7b", "--params", "1e400"],
+    "params nan": lambda p: ["--preset", "llama-2-7b", "--params", "nan"],
+    "params -3": lambda p: ["--preset", "llama-2-7b", "--params", "-3"],
+    "config is a folder": lambda p: ["--config", str(p)],
+    "config missing": lambda p: ["--config", str(p / "nope.json")],
+    "layers a string": lambda p: ["--config", _config(p, num_hidden_layers="32")],
+    "layers a list": lambda p: ["--config", _config(p, num_hidden_layers=[32])],
+    "layers NaN": lambda p: ["--config", _config(p, num_hidden_layers=float("nan"))],
+    "heads Infinity": lambda p: ["--config", _config(p, num_attention_heads=float("inf"))],
+    "layers 2.7": lambda p: ["--config", _config(p, num_hidden_layers=2.7)],
+    "layers true": lambda p: ["--config", _config(p, num_hidden_layers=True)],
+    "layers 10**400": lambda p: ["--config", _config(p, num_hidden_layers=10**400)],
+    "kv heads not dividing": lambda p: ["--config", _config(p, num_key_value_heads=5)],
+    "sliding window a string": lambda p: ["--config", _config(p, sliding_window="4096")],
+    "layer_types not a list": lambda p: ["--config", _config(p, sliding_window=8, layer_types="sliding_attention")],
+    "architectures a string": lambda p: ["--config", _config(p, architectures="LlamaForCausalLM")],
+    "window 128 sliding 1000": lambda p: ["--preset", "llama-2-7b", "--window", "128", "--sliding-layers", "1000"],
+    "window 128 sliding -5": lambda p: ["--preset", "llama-2-7b", "--window", "128", "--sliding-layers", "-5"],
+    "sliding -5 alone": lambda p: ["--preset", "llama-2-7b", "--sliding-layers", "-5"],
+    "window -3": lambda p: ["--preset", "llama-2-7b", "--window", "-3"],
+    "group 0": lambda p: ["--preset", "llama-2-7b", "--dtype", "int4", "--group", "0"],
+    "layers 0": lambda p: ["--layers", "0", "--kv-heads", "1", "--head-dim", "8"],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KVCALC))
+def test_bad_kvcalc_input_exits_2_with_one_sentence(case, tmp_path, capsys):
+    from engine.cli import main
+
+    assert main(["kvcalc", *BAD_KVCALC[case](tmp_path)]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), out.err
+    assert "Traceback" not in out.err and out.out == ""
+
+
+def test_a_model_folder_given_as_config_reads_its_config_json(capsys):
+    from engine.cli import main
+
+    assert main(["kvcalc", "--config", str(kvcalc.DATA / "models" / "SmolLM2-135M-Instruct"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 30
+
+
+def test_preset_ids_are_accepted_and_every_id_resolves(capsys):
+    from engine.cli import main
+    from engine.plan import preset_ids
+
+    for pid, name in preset_ids().items():
+        assert main(["kvcalc", "--preset", pid, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"] == name

@@ -1,0 +1,206 @@
+"""Deployment planner: up to four configurations side by side as five-bucket estimates, with the scaling
+curves, and the planner against this machine's recorded runs."""
+import json
+from dataclasses import replace
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from engine import plan
+from engine.kvcalc import human, project_model_folders
+from engine.shapes import ShapeError, markdown_literal
+from ui import BUCKET_COLOURS, open_store, page_setup
+
+page_setup("Planner")
+
+st.title("Deployment planner")
+st.markdown(
+    "The five distances of a token for a model on GPUs you may not have: weights and KV cache over each GPU's "
+    "memory bandwidth (**memory**), FLOPs over its peak (**compute**), the tensor-parallel all-reduces and "
+    "pipeline sends over the links between GPUs (**physical**: where the boards and links of a DGX become a "
+    "number), fixed per-step costs (**time**) and speculative work thrown away (**decision**). Every figure "
+    "here is an **estimate** from data-sheet peaks and the efficiency factors below; each configuration's "
+    "formulas are one click away.")
+
+# (label, [(model, gpu, gpus, interconnect, weights)]) the stories the presets tell
+STORIES = {
+    "GPT-3 175B on a DGX A100: NVSwitch against PCIe": [
+        ("gpt3-175b", "a100-80gb-sxm", 8, "nvswitch", "bf16"), ("gpt3-175b", "a100-80gb-pcie", 8, "pcie", "bf16")],
+    "Llama-2-70B on 2, 4 and 8 GPUs: NVLink against PCIe": [
+        ("llama-2-70b", "a100-80gb-sxm", 2, "nvlink", "bf16"), ("llama-2-70b", "a100-80gb-sxm", 8, "nvlink", "bf16"),
+        ("llama-2-70b", "a100-80gb-pcie", 2, "pcie", "bf16"), ("llama-2-70b", "a100-80gb-pcie", 8, "pcie", "bf16")],
+    "What int8 buys on an H200": [
+        ("llama-3.1-70b", "h200-141gb-sxm", 1, "nvlink", "bf16"), ("llama-3.1-70b", "h200-141gb-sxm", 1, "nvlink", "int8")],
+    "70B on 8 x A100 over PCIe or 4 x H100 over NVLink": [
+        ("llama-3.1-70b", "a100-80gb-pcie", 8, "pcie", "bf16"), ("llama-3.1-70b", "h100-80gb-sxm", 4, "nvlink", "bf16")],
+}
+WEIGHTS = list(plan.LEVEL_BITS) + ["bits per weight"]
+
+
+def model_choices() -> dict[str, str]:
+    """Label -> what plan.resolve_model takes: the presets, then the project's own model folders."""
+    choices = {name: pid for pid, name in plan.preset_ids().items()}
+    choices.update({f"{name} (data/models)": str(path) for name, path in project_model_folders().items()})
+    return choices
+
+
+def config_form(story: str, i: int, default: tuple, column) -> dict:
+    model, gpu, gpus, link, weights = default
+    choices, key = model_choices(), f"{story}-{i}"
+    ids = plan.gpu_ids()
+    with column:
+        st.markdown(f"**Configuration {i + 1}**")
+        labels = list(choices)
+        name = st.selectbox("Model", labels, index=list(choices.values()).index(model), key=f"{key}-model")
+        gpu_id = st.selectbox("GPU", ids, index=ids.index(gpu), key=f"{key}-gpu")
+        count = st.number_input("GPUs", value=gpus, step=1, key=f"{key}-gpus")
+        links = list(plan.interconnects())
+        link = st.selectbox("Interconnect", links, index=links.index(link), key=f"{key}-link")
+        level = st.selectbox("Weights", WEIGHTS, index=WEIGHTS.index(weights), key=f"{key}-weights")
+        bits = st.number_input("Bits per weight", value=4.85, step=0.05, key=f"{key}-bits",
+                               disabled=level != "bits per weight", help="for formats such as Q4_K_M (4.85)")
+        tp = st.number_input("Tensor parallel (0 = all GPUs / pp)", value=0, step=1, key=f"{key}-tp")
+        pp = st.number_input("Pipeline parallel", value=1, step=1, key=f"{key}-pp")
+    return {"model": choices[name], "gpu": gpu_id, "gpus": count, "interconnect": link, "tp": tp or None, "pp": pp,
+            "weights": "bf16" if level == "bits per weight" else level,
+            "bits_per_weight": bits if level == "bits per weight" else None}
+
+
+def workload_form() -> dict:
+    c = st.columns(6)
+    out = {"batch": c[0].number_input("Batch", value=1, step=1),
+           "prompt_tokens": c[1].number_input("Prompt tokens", value=128, step=64),
+           "new_tokens": c[2].number_input("New tokens", value=256, step=64),
+           "kv_dtype": c[3].selectbox("KV precision", ["bf16", "fp16", "fp32", "fp8", "int8", "int4"])}
+    acceptance = c[4].number_input("Speculative acceptance (0 = off)", value=0.0, step=0.05, min_value=0.0,
+                                   max_value=1.0)
+    out["spec_acceptance"] = acceptance or None
+    out["spec_draft_length"] = c[5].number_input("Draft length", value=4, step=1, disabled=not acceptance)
+    return out
+
+
+def efficiency_form() -> plan.Efficiency:
+    base = plan.Efficiency()
+    with st.expander("Efficiency factors: the defaults and where each came from"):
+        values = {}
+        for name in ("bandwidth", "compute", "prefill_compute", "link", "collective_fixed_us", "step_fixed_us",
+                     "host_sync_us"):
+            values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if
+                                           getattr(base, name) <= 1 else 1.0, key=f"eff-{name}")
+            st.caption(markdown_literal(plan.ORIGIN[name]))
+        st.caption("dequant_ops " + markdown_literal(f"{base.dequant_ops}: {plan.ORIGIN['dequant_ops']}"))
+    return replace(base, **values)
+
+
+def label(result: dict) -> str:
+    return f"{result['model'].split(' (')[0]} · {result['gpus']} x {result['gpu']} · {result['interconnect']}"
+
+
+def build(form: dict, workload: dict, efficiency: plan.Efficiency) -> plan.Setup:
+    return plan.Setup(model=plan.resolve_model(form["model"]), gpu=plan.get_gpu(form["gpu"]), gpus=form["gpus"],
+                      tp=form["tp"], pp=form["pp"], interconnect=form["interconnect"], weights=form["weights"],
+                      bits_per_weight=form["bits_per_weight"], efficiency=efficiency, **workload)
+
+
+story = st.selectbox("Preset", list(STORIES))
+count = st.slider("Configurations", 1, 4, len(STORIES[story]), key=f"{story}-count")
+defaults = STORIES[story] + [STORIES[story][-1]] * 4
+columns = st.columns(count)
+forms = [config_form(story, i, defaults[i], columns[i]) for i in range(count)]
+workload = workload_form()
+efficiency = efficiency_form()
+
+results, setups = [], []
+for i, form in enumerate(forms):
+    try:
+        setup = build(form, workload, efficiency)
+        results.append(plan.plan(setup))
+        setups.append(setup)
+    except ShapeError as exc:
+        columns[i].error(markdown_literal(exc))
+if not results:
+    st.stop()
+
+
+def summary_table(results: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "configuration": label(r), "weights (bits)": r["bits_per_weight"], "tp x pp": f"{r['tp']} x {r['pp']}",
+        "decode ms per token (estimate)": round(r["decode_ms_per_token"], 3),
+        "tokens/s per user (estimate)": round(r["tokens_per_s_per_user"], 1),
+        "tokens/s in all (estimate)": round(r["tokens_per_s_total"], 1),
+        "prefill ms (estimate)": round(r["prefill_ms"], 2),
+        "memory per GPU": human(r["memory_per_gpu_bytes"]), "fits": r["fits"], "largest batch": r["largest_batch"],
+    } for r in results])
+
+
+st.subheader("Side by side (estimates)")
+st.dataframe(summary_table(results), hide_index=True, width="stretch")
+for r in results:
+    if not r["fits"]:
+        st.warning(markdown_literal(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
+bars = go.Figure()
+for b in plan.BUCKETS:
+    bars.add_bar(x=[label(r) for r in results], y=[r["distances_ms"][b] for r in results], name=b,
+                 marker_color=BUCKET_COLOURS[b])
+bars.update_layout(barmode="stack", yaxis_title="ms per decode token (estimate)", height=380,
+                   margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+st.plotly_chart(bars, width="stretch")
+for r, setup in zip(results, setups):
+    with st.expander(f"Formulas: {label(r)}"):
+        for bucket, formula in plan.formulas(setup).items():
+            st.code(f"{bucket}: {formula}", language=None)
+        st.caption(f"Speculative steps emit {r['tokens_per_step']:.2f} tokens each. Pipeline stages run one after "
+                   f"another, so each GPU idles {r['pipeline_idle_fraction']:.0%} of a step.")
+
+st.subheader("Scaling curves (estimates)")
+left, right = st.columns(2)
+scaling, latency = go.Figure(), go.Figure()
+for r, setup in zip(results, setups):
+    rows = plan.gpu_sweep(setup)
+    scaling.add_scatter(x=[x["gpus"] for x in rows], y=[x["tokens_per_s_per_user"] for x in rows], name=label(r),
+                        mode="lines+markers")
+    sweep = plan.batch_sweep(setup)
+    latency.add_scatter(x=[x["tokens_per_s_total"] for x in sweep], y=[x["decode_ms_per_token"] for x in sweep],
+                        text=[f"batch {x['batch']}" + ("" if x["fits"] else " (does not fit)") for x in sweep],
+                        name=label(r), mode="lines+markers")
+scaling.update_layout(xaxis_title="GPUs (tensor parallel)", yaxis_title="tokens/s per user", height=360,
+                      xaxis_type="log", margin=dict(l=40, r=10, t=30, b=40), showlegend=False)
+latency.update_layout(xaxis_title="aggregate tokens/s", yaxis_title="ms per token per user", height=360,
+                      margin=dict(l=40, r=10, t=30, b=40), legend=dict(orientation="h", y=-0.3))
+left.plotly_chart(scaling, width="stretch")
+right.plotly_chart(latency, width="stretch")
+st.caption("Left: the physical bucket grows with the GPU count while memory shrinks. Right: one point per batch "
+           "size from 1 to 256; to the right, more users share each weight read.")
+
+
+def planned_vs_measured(store) -> pd.DataFrame:
+    runs = store.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
+                       "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT 8")
+    rows = []
+    for run in runs.to_dict("records"):
+        calibration = json.loads(run["metrics"] or "{}").get("calibration")
+        if not calibration:
+            continue
+        try:
+            predicted = plan.plan_for_run(run, calibration)
+        except ShapeError:
+            continue
+        rows.append({"run": run["run_id"], "model": run["model"], "weights": run["quant"] or run["dtype"],
+                     "measured ms per token (TPOT)": round(run["tpot_ms"], 2),
+                     "planned ms per token (estimate)": round(predicted["decode_ms_per_token"], 2),
+                     "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
+                     "bandwidth used (GB/s, calibrated)": round(calibration["memory_gbps"], 1)})
+    return pd.DataFrame(rows)
+
+
+st.subheader("On this machine: planned against measured")
+st.markdown("The planner with the calibration each run was attributed with (bandwidth, matmul peak, dispatch cost) "
+            "and the run's own model, precision and lengths, beside the run's measured time per output token.")
+store = open_store()
+if store is not None:
+    table = planned_vs_measured(store)
+    if table.empty:
+        st.info("No recorded local runs yet: generate one on the Live page or with `python -m engine generate`.")
+    else:
+        st.dataframe(table, hide_index=True, width="stretch")

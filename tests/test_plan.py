@@ -1,0 +1,215 @@
+"""The planner's formulas on hand-computed cases, its inputs, its command line and its calibration set."""
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine import kvcalc, plan
+from engine.plan import Efficiency, PlanError, Setup
+
+TOY_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "head_dim": 8, "hidden_size": 4096, "vocab_size": 100,
+              "tie_word_embeddings": True}
+TOY_GPU = {"id": "toy", "name": "toy GPU", "memory_mib": 1024, "bandwidth_gbps": 100.0,
+           "peak_tflops": {"fp32": 1.0, "bf16": 10.0, "fp16": 10.0, "fp8": None, "int8": 20.0},
+           "gpu_link": {"name": "none", "gbps_per_direction": None},
+           "host_link": {"name": "slow bus", "gbps_per_direction": 1.0}}
+EXACT = Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, link=1.0, collective_fixed_us=10.0,
+                   step_fixed_us=0.0, host_sync_us=10.0)
+
+
+def toy(**kw) -> Setup:
+    model = plan.model_from_config(TOY_CONFIG, "toy", params=1e6)
+    return Setup(model=model, gpu=TOY_GPU, efficiency=EXACT, interconnect="pcie", **kw)
+
+
+def test_one_gpu_memory_term_is_bytes_over_bandwidth():
+    s = toy()
+    step = plan.step_buckets(s, 1, 10)
+    kv = 2 * 2 * 4 * 8 * 2 * 11  # K and V x layers x kv heads x head dim x 2 bytes x (10 cached + 1 new)
+    assert step["memory"] == pytest.approx((1e6 * 2 + kv) / 100e9 * 1e3)
+    assert step["physical"] == pytest.approx(10 / 1e3)  # one GPU: only the host round trip
+    flops = 2 * 1e6 + 4 * 2 * 4 * 8 * 11
+    assert step["compute"] == pytest.approx(max(flops / 10e12 * 1e3 - step["memory"], 0))
+
+
+def test_two_gpus_on_a_slow_link_pay_the_all_reduce_formula():
+    s = toy(gpus=2, batch=8)
+    message = 8 * 4096 * 2  # batch x hidden x 2 bytes
+    hop = plan.interconnects()["pcie"]["hop_latency_us"]
+    one = 10.0 + 2 * (2 - 1) * hop + 2 * (2 - 1) / 2 * message / (1.0 * 1e3)  # fixed + ring hops + bytes / 1 GB/s
+    assert plan.all_reduce_us(s, message) == pytest.approx(one)
+    assert plan.step_buckets(s, 1, 10)["physical"] == pytest.approx((2 * 2 * one + 10.0) / 1e3)
+
+
+def test_a_switch_takes_two_hops_whatever_the_gpu_count():
+    gpu = {**TOY_GPU, "gpu_link": {"name": "switch", "gbps_per_direction": 1.0}}
+    for n in (2, 8):
+        s = replace(toy(gpus=n), gpu=gpu, interconnect="nvswitch")
+        hop = plan.interconnects()["nvswitch"]["hop_latency_us"]
+        assert plan.all_reduce_us(s, 1000) == pytest.approx(10.0 + 2 * hop + 2 * (n - 1) / n * 1000 / 1e3)
+
+
+@pytest.mark.parametrize("kw", [{}, {"gpus": 2, "batch": 4}, {"spec_acceptance": 0.7, "spec_draft_length": 3},
+                                {"gpus": 2, "pp": 2, "tp": 1}])
+def test_buckets_sum_to_the_step_time(kw):
+    r = plan.plan(toy(**kw))
+    assert sum(r["distances_ms"].values()) == pytest.approx(r["decode_ms_per_token"])
+    assert sum(r["prefill_distances_ms"].values()) == pytest.approx(r["prefill_ms"])
+    assert r["tokens_per_s_per_user"] == pytest.approx(1e3 / r["decode_ms_per_token"])
+    assert r["tokens_per_s_total"] == pytest.approx(r["batch"] * 1e3 / r["decode_ms_per_token"])
+
+
+def test_speculative_decoding_counts_tokens_per_step_and_waste():
+    full = plan.plan(toy(spec_acceptance=1.0, spec_draft_length=3))
+    assert full["tokens_per_step"] == 4 and full["distances_ms"]["decision"] == pytest.approx(0)
+    half = plan.plan(toy(spec_acceptance=0.5, spec_draft_length=3))
+    assert half["tokens_per_step"] == pytest.approx((1 - 0.5**4) / 0.5)
+    assert half["distances_ms"]["decision"] > 0
+
+
+def test_memory_per_gpu_and_the_largest_batch():
+    s = toy(gpus=2, prompt_tokens=100, new_tokens=28)
+    m = plan.memory_per_gpu(s)
+    kv_one = kvcalc.kv_bytes(s.model.spec, 128, "bf16", 1, 2)
+    assert m["weights_bytes"] == 1e6 * 2 / 2
+    assert m["total_bytes"] == m["weights_bytes"] + kv_one + plan.RESERVE_BYTES
+    assert m["fits"] is False  # 1 GiB holds less than the 1.5 GiB reserve
+    big = replace(s, gpu={**TOY_GPU, "memory_mib": 4096})
+    free = 4096 * 2**20 - 1e6 - plan.RESERVE_BYTES
+    assert plan.memory_per_gpu(big)["largest_batch"] == int(free // kv_one)
+
+
+def test_sweeps_show_the_physical_bucket_growing_with_gpus():
+    s = Setup(model=plan.resolve_model("llama-2-70b"), gpu=plan.get_gpu("a100-80gb-pcie"), interconnect="pcie")
+    rows = plan.gpu_sweep(s)
+    assert [r["gpus"] for r in rows] == [1, 2, 4, 8]
+    assert [r["physical_ms"] for r in rows] == sorted(r["physical_ms"] for r in rows)
+    assert rows[-1]["memory_ms"] < rows[0]["memory_ms"] / 7
+    batches = plan.batch_sweep(s)
+    assert batches[-1]["tokens_per_s_total"] > batches[0]["tokens_per_s_total"]
+
+
+def test_models_resolve_from_ids_names_configs_folders_and_dicts(tmp_path):
+    by_id = plan.resolve_model("llama-2-7b")
+    assert by_id.name == "Llama-2-7B" and plan.resolve_model("Llama-2-7B") == by_id
+    assert by_id.read_params() == pytest.approx(6.74e9 - 32000 * 4096)  # the untied input embedding is looked up
+    folder = plan.resolve_model(str(kvcalc.DATA / "models" / "SmolLM2-135M-Instruct"))
+    assert folder.params == 134515008 and folder.tied and folder.read_params() == folder.params
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TOY_CONFIG))
+    estimated = plan.resolve_model(str(path))
+    assert estimated.params == 2 * (4096 * 32 * 2 + 2 * 4096 * 32 + 8 * 4096 * 4096) + 100 * 4096
+    assert plan.resolve_model(TOY_CONFIG).params == estimated.params
+    assert plan.resolve_model("deepseek-v3").active_params == 37e9
+    for bad in ("no-such-model", "", 3, {"vocab_size": 3}):
+        with pytest.raises(kvcalc.KVCalcError):
+            plan.resolve_model(bad)
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "smollm2-135m", TOY_CONFIG])
+def test_server_work_split_gives_fractions_that_sum_to_one(model):
+    split = plan.server_work_split(model, "h100-80gb-sxm", context_tokens=2048)
+    assert set(split) == {"memory", "compute", "time"}
+    assert sum(split.values()) == pytest.approx(1.0)
+    assert all(0 <= v <= 1 for v in split.values())
+    busy = plan.server_work_split(model, "h100-80gb-sxm", context_tokens=2048, batch=256)
+    assert busy["compute"] >= split["compute"]
+
+
+def test_server_work_split_refuses_bad_input():
+    with pytest.raises(PlanError, match="Unknown GPU"):
+        plan.server_work_split("llama-2-7b", "h900", 100)
+    with pytest.raises(kvcalc.KVCalcError, match="context"):
+        plan.server_work_split("llama-2-7b", "l4", -1)
+    with pytest.raises(PlanError, match="weight precision"):
+        plan.server_work_split("llama-2-7b", "l4", 10, weights="int3")
+
+
+def test_the_local_prediction_uses_the_calibration_as_measured():
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0}
+    run = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "n_prompt_tokens": 30, "n_new_tokens": 64,
+           "metrics": json.dumps({"weight_bytes_per_forward": 538060288, "kv_dtype": "fp32"})}
+    r = plan.plan_for_run(run, calibration)
+    s = kvcalc.spec_from_model_folder("default")
+    kv = kvcalc.kv_bytes(s, 30 + 32 + 1, "fp32")
+    assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 20e9 * 1e3)
+    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * 16 + 4) * 5.0) / 1e3)
+    assert r["distances_ms"]["physical"] == 0
+
+
+def test_every_gpu_has_the_figures_and_a_source_for_each():
+    ids = plan.gpu_ids()
+    for wanted in ("a100-40gb-sxm a100-80gb-sxm a100-80gb-pcie h100-80gb-sxm h100-80gb-pcie h200-141gb-sxm b200 l4 "
+                   "a10g rtx-3090 rtx-3090-ti rtx-4090 rtx-a6000 rx-7900-xtx mi250x mi300x").split():
+        assert wanted in ids
+    for g in plan.load_gpu_data()["gpus"]:
+        assert g["memory_mib"] > 0 and g["bandwidth_gbps"] > 0 and g["peak_tflops"]["bf16"] > 0
+        assert set(g["sources"]) == {"memory_mib", "bandwidth_gbps", "peak_tflops", "gpu_link", "host_link"}
+        assert all(len(text) > 20 for text in g["sources"].values())
+    for wanted in "llama-2-7b llama-2-13b llama-2-70b llama-3.1-8b llama-3.1-70b llama-3.1-405b mistral-7b " \
+                  "gpt3-175b smollm2-135m".split():
+        assert wanted in plan.preset_ids()
+
+
+BAD_PLAN = {
+    "unknown gpu": ["--model", "llama-2-7b", "--gpu", "h900"],
+    "unknown preset": ["--model", "llama-9", "--gpu", "l4"],
+    "tp beyond gpus": ["--model", "llama-2-7b", "--gpu", "a100-80gb-sxm", "--gpus", "2", "--tp", "4"],
+    "tp x pp beyond gpus": ["--model", "llama-2-7b", "--gpu", "a100-80gb-sxm", "--gpus", "4", "--tp", "4", "--pp", "2"],
+    "does not fit": ["--model", "llama-2-70b", "--gpu", "l4"],
+    "zero gpus": ["--model", "llama-2-7b", "--gpu", "l4", "--gpus", "0"],
+    "negative batch": ["--model", "llama-2-7b", "--gpu", "l4", "--batch", "-1"],
+    "zero new tokens": ["--model", "llama-2-7b", "--gpu", "l4", "--new-tokens", "0"],
+    "nan bits": ["--model", "llama-2-7b", "--gpu", "l4", "--bits-per-weight", "nan"],
+    "unknown weights": ["--model", "llama-2-7b", "--gpu", "l4", "--weights", "int3"],
+    "unknown interconnect": ["--model", "llama-2-7b", "--gpu", "l4", "--interconnect", "carrier-pigeon"],
+    "no gpu link": ["--model", "llama-2-7b", "--gpu", "l4", "--gpus", "2", "--interconnect", "nvlink"],
+    "bridge beyond two": ["--model", "llama-2-70b", "--gpu", "a100-80gb-pcie", "--gpus", "4", "--interconnect", "nvlink"],
+    "tp not dividing heads": ["--model", "smollm2-135m", "--gpu", "l4", "--gpus", "2"],
+    "acceptance above 1": ["--model", "llama-2-7b", "--gpu", "l4", "--spec-acceptance", "1.5"],
+    "gpus 10**400": ["--model", "llama-2-7b", "--gpu", "l4", "--gpus", "1" + "0" * 400],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLAN))
+def test_bad_plan_input_exits_2_with_one_sentence(case, capsys):
+    from engine.cli import main
+
+    assert main(["plan", *BAD_PLAN[case]]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), out.err
+    assert out.out == ""
+
+
+def test_plan_json_has_the_documented_keys(capsys):
+    from engine.cli import main
+
+    assert main(["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb-sxm", "--gpus", "8", "--interconnect",
+                 "nvswitch", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in plan_keys():
+        assert key in out
+    assert set(out["distances_ms"]) == set(plan.BUCKETS)
+    assert out["fits"] is True and out["distances_ms"]["physical"] > 0
+    assert sum(out["distances_ms"].values()) == pytest.approx(out["decode_ms_per_token"])
+
+
+def plan_keys():
+    from engine.plan_cli import JSON_KEYS
+
+    return JSON_KEYS
+
+
+def test_the_calibration_set_is_met_within_the_aims():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import planner
+
+    rows, median = planner.table()
+    assert len(rows) >= 30 and all(r["source"]["url"].startswith("https://") for r in rows)
+    assert median <= 0.20
+    assert max(abs(r["error"]) for r in rows) <= 0.50
