@@ -238,7 +238,8 @@ class ChunkEvent:
 
 def planner_split(gpu: str | None, served_model: str, context_tokens: int, batch: int = 1,
                   weights: str = "bf16", kv_dtype: str = "bf16") -> dict | None:
-    """The planner's memory/compute fractions of server work for a named GPU, or None without one."""
+    """The planner's split of a decode step on a named GPU (memory, compute, fixed step time) as
+    fractions of server work, or None without a GPU."""
     if not gpu:
         return None
     try:
@@ -246,10 +247,13 @@ def planner_split(gpu: str | None, served_model: str, context_tokens: int, batch
     except ImportError:
         raise ServedError("Splitting server work for a named GPU needs the planner (engine.plan), which this copy "
                           "lacks: leave the GPU out.") from None
+    model = served_model
+    if served_model == DEFAULT_MODEL_NAME or Path(served_model).name == DEFAULT_MODEL_NAME:
+        model = str(default_model_dir())
     try:
-        return served_split.normalised(server_work_split(served_model, gpu, context_tokens, batch, weights, kv_dtype))
-    except (KeyError, ValueError) as exc:
-        raise ServedError(f"The planner cannot split work for GPU '{gpu}' and model '{served_model}': {exc}.") from None
+        return served_split.normalised(server_work_split(model, gpu, context_tokens, batch, weights, kv_dtype))
+    except ValueError as exc:  # the planner's one-sentence errors (unknown GPU or model)
+        raise ServedError(str(exc)) from None
 
 
 class ServedRun:
@@ -275,6 +279,7 @@ class ServedRun:
             raise ServedError(f"The server at {self.root} has no model '{served_model}'; it serves: "
                               f"{', '.join(models[:8])}.")
         self.served_model = served_model or models[0]
+        planner_split(gpu, self.served_model, 1)  # an unknown GPU or model is refused before the request
         self.rtt_ms = round_trip_ms(self.client)
         self.before = server_metrics.scrape(self.root)
         self.server_kind = "vllm" if server_metrics.is_vllm(self.before) else "openai-compatible"

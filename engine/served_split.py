@@ -91,7 +91,9 @@ def provenance(token_source: str, server: dict | None, rtt_ms: float | None, gpu
                                 "each gap less the network (no server metrics: includes queueing)")},
     }
     if fractions:
-        out["memory"] = out["compute"] = {"source": ESTIMATE, "how": f"server work split by the planner for {gpu}"}
+        shares = ", ".join(f"{b} {f:.0%}" for b, f in fractions.items())
+        out["memory"] = out["compute"] = {"source": ESTIMATE, "how": f"server work split as the planner's decode "
+                                                                     f"step on {gpu}: {shares}"}
     else:
         out["memory"] = out["compute"] = {"source": NONE, "how": "not split: name the server's GPU to estimate"}
     waste = speculative_waste(server)

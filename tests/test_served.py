@@ -147,6 +147,18 @@ def test_stream_without_token_ids_is_counted_by_the_tokenizer_and_stored(stream_
     assert "sesame" not in dump and "TP_TEST_KEY" in dump
 
 
+def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
+    url, _ = stream_server("ok")
+    with pytest.raises(ServedError, match="Unknown GPU"):
+        served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=4, gpu="no-such-gpu")
+    run = served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm", store=store)
+    list(run)
+    tokens = store.tokens(run.run_id)
+    assert tokens["memory_ms"].notna().all() and (tokens["memory_ms"] > 0).all()
+    assert tokens[[f"{b}_ms" for b in BUCKETS]].sum().sum() == pytest.approx(run.result["e2e_ms"])
+    assert run.result["provenance"]["memory"]["source"] == "estimate"
+
+
 def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream_server, store):
     url, proc = stream_server("ok", delay=0.3)
     run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=16, store=store)
