@@ -24,10 +24,20 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
+LOCAL_ONLY = {"quant": "fp32", "sparsity": 0.0, "no_kv_cache": False, "kv_dtype": "auto", "spec": "none",
+              "top_k": 0, "stop": None}
+
+
 def cmd_generate(args) -> int:
     from . import served
     from .store import Store, StoreError
 
+    local = [f"--{k.replace('_', '-')}" for k, default in LOCAL_ONLY.items() if getattr(args, k, default) != default]
+    if local:
+        one = len(local) == 1
+        print(f"error: {', '.join(local)} only appl{'ies' if one else 'y'} to the local engine: leave "
+              f"{'it' if one else 'them'} out with --endpoint.", file=sys.stderr)
+        return USER_ERROR
     try:
         run = served.generate(args.endpoint, served_model=args.served_model, prompt=args.prompt,
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

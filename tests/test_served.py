@@ -92,6 +92,9 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi",
                           "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Nothing answers at" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--spec",
+                          "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr == "error: --spec only applies to the local engine: leave it out with --endpoint.\n"
 
 
 def test_unresolvable_host_is_one_sentence():
