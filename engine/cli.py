@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from . import served_cli
+
 USER_ERROR = 2
 
 
@@ -50,6 +52,8 @@ def cmd_generate(args) -> int:
     from .record import RecordDeferred
     from .store import Store
 
+    if args.endpoint:  # a served model: the run goes to the server
+        return served_cli.cmd_generate(args)
     spec = spec_from_args(args)
     spec.check()
     store = Store(args.db)
@@ -282,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
     g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
     g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
+    served_cli.add_generate_options(g)
     common(g)
     g.set_defaults(func=cmd_generate)
 
@@ -330,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     p = sub.add_parser("prepare", help="convert the embedded default model once")
     p.set_defaults(func=cmd_prepare)
+    served_cli.add_parsers(sub)
     return parser
 
 

@@ -3,7 +3,7 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from .distances import BUCKETS
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -51,5 +51,25 @@ MIGRATIONS = {
         "ALTER TABLE steps ADD COLUMN drafted INTEGER DEFAULT 0",
         "ALTER TABLE steps ADD COLUMN accepted INTEGER DEFAULT 0",
         "ALTER TABLE runs ADD COLUMN spec VARCHAR DEFAULT 'none'",
+    ],
+    5: [  # served runs (an OpenAI-compatible server) and load sweeps against one
+        "ALTER TABLE runs ADD COLUMN backend VARCHAR DEFAULT 'local'",
+        "ALTER TABLE runs ADD COLUMN endpoint VARCHAR",
+        "ALTER TABLE runs ADD COLUMN server_model VARCHAR",
+        "ALTER TABLE runs ADD COLUMN provenance VARCHAR",  # JSON: figure -> measured by client, server, or estimate
+        "ALTER TABLE runs ADD COLUMN server_work_ms DOUBLE",
+        "ALTER TABLE steps ADD COLUMN server_work_ms DOUBLE",
+        "ALTER TABLE tokens ADD COLUMN server_work_ms DOUBLE",
+        "CREATE SEQUENCE sweep_ids START 1",
+        """CREATE TABLE load_sweeps (
+            sweep_id BIGINT PRIMARY KEY DEFAULT nextval('sweep_ids'), started_at TIMESTAMP, finished_at TIMESTAMP,
+            status VARCHAR, endpoint VARCHAR, server_model VARCHAR, config VARCHAR, levels VARCHAR,
+            server VARCHAR, error VARCHAR, host VARCHAR, pid INTEGER, pid_started DOUBLE)""",
+        """CREATE TABLE requests (
+            sweep_id BIGINT, concurrency INTEGER, idx INTEGER, prompt_name VARCHAR, status VARCHAR, error VARCHAR,
+            sent_ms DOUBLE, n_prompt_tokens INTEGER, n_output_tokens INTEGER, n_chunks INTEGER, token_source VARCHAR,
+            ttft_ms DOUBLE, tpot_ms DOUBLE, e2e_ms DOUBLE, chunk_ms DOUBLE[], chunk_tokens INTEGER[])""",
+        """CREATE TABLE load_samples (
+            sweep_id BIGINT, concurrency INTEGER, t_ms DOUBLE, running DOUBLE, waiting DOUBLE, kv_cache_usage DOUBLE)""",
     ],
 }

@@ -1,0 +1,96 @@
+"""A serving engine's own figures: its Prometheus /metrics scraped with prometheus_client's parser,
+differenced between two scrapes, and llama.cpp's per-response `timings` object."""
+from __future__ import annotations
+
+import httpx2
+from prometheus_client.parser import text_string_to_metric_families
+
+# vLLM's histograms (seconds) read per request: name in the result -> Prometheus family
+VLLM_HISTOGRAMS = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "inference": "vllm:request_inference_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
+VLLM_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+               "kv_cache_usage": "vllm:kv_cache_usage_perc"}
+# counters (the parser drops the _total suffix from a counter family's name)
+VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+                 "prompt_tokens": "vllm:prompt_tokens", "generation_tokens": "vllm:generation_tokens"}
+
+
+def parse(text: str) -> dict:
+    """{family: {'sum': s, 'count': c} for histograms, a number for gauges and counters}, summed over
+    label sets (one per model and engine)."""
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        if family.type in ("histogram", "summary"):
+            entry = out.setdefault(family.name, {"sum": 0.0, "count": 0.0})
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    entry["sum"] += sample.value
+                elif sample.name.endswith("_count"):
+                    entry["count"] += sample.value
+        elif family.type in ("gauge", "counter"):
+            values = [s.value for s in family.samples if not s.name.endswith("_created")]
+            out[family.name] = sum(values)
+    return out
+
+
+def scrape(root: str, client: httpx2.Client | None = None, timeout_s: float = 5.0) -> dict | None:
+    """The parsed /metrics of the server at root (scheme://host:port), or None when it has none."""
+    try:
+        if client is not None:
+            response = client.get(f"{root}/metrics", timeout=timeout_s)
+        else:
+            response = httpx2.get(f"{root}/metrics", timeout=timeout_s)
+        if response.status_code != 200:
+            return None
+        return parse(response.text)
+    except (httpx2.HTTPError, ValueError):  # no server, or a body that is not Prometheus text
+        return None
+
+
+def is_vllm(snapshot: dict | None) -> bool:
+    return bool(snapshot) and any(name.startswith("vllm:") for name in snapshot)
+
+
+def delta(before: dict | None, after: dict | None) -> dict | None:
+    """vLLM's figures for what happened between two scrapes: per histogram the requests it counted
+    and their summed milliseconds, the counters' increase, and the gauges as the second scrape saw them."""
+    if not is_vllm(before) or not is_vllm(after):
+        return None
+    out = {"requests": after.get(VLLM_HISTOGRAMS["e2e"], {}).get("count", 0.0)
+           - before.get(VLLM_HISTOGRAMS["e2e"], {}).get("count", 0.0)}
+    for key, family in VLLM_HISTOGRAMS.items():
+        a, b = before.get(family), after.get(family)
+        if a is not None and b is not None:
+            out[f"{key}_ms"] = (b["sum"] - a["sum"]) * 1e3
+            out[f"{key}_count"] = b["count"] - a["count"]
+    for key, family in VLLM_COUNTERS.items():
+        if family in after:
+            out[key] = after[family] - before.get(family, 0.0)
+    for key, family in VLLM_GAUGES.items():
+        if family in after:
+            out[key] = after[family]
+    return out
+
+
+def gauges(snapshot: dict | None) -> dict:
+    """Queue and KV-cache usage as one scrape saw them (empty for a server without vLLM's gauges)."""
+    if not snapshot:
+        return {}
+    return {key: snapshot[family] for key, family in VLLM_GAUGES.items() if family in snapshot}
+
+
+def llama_cpp_split(timings: dict | None) -> dict | None:
+    """llama.cpp's server reports prompt and generation time per response instead of /metrics."""
+    if not timings or "prompt_ms" not in timings or "predicted_ms" not in timings:
+        return None
+    return {"requests": 1.0, "prefill_ms": float(timings["prompt_ms"]), "decode_ms": float(timings["predicted_ms"]),
+            "source": "llama.cpp timings"}

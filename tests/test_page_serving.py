@@ -1,0 +1,80 @@
+"""The Serving page through Streamlit's AppTest: bad addresses read as one sentence, a sweep starts
+in a subprocess that stores its requests, and a stored sweep draws its table and plots."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine import served_store
+from engine.load import Sweep, SweepConfig, load_prompts
+from engine.store import Store
+from engine.vllm_server import free_port
+
+from test_served import wait_for_port
+
+SERVER = Path(__file__).with_name("stream_server.py")
+
+
+@pytest.fixture
+def stream_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.02"])
+    wait_for_port(port, proc)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def open_page() -> AppTest:
+    at = AppTest.from_file("../app.py", default_timeout=180)
+    at.switch_page("pages/serving.py")
+    return at.run()
+
+
+def test_empty_database_and_bad_addresses(page_db):
+    at = open_page()
+    assert not at.exception and at.title[0].value == "Serving"
+    assert any("No load sweep stored yet" in i.value for i in at.info)
+    for address, sentence in ((f"http://127.0.0.1:{free_port()}", "Nothing answers at"),
+                              ("localhost:8000", "is not a server address")):
+        at.text_input[0].set_value(address)
+        at.button[0].click()
+        at.run()
+        assert not at.exception and len(at.error) == 1 and sentence in at.error[0].value
+
+
+def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, stream_url):
+    at = open_page()
+    at.text_input[0].set_value(stream_url)
+    at.text_input[3].set_value("1,2")
+    at.number_input[0].set_value(2)
+    at.number_input[1].set_value(5)
+    at.button[0].click()
+    at.run()
+    assert not at.error
+    process = at.session_state["load"]["process"]
+    assert process.wait(timeout=600) == 0
+    sweeps = served_store.sweeps(Store(page_db))
+    assert list(sweeps["status"]) == ["ok"]
+    assert len(served_store.sweep_requests(Store(page_db), sweeps["sweep_id"].iloc[0])) == 4
+    at = open_page()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert list(table["concurrency"]) == [1, 2] and list(table["completed"]) == [2, 2]
+    assert len(at.get("plotly_chart")) == 3  # capacity curve, ITL by position, timeline (no gauges here)
+
+
+def test_two_sweeps_share_the_capacity_curve(page_db, stream_url):
+    store = Store(page_db)
+    for levels in ([1], [1, 2]):
+        Sweep(SweepConfig(stream_url, levels, 2, 4, load_prompts("summary")), store).run()
+    at = open_page()
+    ids = list(served_store.sweeps(store)["sweep_id"])
+    at.multiselect[0].set_value(ids)
+    at.run()
+    assert not at.exception
+    curve = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert len(curve["data"]) == 2  # one line per sweep
