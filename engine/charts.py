@@ -13,7 +13,7 @@ BUCKET_COLOURS = {"physical": "#CC79A7", "memory": "#0072B2", "compute": "#009E7
                   "decision": "#D55E00"}
 FONT_SIZE = 16
 TITLE_SIZE = 20
-LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, font=dict(size=FONT_SIZE))
+LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal", font=dict(size=FONT_SIZE))
 
 
 def readable(fig: go.Figure, **layout) -> go.Figure:
@@ -23,8 +23,8 @@ def readable(fig: go.Figure, **layout) -> go.Figure:
     return fig
 
 
-def run_label(row) -> str:
-    """A run in one line: number, model, switches, size, status."""
+def run_switches(row) -> list[str]:
+    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling."""
     switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
     if row.sparsity:
         switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
@@ -32,7 +32,13 @@ def run_label(row) -> str:
         switches.append(row.spec)
     if row.temperature:
         switches.append(f"T={row.temperature:g}")
-    return f"#{row.run_id} {row.model} · {' · '.join(switches)} · {row.n_new_tokens or 0} tokens · {row.status}"
+    return switches
+
+
+def run_label(row) -> str:
+    """A run in one line: number, model, switches, size, status."""
+    return (f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {row.n_new_tokens or 0} tokens · "
+            f"{row.status}")
 
 
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:

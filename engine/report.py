@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from .charts import BUCKET_COLOURS, bucket_chart, run_label, totals_chart
+from .charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from .definitions import BUCKET_FORMULAS, BUCKET_MEANING, METRICS
 from .store import BUCKETS, utcnow
 
@@ -127,6 +127,10 @@ def label(run: dict) -> str:
     return run_label(SimpleNamespace(**run))
 
 
+def switches(run: dict) -> str:
+    return " · ".join(run_switches(SimpleNamespace(**run)))
+
+
 def _ratio(value, base):
     return value / base if _clean(value) and _clean(base) else None
 
@@ -140,7 +144,7 @@ def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
     rows = []
     for run in runs:
         m, spec, q = run["metrics"], run["metrics"].get("speculative", {}), quality.get(run["run_id"], {})
-        rows.append([f"#{run['run_id']}", html.escape(label(run).split(" · ", 1)[1]), html.escape(run["status"]),
+        rows.append([f"#{run['run_id']}", html.escape(switches(run)), html.escape(run["status"]),
                      fmt(run["n_new_tokens"], "d"), fmt(run["ttft_ms"]), fmt(run["tpot_ms"]),
                      fmt(run["decode_tokens_per_s"]), fmt(_ratio(run["decode_tokens_per_s"], base["decode_tokens_per_s"]), ".2f", "x"),
                      fmt(run["tokens_per_s"]), fmt(_ratio(run["tokens_per_s"], base["tokens_per_s"]), ".2f", "x"),
@@ -189,17 +193,27 @@ def pictures_section(runs: list[dict], token_rows: dict[int, list[dict]]) -> Sec
 
 
 def settings_section(runs: list[dict]) -> Section:
-    parts = []
+    """Every setting of every run side by side, values that differ from the first run in bold;
+    then each run's prompt and output."""
+    keys = list(dict.fromkeys(k for run in runs for k in run["config"] if k != "prompt"))
+
+    def cell(run, key):
+        value = run["config"].get(key)
+        text = html.escape(value if isinstance(value, str) else json.dumps(value))
+        return f"<b>{text}</b>" if value != runs[0]["config"].get(key) else text
+
+    rows = [[html.escape(key), *(cell(run, key) for run in runs)] for key in keys]
+    rows.append(["started (UTC)", *(run["started_at"].isoformat(sep=" ", timespec="seconds") if run["started_at"]
+                                    else "–" for run in runs)])
+    texts = []
     for run in runs:
-        cells = [[html.escape(k), html.escape(json.dumps(v) if not isinstance(v, str) else v)]
-                 for k, v in run["config"].items() if k != "prompt"]
-        started = run["started_at"].isoformat(sep=" ", timespec="seconds") if run["started_at"] else "–"
         error = f"<p><b>error:</b> {html.escape(run['error'])}</p>" if run["error"] else ""
-        parts.append(f"<h3>{html.escape(label(run))}</h3><p>started {started} UTC</p>{error}"
-                     f"<p><b>prompt</b></p><pre>{html.escape(run['prompt'] or '')}</pre>"
-                     f"<details><summary>output</summary><pre>{html.escape(run['output'] or '')}</pre></details>"
-                     + table(["setting", "value"], cells))
-    return Section("Each run's settings", "".join(parts))
+        texts.append(f"<details><summary>{html.escape(label(run))}: prompt and output</summary>{error}"
+                     f"<p>prompt</p><pre>{html.escape(run['prompt'] or '')}</pre>"
+                     f"<p>output</p><pre>{html.escape(run['output'] or '')}</pre></details>")
+    note = '<p class="note">Values that differ from the first run are in bold.</p>'
+    return Section("Each run's settings", note + table(["setting", *(f"#{run['run_id']}" for run in runs)], rows)
+                   + "".join(texts))
 
 
 def definitions_section() -> Section:
