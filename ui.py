@@ -8,30 +8,17 @@ import threading
 from contextlib import contextmanager
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from engine import hardware
+from engine.charts import BUCKET_COLOURS, bucket_chart, run_label  # noqa: F401 (pages read them from here)
+from engine.definitions import BUCKET_MEANING  # noqa: F401
 from engine.distances import BUCKETS
 from engine.models import pick_device
 from engine.quant import LEVELS, level_info
 from engine.spec import RunSpec
 from engine.store import Store, StoreError
 from engine.worker import GenerationWorker, WorkerFailed
-
-BUCKET_COLOURS = {"physical": "#8c564b", "memory": "#1f77b4", "compute": "#2ca02c", "time": "#ff7f0e",
-                  "decision": "#d62728"}
-BUCKET_MEANING = {
-    "physical": "crossing a link: upload to the device, download and device sync",
-    "memory": "streaming the forward's bytes (weights, KV cache) at the calibrated bandwidth, capped by the "
-              "forward time",
-    "compute": "forward time beyond the memory time that the FLOPs at the calibrated peak explain",
-    "time": "serial waiting: forward time neither bytes nor FLOPs explain (dispatch, launch), token "
-            "selection, host bookkeeping",
-    "decision": "the share of the above spent on work whose result was thrown away (recomputing the prefix "
-                "without a KV cache, rejected guesses, multiplying zeros)",
-}
-
 
 # (file, label) of every page, in the order the sidebar lists them
 PAGES = [("app.py", "Home"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
@@ -127,18 +114,6 @@ def worker_request(spec: RunSpec, store: Store) -> dict:
     return {"db": str(store.path), "spec": spec.to_dict()}
 
 
-def run_label(row) -> str:
-    """A run in one line: number, model, switches, size, status."""
-    switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
-    if row.sparsity:
-        switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
-    if getattr(row, "spec", "none") not in (None, "none"):
-        switches.append(row.spec)
-    if row.temperature:
-        switches.append(f"T={row.temperature:g}")
-    return f"#{row.run_id} {row.model} · {' · '.join(switches)} · {row.n_new_tokens or 0} tokens · {row.status}"
-
-
 LIVE_BAR_COLUMNS = 300
 
 
@@ -177,14 +152,3 @@ def live_bars(token_rows: list[dict], height_px: int = 150, max_columns: int = L
             f'<img alt="per-token buckets" src="data:image/svg+xml;base64,{picture}" style="max-width:100%">'
             f'<div style="font-size:0.75rem;color:#666">token index 0 to {token_rows[-1]["idx"]}, growing while '
             f'the run streams</div>')
-
-
-def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
-    """Per-token stacked bars of the five buckets (ms)."""
-    fig = go.Figure()
-    xs = [row["idx"] for row in token_rows]
-    for b in BUCKETS:
-        fig.add_bar(x=xs, y=[row[f"{b}_ms"] for row in token_rows], name=b, marker_color=BUCKET_COLOURS[b])
-    fig.update_layout(barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
-                      height=340, margin=dict(l=40, r=10, t=80, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
-    return fig

@@ -336,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="convert the embedded default model once")
     p.set_defaults(func=cmd_prepare)
     served_cli.add_parsers(sub)
+    from .report import add_parser as add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 

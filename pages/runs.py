@@ -59,6 +59,15 @@ st.dataframe(compare.T, width="stretch")
 st.page_link("pages/distances.py", label="Open the selected runs on Distances",
              query_params={"run": [str(i) for i in ids]})
 
+from engine.report import runs_report  # noqa: E402 (kept beside the one button that uses it)
+
+report_ids = sorted(ids)  # the oldest selected run is the baseline of the report's speedups
+st.download_button("Download report", lambda: runs_report(store, report_ids), mime="text/html",
+                   file_name=f"tokenpath-report-{'-'.join(map(str, report_ids[:8]))}.html", on_click="ignore",
+                   help="One HTML file to hand over: machine and calibration, each run's settings, the five-bucket "
+                        "pictures, speedups against the oldest selected run, quality, definitions. It opens "
+                        "without a network.")
+
 c = st.columns(3)
 c[0].download_button("Export CSV", picked[columns].to_csv(index=False), file_name="tokenpath-runs.csv",
                      mime="text/csv")

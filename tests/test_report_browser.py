@@ -1,0 +1,43 @@
+"""The report opened from disk in Debian's Chromium with every request but the file itself refused:
+it draws every Plotly figure and attempts no network request. The screenshot goes to test-artifacts/."""
+import os
+
+import pytest
+
+from browser import CHROMIUM, REPO, browser_page
+from engine.report import runs_report
+from engine.store import Store
+from test_report import make_runs, plotly_divs
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                reason=f"{CHROMIUM} is not installed (apt-get install chromium)")
+
+
+def test_the_report_renders_offline_in_chromium(tmp_path, tiny_lm, calibration):
+    store = Store(tmp_path / "runs.duckdb")
+    ids = make_runs(store, tiny_lm, calibration)
+    path = tmp_path / "report.html"
+    path.write_text(runs_report(store, ids), encoding="utf-8")
+    figures = plotly_divs(path.read_text())
+    attempted, errors = [], []
+    with browser_page(width=1400, height=1000) as page:
+        def refuse_the_network(route):
+            if route.request.url.startswith("file://"):
+                return route.continue_()
+            attempted.append(route.request.url)
+            return route.abort()
+
+        page.route("**/*", refuse_the_network)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(path.as_uri())
+        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {figures}",
+                               timeout=60_000)
+        bars = page.locator(".js-plotly-plot .trace.bars path").count()
+        assert page.locator("h2", has_text="Comparison").count() == 1
+        for run_id in ids:
+            assert page.get_by_text(f"#{run_id}:", exact=False).count() >= 1
+        artifacts = REPO / "test-artifacts"
+        artifacts.mkdir(exist_ok=True)
+        page.screenshot(path=str(artifacts / "report.png"), full_page=True)
+    assert attempted == [] and errors == []
+    assert figures == 1 + len(ids) and bars > 5 * len(ids)
