@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench browser
+.PHONY: run test setup bench browser kernels share
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
@@ -21,7 +21,11 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "Chromium is not installed and cannot be installed here: the browser tests will be skipped."
 
-setup: $(STAMP) $(MODEL_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) kernels
+
+# The C++ kernels are built here, never inside a measured run (a no-op once this version is built).
+kernels: | $(STAMP)
+	$(PY) -m engine.cpu_kernels
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

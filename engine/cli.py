@@ -207,9 +207,11 @@ def cmd_kvcalc(args) -> int:
 
 
 def cmd_prepare(args) -> int:
+    from . import cpu_kernels
     from .models import default_model_dir
 
     print(f"default model ready at {default_model_dir()}")
+    print(f"C++ kernels {cpu_kernels.prepare()} ({cpu_kernels.build_directory()})")
     return 0
 
 
@@ -223,8 +225,30 @@ def add_quant_args(p) -> None:
                    help="mask: zero small inputs, dense matmul; skip: do not read their weights")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one sentence (no usage block); --help still prints the usage."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see '{self.prog} --help'.", file=sys.stderr)
+        sys.exit(USER_ERROR)
+
+
+MAX_LIMIT = 1_000_000
+
+
+def run_limit(text: str) -> int:
+    """--limit: a whole number of runs from 1 to MAX_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"give a whole number of runs from 1 to {MAX_LIMIT:,}, not '{text[:40]}'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="Tokenpath engine")
+    parser = Parser(prog="python -m engine", description="Tokenpath engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, device=True):
@@ -267,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_quality)
 
     r = sub.add_parser("runs", help="recorded runs, newest first")
-    r.add_argument("--limit", type=int, default=20)
+    r.add_argument("--limit", type=run_limit, default=20, help=f"how many runs, 1 to {MAX_LIMIT:,}")
     common(r, device=False)
     r.set_defaults(func=cmd_runs)
 
@@ -300,12 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kvcalc)
 
-    p = sub.add_parser("prepare", help="convert the embedded default model once")
+    p = sub.add_parser("prepare", help="convert the embedded default model and build the C++ kernels, once")
     p.set_defaults(func=cmd_prepare)
     return parser
 
 
 def main(argv=None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before a run started (importing, parsing, loading): nothing to record
+        print("\ncancelled: interrupted before the command finished", file=sys.stderr)
+        return 130
+
+
+def _run(argv) -> int:
+    args = build_parser().parse_args(argv)
     from .generate import GenerationError
     from .kvcalc import KVCalcError
     from .models import ModelError
@@ -313,7 +346,6 @@ def main(argv=None) -> int:
     from .sparsity import SparsityError
     from .store import StoreError
 
-    args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         return args.func(args)
