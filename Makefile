@@ -1,4 +1,5 @@
-# Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite.
+# Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite
+# (`make share` serves a LAN demo behind a token).
 # Both set up .venv first; a second call reinstalls nothing unless requirements.txt changed.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -11,6 +12,13 @@ PORT ?= 8501
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
+
+# The dashboard on the LAN for a team demo: every page asks for the token in TOKENPATH_TOKEN (at
+# least 12 characters), model choices are limited to the project's own; without a token it refuses.
+HOST ?= 0.0.0.0
+SHARE_PORT ?= 8502
+share: setup
+	$(PY) -m engine.access --host $(HOST) --port $(SHARE_PORT)
 
 test: setup browser
 	$(PY) -m pytest
