@@ -1,4 +1,5 @@
-# Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite.
+# Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite
+# (`make share` serves a LAN demo behind a token).
 # Both set up .venv first; a second call reinstalls nothing unless requirements.txt changed.
 # `make vllm` builds .venv-vllm, the serving engine's own venv (its transformers pin differs from ours).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -10,10 +11,17 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench browser vllm
+.PHONY: run test setup bench browser kernels share vllm
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
+
+# The dashboard on the LAN for a team demo: every page asks for the token in TOKENPATH_TOKEN (at
+# least 12 characters), model choices are limited to the project's own; without a token it refuses.
+HOST ?= 0.0.0.0
+SHARE_PORT ?= 8502
+share: setup
+	$(PY) -m engine.access --host $(HOST) --port $(SHARE_PORT)
 
 test: setup browser vllm
 	$(PY) -m pytest
@@ -24,7 +32,11 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 		echo "Chromium is not installed and cannot be installed here: the browser tests will be skipped."
 
-setup: $(STAMP) $(MODEL_STAMP)
+setup: $(STAMP) $(MODEL_STAMP) kernels
+
+# The C++ kernels are built here, never inside a measured run (a no-op once this version is built).
+kernels: | $(STAMP)
+	$(PY) -m engine.cpu_kernels
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

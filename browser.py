@@ -21,10 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(db_path: Path, timeout_s: float = 90):
+def serve_app(db_path: Path, timeout_s: float = 90, env: dict | None = None, command=None):
+    """The app on a free loopback port; `command(port)` gives another way to start it (env is added)."""
     port = free_port()
-    env = dict(os.environ, TOKENPATH_DB=str(db_path))
+    env = dict(os.environ, TOKENPATH_DB=str(db_path), **(env or {}))
     proc = subprocess.Popen(
+        command(port) if command else
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1",
          "--server.port", str(port), "--server.headless", "true"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -49,11 +51,11 @@ def serve_app(db_path: Path, timeout_s: float = 90):
 
 
 @contextlib.contextmanager
-def browser_page(width=1400, height=1000):
+def browser_page(width=1400, height=1000, args=()):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, *args])
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             yield page

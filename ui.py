@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
-from engine import hardware
+from engine import access, hardware
 from engine.charts import BUCKET_COLOURS, bucket_chart, run_label  # noqa: F401 (pages read them from here)
 from engine.definitions import BUCKET_MEANING  # noqa: F401
 from engine.distances import BUCKETS
@@ -26,13 +29,108 @@ PAGES = [("app.py", "Home"), ("pages/live.py", "Live generation"), ("pages/dista
          ("pages/hardware.py", "Hardware"), ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
 
 
+ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"  # a file, so no page load fetches a font
+
+
 def page_setup(title: str) -> None:
-    """Page config and the sidebar's page links (Streamlit's own list would call the home page 'app')."""
+    """Page config, the access gate and the sidebar's page links (Streamlit's own list would call the
+    home page 'app'). Every page calls this first, so no page works before the gate lets it."""
     st.set_page_config(page_title=f"{title} · Tokenpath" if title != "Tokenpath" else title,
-                       page_icon=":material/route:", layout="wide")
+                       page_icon=str(ICON), layout="wide")
+    access_gate()
     with st.sidebar:
         for path, label in PAGES:
             st.page_link(path, label=label)
+        if access.shared_mode() and st.button("Sign out", key="_sign_out"):
+            st.session_state.pop("_signed_in", None)
+            st.rerun()
+
+
+def access_gate() -> None:
+    """Stop the page unless this server may be reached: a loopback address, or a signed-in session
+    when a token is set (engine.access). The token itself is never kept, only the fact of a match."""
+    address = st.get_option("server.address")
+    if not access.shared_mode():
+        if not access.is_loopback(address):
+            st.error(f"This server listens on {md_escape(address or 'every interface')} without a token, so it "
+                     f"serves nothing: start it with `make share` and {access.TOKEN_ENV} set, or on 127.0.0.1.")
+            st.stop()
+        return
+    if st.session_state.get("_signed_in") is True:
+        return
+    st.title("Tokenpath")
+    with st.form("_sign_in", clear_on_submit=True):
+        given = st.text_input("Access token", type="password",
+                              help=f"The secret this server was started with (${access.TOKEN_ENV}).")
+        submitted = st.form_submit_button("Sign in", type="primary")
+    if submitted:
+        if access.token_matches(given):
+            st.session_state["_signed_in"] = True
+            st.rerun()
+        time.sleep(1.0)  # a wrong guess costs the guesser a second
+        st.error("That is not this server's access token.")
+    st.info("This dashboard is shared on the network: sign in with its access token to use it.")
+    st.stop()
+
+
+def shared_mode() -> bool:
+    return access.shared_mode()
+
+
+def model_choice_allowed(text: str, draft: bool = False) -> bool:
+    """Whether a model (or draft model) field's text may be run here (engine.access)."""
+    return access.model_choice_allowed(text, draft)
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:=^&])")
+
+
+def md_escape(text) -> str:
+    """User text made literal inside Markdown (st.error, st.markdown, subheaders): every character
+    Markdown, Streamlit's directives (:red[...], :material/...:) or LaTeX ($) read is escaped, and
+    line breaks become spaces."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """A copy whose text cells cannot run as a spreadsheet formula: a cell starting with = + - @ (or a
+    tab or carriage return) gets a leading apostrophe, which spreadsheets show as text. Numbers stay."""
+    out = frame.copy()
+    for column in out.columns:
+        if out[column].dtype == object or pd.api.types.is_string_dtype(out[column]):
+            out[column] = out[column].map(lambda v: f"'{v}" if isinstance(v, str) and v.startswith(_FORMULA_START)
+                                          else v)
+    return out
+
+
+def log_ticks(values) -> dict:
+    """Tick values and labels for a log axis over these values: one tick a decade when the data
+    spans three or more, else the 1-2-5 steps between, each labelled as a plain number."""
+    import math
+
+    positive = [float(v) for v in values if v is not None and v == v and v > 0]
+    if not positive:
+        return {}
+    low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+    high = max(high, low + 1)
+    steps = (1,) if high - low >= 3 else (1, 2, 5)
+    ticks = [m * 10 ** e for e in range(low, high + 1) for m in steps]
+    ticks = [t for t in ticks if min(positive) / 2.5 <= t <= max(positive) * 2.5]
+    return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
+
+
+def flash(message: str) -> None:
+    """A success line shown once, on the next run of the page (st.rerun would wipe one shown now)."""
+    st.session_state["_flash"] = message
+
+
+def show_flash() -> None:
+    message = st.session_state.pop("_flash", None)
+    if message:
+        st.success(message)
 
 
 def level_table(device: str):

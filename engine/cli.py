@@ -233,9 +233,11 @@ def cmd_kvcalc(args) -> int:
 
 
 def cmd_prepare(args) -> int:
+    from . import cpu_kernels
     from .models import default_model_dir
 
     print(f"default model ready at {default_model_dir()}")
+    print(f"C++ kernels {cpu_kernels.prepare()} ({cpu_kernels.build_directory()})")
     return 0
 
 
@@ -249,11 +251,33 @@ def add_quant_args(p) -> None:
                    help="mask: zero small inputs, dense matmul; skip: do not read their weights")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one sentence (no usage block); --help still prints the usage."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see '{self.prog} --help'.", file=sys.stderr)
+        sys.exit(USER_ERROR)
+
+
+MAX_LIMIT = 1_000_000
+
+
+def run_limit(text: str) -> int:
+    """--limit: a whole number of runs from 1 to MAX_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"give a whole number of runs from 1 to {MAX_LIMIT:,}, not '{text[:40]}'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .dtypes import KV_CHOICES
     from .speculative import METHODS
 
-    parser = argparse.ArgumentParser(prog="python -m engine", description="Tokenpath engine")
+    parser = Parser(prog="python -m engine", description="Tokenpath engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, device=True):
@@ -297,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_quality)
 
     r = sub.add_parser("runs", help="recorded runs, newest first")
-    r.add_argument("--limit", type=int, default=20)
+    r.add_argument("--limit", type=run_limit, default=20, help=f"how many runs, 1 to {MAX_LIMIT:,}")
     common(r, device=False)
     r.set_defaults(func=cmd_runs)
 
@@ -333,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan_cli import add_plan_parser
 
     add_plan_parser(sub)
-    p = sub.add_parser("prepare", help="convert the embedded default model once")
+    p = sub.add_parser("prepare", help="convert the embedded default model and build the C++ kernels, once")
     p.set_defaults(func=cmd_prepare)
     served_cli.add_parsers(sub)
     from .report import add_parser as add_report_parser
@@ -350,9 +374,18 @@ def _cancel_on_sigterm() -> None:
 
 
 def main(argv=None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before a run started (importing, parsing, loading): nothing to record
+        print("\ncancelled: interrupted before the command finished", file=sys.stderr)
+        return 130
+
+
+def _run(argv) -> int:
     from .errors import UserError
 
     args = build_parser().parse_args(argv)
+
     _quiet_libraries()
     _cancel_on_sigterm()
     try:

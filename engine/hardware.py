@@ -3,8 +3,10 @@
 No GPU or no NVIDIA driver is a normal state, reported as such."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+import statistics
 import threading
 import time
 
@@ -228,16 +230,69 @@ def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
 
 
 _session_calibrations: dict[str, dict] = {}
+# A calibration taken while other work shares the cores reads low; one this far below the recent
+# ones of its device is flagged, stored with its flag, and not used while agreeing ones exist.
+DISAGREEMENT = 0.75
+RECENT = 6
+
+
+def _headline(calibration: dict) -> dict:
+    return {"memory bandwidth": calibration["memory_gbps"], "fp32 matmul peak": calibration["matmul_gflops"]["float32"]}
+
+
+def recent_calibrations(store, key: str, n: int = RECENT) -> list[dict]:
+    """This device's last n stored calibrations of the current version, newest first."""
+    frame = store.query("SELECT results, created_at FROM calibration WHERE device_key = ? "
+                        "ORDER BY created_at DESC LIMIT ?", [key, n])
+    rows = [{**json.loads(r.results), "created_at": r.created_at.isoformat(timespec="seconds")}
+            for r in frame.itertuples()]
+    return [r for r in rows if r.get("version") == CALIBRATION_VERSION]
+
+
+def disagreement(results: dict, recent: list[dict]) -> str | None:
+    """A sentence when a figure of this calibration is far below the median of the recent agreeing ones."""
+    peers = [r for r in recent if not r.get("suspect")]
+    if not peers:
+        return None
+    for name, value in _headline(results).items():
+        median = statistics.median(_headline(r)[name] for r in peers)
+        if value < DISAGREEMENT * median:
+            return (f"Its {name} ({value:,.1f}) is {value / median:.0%} of the median of the {len(peers)} "
+                    f"previous calibration(s) of this device ({median:,.1f}): other work probably shared the "
+                    "machine while it ran.")
+    return None
+
+
+def choose_calibration(recent: list[dict]) -> dict | None:
+    """The newest calibration that agrees with the best recent ones: a loaded machine only ever
+    reads low, so the highest recent figures are the reference. A flagged one is used only when
+    nothing else is stored, and it carries its flag."""
+    if not recent:
+        return None
+    best = {name: max(_headline(r)[name] for r in recent) for name in _headline(recent[0])}
+    for calibration in recent:
+        if not calibration.get("suspect") and all(
+                value >= DISAGREEMENT * best[name] for name, value in _headline(calibration).items()):
+            return calibration
+    return next((r for r in recent if not r.get("suspect")), recent[0])
+
+
+def find_calibration(store, summary: dict | None) -> dict | None:
+    """The stored calibration a run summary's metrics["calibration"] came from, if it is still there."""
+    if not summary or store is None:
+        return None
+    return next((r for r in recent_calibrations(store, summary["device_key"], 1000)
+                 if r["memory_gbps"] == summary["memory_gbps"]), None)
 
 
 def calibration_for(device: torch.device, store=None, fresh: bool = False) -> dict:
-    """The stored calibration of this device, else one this process already made, else a new one
-    (stored when a store is given)."""
+    """The calibration to attribute a run with: the stored one choose_calibration picks, else one
+    this process already made, else a new one (stored, flagged when it disagrees, when a store is given)."""
     key = device_key(device)
     if not fresh:
-        stored = store.latest_calibration(key) if store is not None else None
-        if stored and stored.get("version") == CALIBRATION_VERSION:
-            return stored
+        chosen = choose_calibration(recent_calibrations(store, key)) if store is not None else None
+        if chosen:
+            return chosen
         if key in _session_calibrations:
             results = _session_calibrations[key]
             if store is not None:
@@ -245,11 +300,17 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False) -> di
             return results
     results = _session_calibrations[key] = calibrate(device)
     if store is not None:
+        flag = disagreement(results, recent_calibrations(store, key))
+        if flag:
+            results["suspect"] = flag
         store.save_calibration(key, results)
     return results
 
 
 # --- telemetry -------------------------------------------------------------------------------
+
+MIN_CPU_INTERVAL_S = 0.05
+
 
 class TelemetrySampler:
     """Samples CPU use and resident memory (and NVML GPU figures on CUDA) in a background thread."""
@@ -265,11 +326,12 @@ class TelemetrySampler:
             nvml, _ = _nvml()
             if nvml is not None:
                 self._gpu = (nvml, nvml.nvmlDeviceGetHandleByIndex(device.index or 0))
-        self._t0 = 0.0
+        self._t0 = time.perf_counter()  # t_ms counts from here (or from entering), never from boot
+        self._cpu_last = psutil.cpu_times()
 
     def __enter__(self):
         self._t0 = time.perf_counter()
-        psutil.cpu_percent(interval=None)
+        self._cpu_last = psutil.cpu_times()
         self._thread.start()
         return self
 
@@ -277,13 +339,28 @@ class TelemetrySampler:
         self._stop.set()
         self._thread.join(timeout=2)
 
+    def _cpu_percent(self) -> float | None:
+        """Busy share of all cores since this sampler's previous reading. Each sampler keeps its own
+        reading (psutil.cpu_percent keeps one per process, which two samplers would split); under
+        MIN_CPU_INTERVAL_S since the last one the tick counts are too coarse, so no figure (None)."""
+        now = psutil.cpu_times()
+        idle = lambda t: t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
+        # guest time is already counted in user time on Linux
+        total = lambda t: sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # noqa: E731
+        elapsed = total(now) - total(self._cpu_last)
+        if elapsed < MIN_CPU_INTERVAL_S * psutil.cpu_count():
+            return None
+        busy = elapsed - (idle(now) - idle(self._cpu_last))
+        self._cpu_last = now
+        return min(max(busy / elapsed * 100, 0.0), 100.0)
+
     def _loop(self):
         while not self._stop.wait(self.interval_s):
             self.samples.append(self.sample())
 
     def sample(self) -> dict:
         row = {"t_ms": (time.perf_counter() - self._t0) * 1e3,
-               "cpu_percent": psutil.cpu_percent(interval=None),
+               "cpu_percent": self._cpu_percent(),
                "rss_bytes": self._process.memory_info().rss,
                "gpu_util_percent": None, "gpu_mem_used_bytes": None, "gpu_power_w": None,
                "gpu_sm_clock_mhz": None, "gpu_mem_clock_mhz": None, "gpu_temp_c": None}

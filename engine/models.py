@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .dtypes import FLOATS, torch_dtype
 from .errors import UserError
 from .lean import lean
@@ -131,12 +132,42 @@ def resolve_source(model_id: str | None) -> tuple[str, str, bool]:
         return DEFAULT_MODEL_NAME, str(default_model_dir()), True
     path = Path(model_id).expanduser()
     if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelError(f"'{model_id}' is a folder without a config.json, so it is not a model folder.")
+        check_model_folder(path, model_id)
         return path.name, str(path), True
     if model_id.startswith((".", "/", "~")):
         raise ModelError(f"No model folder at '{model_id}'.")
     return model_id, model_id, False
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+CONFIG_LIMIT_BYTES = 1 << 20  # a model's config.json is a few kB
+
+
+def check_model_folder(path: Path, model_id: str) -> None:
+    """A local folder must hold a JSON config.json and weights before transformers sees it, so that
+    each way it can be wrong is named in one sentence."""
+    import json
+
+    config = path / "config.json"
+    if not path.is_dir() or not config.is_file():
+        raise ModelError(f"'{model_id}' is not a folder with a config.json, so it is not a model folder.")
+    try:
+        with config.open("rb") as f:
+            text = f.read(CONFIG_LIMIT_BYTES + 1)
+        if len(text) > CONFIG_LIMIT_BYTES:
+            raise ValueError("larger than 1 MiB")
+        if not isinstance(json.loads(text), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"The config.json in '{model_id}' is not a readable JSON object ({_first_line(exc)}).") from None
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ModelError(f"'{model_id}' has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])}).")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _from_pretrained(source: str, local_only: bool, dtype: torch.dtype):
@@ -167,7 +198,12 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 def load_hf(source: str, local_only: bool, dtype: torch.dtype):
     """From a folder, else the local hub cache, else the hub; one sentence listing what was tried."""
     if local_only:
-        return _from_pretrained(source, True, dtype)
+        from safetensors import SafetensorError
+
+        try:
+            return _from_pretrained(source, True, dtype)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:  # a damaged folder
+            raise ModelError(f"The model folder '{source}' could not be loaded ({_first_line(exc)}).") from None
     try:
         return _from_pretrained(source, True, dtype)
     except OSError:
@@ -178,7 +214,7 @@ def load_hf(source: str, local_only: bool, dtype: torch.dtype):
     try:
         return _from_pretrained(source, False, dtype)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        reason = _first_line(exc)
         raise ModelError(
             f"Could not load model '{source}': no such local folder, not in the Hugging Face cache, "
             f"and the hub did not provide it ({reason})."
@@ -200,6 +236,8 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
     model.to(dev).eval()
     if lean_forward:
         model = lean(model)
+    if dev.type == "cpu":
+        cpu_kernels.prepare()  # a compile is setup: done here, before any run starts its clock
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, quant=dtype)
 
 
@@ -217,6 +255,8 @@ def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward
     model = LlamaForCausalLM(config).to(device).eval()
     if lean_forward:
         model = lean(model)
+    if device == "cpu":
+        cpu_kernels.prepare()
     return LoadedModel(name=f"tiny-llama-{layers}L", model=model, tokenizer=tokenizer, device=torch.device(device))
 
 

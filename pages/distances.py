@@ -1,9 +1,13 @@
 """Distances: where the time went, per token and per run, estimate against measurement."""
+import json
+
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine import hardware
 from engine.store import BUCKETS
-from ui import BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, open_store, page_setup, run_label
+from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
+                run_label)
 
 page_setup("Distances")
 st.title("Latency by distance")
@@ -36,10 +40,26 @@ fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else 
                   height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 st.plotly_chart(fig, width="stretch")
 
+
+def calibration_note(run_metrics) -> str:
+    """Which calibration the run's buckets were computed with, and its flag if it has one."""
+    summary = json.loads(run_metrics).get("calibration") if isinstance(run_metrics, str) else None
+    if not summary:
+        return "No calibration recorded with this run."
+    found = hardware.find_calibration(store, summary)
+    when = f"measured {found['created_at']} UTC" if found else "no longer stored"
+    note = (f"Attributed with the calibration {when}: memory {summary['memory_gbps']:.1f} GB/s, fp32 peak "
+            f"{summary['matmul_gflops']['float32']:,.0f} GFLOP/s, dispatch {summary['dispatch_us']:.1f} µs.")
+    if found and found.get("suspect"):
+        note += f" :orange[This calibration is flagged: {md_escape(found['suspect'])}]"
+    return note
+
+
 for run_id in chosen:
-    st.subheader(labels[run_id])
+    st.subheader(md_escape(labels[run_id]))
     tokens = store.tokens(run_id)
     steps = store.steps(run_id)
+    st.caption(calibration_note(totals.loc[run_id, "metrics"]))
     st.plotly_chart(bucket_chart(tokens.to_dict("records"), "Per-token buckets (ms)"), width="stretch")
 
     roof = go.Figure()
@@ -48,6 +68,7 @@ for run_id in chosen:
                      mode="lines", line_dash="dash")
     roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=40, b=40),
                        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), yaxis_type="log")
+    roof.update_yaxes(**log_ticks([*steps["forward_ms"], *steps["roofline_ms"]]))
     decode = steps[steps["kind"] == "decode"]
     ratio = (decode["roofline_ms"].sum() / decode["forward_ms"].sum()) if not decode.empty else None
     st.plotly_chart(roof, width="stretch")

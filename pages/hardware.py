@@ -6,7 +6,7 @@ import streamlit as st
 from engine import hardware
 from engine.models import pick_device
 from engine.worker import WorkerFailed, WorkerRefused
-from ui import device_facts, open_store, page_setup, run_in_worker
+from ui import device_facts, md_escape, open_store, page_setup, run_in_worker
 
 page_setup("Hardware")
 st.title("Hardware")
@@ -39,11 +39,17 @@ with c[1]:
                 run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
             except (WorkerRefused, WorkerFailed) as exc:
                 st.error(str(exc))
-    stored = store.latest_calibration(key) if store is not None else None
+    recent = hardware.recent_calibrations(store, key) if store is not None else []
+    stored = hardware.choose_calibration(recent)
     if stored is None:
         st.info("Not calibrated yet on this device: press the button, or run `python -m engine calibrate`. "
                 "The first generation also calibrates.")
     else:
+        if recent[0].get("suspect"):
+            st.warning(f"The newest calibration ({recent[0]['created_at']} UTC) is flagged and not used: "
+                       f"{md_escape(recent[0]['suspect'])}" if recent[0] is not stored else
+                       f"The calibration in use is flagged: {md_escape(stored['suspect'])} Calibrate again on a "
+                       "quiet machine.")
         rows = [("memory read, GEMV over 1 GiB of cold weights", f"{stored['memory_gbps']:.1f} GB/s"),
                 ("memory read, streaming sum", f"{stored['stream_read_gbps']:.1f} GB/s"),
                 *[(f"matmul peak, {dtype}", f"{v:.0f} GFLOP/s") for dtype, v in stored["matmul_gflops"].items()],
@@ -53,12 +59,19 @@ with c[1]:
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),
                      ("device to host", f"{link['d2h_gbps']:.1f} GB/s, {link['d2h_latency_us']:.0f} µs")]
         st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch")
-        st.caption(f"Measured {stored['created_at']} UTC on {key}. The attribution divides each forward's bytes and "
-                   "FLOPs by these figures.")
+        st.caption(f"In use: measured {stored['created_at']} UTC on {md_escape(key)}. The attribution divides each "
+                   "forward's bytes and FLOPs by these figures. Runs use the newest calibration that is within "
+                   f"{1 - hardware.DISAGREEMENT:.0%} of the best recent figures; one taken while other work shared "
+                   "the machine reads low and is flagged.")
+        with st.expander(f"The last {len(recent)} calibration(s) of this device"):
+            st.dataframe(pd.DataFrame([{
+                "measured (UTC)": r["created_at"], "memory GB/s": round(r["memory_gbps"], 1),
+                "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r is stored,
+                "flag": r.get("suspect") or ""} for r in recent]), hide_index=True, width="stretch")
 
 st.subheader("Links and bandwidths")
 links = []
-if stored := (store.latest_calibration(hardware.device_key(device)) if store is not None else None):
+if stored:
     links.append({"path": "DRAM -> CPU cores (measured GEMV read)", "bandwidth GB/s": round(stored["memory_gbps"], 1),
                   "source": "calibration"})
 for g in facts["gpu"]["gpus"]:
@@ -78,17 +91,20 @@ def live_telemetry():
     del history[:-120]
     frame = pd.DataFrame(history)
     fig = go.Figure()
-    fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["cpu_percent"], name="CPU use, % of all cores", mode="lines")
+    fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["cpu_percent"], name="CPU use, % of all cores (whole machine)",
+                    mode="lines")
     fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["rss_bytes"] / 2**30, name="this process, GiB resident",
                     mode="lines", yaxis="y2")
-    fig.update_layout(xaxis_title="seconds", yaxis=dict(title="%", range=[0, 105]),
+    fig.update_layout(xaxis_title="seconds since this page opened", yaxis=dict(title="%", range=[0, 105]),
                       yaxis2=dict(title="GiB", overlaying="y", side="right", rangemode="tozero"),
                       height=260, margin=dict(l=40, r=40, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
 
 
 st.subheader("Live telemetry")
-st.caption("Sampled once a second while this page is open (CPU use and resident memory; NVML figures on a GPU).")
+st.caption("Sampled once a second while this page is open (CPU use of the whole machine since the previous "
+           "sample, and this server's resident memory; NVML figures on a GPU). The first CPU figure comes one "
+           "sample in: a share of time needs an interval to be measured over.")
 live_telemetry()
 
 st.subheader("The path data travels: a DGX A100")

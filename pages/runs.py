@@ -1,15 +1,27 @@
-"""Runs: every stored run, filterable; compare, export, delete."""
+"""Runs: every stored run, filterable; compare, export (CSV made safe for spreadsheets, Parquet as is), delete."""
 import io
+import json
 
 import streamlit as st
 
-from ui import open_store, page_setup
+from ui import csv_safe, flash, open_store, page_setup, show_flash
+
+
+def calibration_label(run_metrics, flagged: set) -> str | None:
+    """The calibration a run was attributed with, in a few words (its figures identify it)."""
+    summary = json.loads(run_metrics).get("calibration") if isinstance(run_metrics, str) else None
+    if not summary:
+        return None
+    return (f"{summary['memory_gbps']:.1f} GB/s, {summary['matmul_gflops']['float32']:,.0f} GFLOP/s fp32"
+            + (" (flagged: taken on a busy machine)" if summary["memory_gbps"] in flagged else ""))
+
 
 page_setup("Runs")
 st.title("Runs")
 store = open_store()
 if store is None:
     st.stop()
+show_flash()
 runs = store.query("SELECT * EXCLUDE (pid, pid_started, hardware, token_ids) FROM runs ORDER BY run_id DESC")
 if runs.empty:
     st.info("No runs recorded yet: start one on Live generation or with `python -m engine generate`.")
@@ -21,6 +33,9 @@ levels = c[1].multiselect("Weights", sorted(runs["quant"].dropna().unique()))
 specs = c[2].multiselect("Speculative", sorted(runs["spec"].dropna().unique()))
 statuses = c[3].multiselect("Status", sorted(runs["status"].dropna().unique()))
 kv = c[4].selectbox("KV cache", ["any", "on", "off"])
+flagged = {json.loads(r)["memory_gbps"] for r in store.query("SELECT results FROM calibration")["results"]
+           if "suspect" in json.loads(r)}
+runs["calibration"] = runs["metrics"].map(lambda m: calibration_label(m, flagged))
 first, last = runs["started_at"].min().date(), runs["started_at"].max().date()
 dates = st.date_input("Started between (UTC)", (first, last), min_value=first, max_value=last)
 view = runs
@@ -40,7 +55,7 @@ if isinstance(dates, tuple) and len(dates) == 2:
 
 columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity", "sparsity_mode",
            "spec", "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
-           "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "prompt", "error"]
+           "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "calibration", "prompt", "error"]
 st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Times in ms; "
            "tokens/s end to end; started_at in UTC.")
 event = st.dataframe(view[columns], hide_index=True, width="stretch", on_select="rerun",
@@ -69,7 +84,7 @@ st.download_button("Download report", lambda: runs_report(store, report_ids), mi
                         "without a network.")
 
 c = st.columns(3)
-c[0].download_button("Export CSV", picked[columns].to_csv(index=False), file_name="tokenpath-runs.csv",
+c[0].download_button("Export CSV", csv_safe(picked[columns]).to_csv(index=False), file_name="tokenpath-runs.csv",
                      mime="text/csv")
 parquet = io.BytesIO()
 picked[columns].to_parquet(parquet, index=False)
@@ -81,5 +96,5 @@ with c[2].popover("Delete selected runs"):
     if st.button("Yes, delete them", type="primary"):
         deleted = store.delete_runs(ids)
         st.session_state.pop("runs_table", None)
-        st.success(f"Deleted {deleted} run(s).")
+        flash(f"Deleted {deleted} run(s): {', '.join(f'#{i}' for i in ids)}.")
         st.rerun()

@@ -19,3 +19,11 @@ def test_the_best_lever_and_the_slower_ones_are_named():
     assert "bound by waiting" in lines[0]
     assert any("int4, 1.50x" in line for line in lines)
     assert any("Slower than the baseline here: bf16" in line for line in lines)
+
+
+def test_a_slower_setting_is_never_called_a_lever_that_helped():
+    base = run("fp32", 20, memory=20, time=30)
+    lines = advise([base, run("bf16", 15, memory=10, time=55), run("int8", 19.8, memory=8, time=40)], base)
+    assert not any("lever that helped" in line for line in lines)
+    assert any("No setting decoded faster than the baseline" in line for line in lines)
+    assert any("Slower than the baseline here: bf16." in line for line in lines)

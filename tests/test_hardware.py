@@ -54,3 +54,61 @@ def test_telemetry_is_sampled_and_stored_with_the_run(tiny_lm, calibration, stor
         assert len(rows) >= 2
         assert (rows["rss_bytes"] > 0).all()
         assert rows["t_ms"].is_monotonic_increasing
+
+
+def scaled(calibration, factor):
+    """The real calibration with its bandwidth and peaks scaled, as a busier or quieter machine reads."""
+    return {**calibration, "memory_gbps": calibration["memory_gbps"] * factor,
+            "matmul_gflops": {k: v * factor for k, v in calibration["matmul_gflops"].items()}}
+
+
+def test_a_calibration_far_below_the_recent_ones_is_flagged_stored_and_not_used(store, calibration):
+    key = calibration["device_key"]
+    for factor in (1.0, 1.05, 0.97):
+        store.save_calibration(key, scaled(calibration, factor))
+    loaded = scaled(calibration, 0.35)
+    flag = hardware.disagreement(loaded, hardware.recent_calibrations(store, key))
+    assert flag and "35%" in flag and "median of the 3 previous" in flag
+    store.save_calibration(key, {**loaded, "suspect": flag})
+    recent = hardware.recent_calibrations(store, key)
+    assert recent[0]["suspect"] == flag  # the flag is stored with it
+    used = hardware.calibration_for(torch.device("cpu"), store)
+    assert used["memory_gbps"] == scaled(calibration, 0.97)["memory_gbps"] and "suspect" not in used
+    assert hardware.disagreement(scaled(calibration, 0.9), recent) is None  # ordinary wander is not flagged
+
+
+def test_a_low_first_calibration_gives_way_to_a_later_higher_one(store, calibration):
+    key = calibration["device_key"]
+    store.save_calibration(key, scaled(calibration, 0.4))
+    store.save_calibration(key, scaled(calibration, 1.0))
+    assert hardware.disagreement(scaled(calibration, 1.0), hardware.recent_calibrations(store, key)[1:]) is None
+    assert hardware.calibration_for(torch.device("cpu"), store)["memory_gbps"] == calibration["memory_gbps"]
+
+
+def test_a_flagged_calibration_alone_is_used_and_says_so(store, calibration):
+    store.save_calibration(calibration["device_key"], {**scaled(calibration, 0.3), "suspect": "Its memory ..."})
+    used = hardware.calibration_for(torch.device("cpu"), store)
+    assert used["suspect"] == "Its memory ..."
+
+
+def test_a_run_names_the_calibration_it_was_attributed_with(tiny_lm, store, calibration):
+    store.save_calibration(calibration["device_key"], calibration)
+    gen = Generation(tiny_lm, GenConfig("Hi", raw=True, max_new_tokens=3, ignore_eos=True), store=store)
+    gen.run()
+    found = hardware.find_calibration(store, json.loads(store.run(gen.run_id)["metrics"])["calibration"])
+    assert found is not None and found["memory_gbps"] == calibration["memory_gbps"] and "created_at" in found
+
+
+def test_telemetry_counts_from_its_start_and_never_reports_an_unmeasured_cpu_share():
+    import time
+
+    sampler = hardware.TelemetrySampler(torch.device("cpu"))
+    first = sampler.sample()
+    assert first["cpu_percent"] is None  # no interval yet to measure a share over (never a fake 0%)
+    assert 0 <= first["t_ms"] < 60_000  # since the sampler started, not since boot
+    other = hardware.TelemetrySampler(torch.device("cpu"))
+    time.sleep(0.3)
+    other.sample()  # another sampler's reading does not shorten this one's interval
+    later = sampler.sample()
+    assert later["cpu_percent"] is not None and 0 <= later["cpu_percent"] <= 100
+    assert later["t_ms"] >= 300

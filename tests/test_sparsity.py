@@ -87,20 +87,6 @@ def test_skip_needs_fp32_weights(tiny_lm):
         sparsity.check(quantize(tiny_lm, "int8-wo"), 0.5, "mask")
 
 
-def test_a_build_lock_left_by_a_killed_process_does_not_hang(monkeypatch):
-    import os
-    import time
-
-    cpu_kernels.kernel()  # built (or found) once
-    lock = cpu_kernels.build_directory() / "lock"
-    lock.touch()
-    old = time.time() - 2 * cpu_kernels.STALE_BUILD_LOCK_S
-    os.utime(lock, (old, old))
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
-    assert cpu_kernels.kernel().sparse_gemv(torch.ones(2), torch.ones(2, 3), 0.5)[1] == 2
-    assert not lock.exists()
-
-
 @pytest.mark.parametrize("threshold", [0.0, 0.7, 2.5, 100.0])
 def test_the_sparse_kernel_equals_the_masked_product(threshold):
     generator = torch.Generator().manual_seed(0)

@@ -1,0 +1,151 @@
+"""Who may reach the dashboard: the loopback address by default; a LAN share only behind a token read
+from $TOKENPATH_TOKEN, with model choices limited to the presets and the project's own model folders.
+
+`python -m engine.access --host 0.0.0.0` (or `make share`) checks the token and starts the app."""
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+TOKEN_ENV = "TOKENPATH_TOKEN"
+MIN_TOKEN_CHARS = 12
+ROOT = Path(__file__).resolve().parent.parent
+# model choices a shared dashboard accepts besides the folders under data/models
+PRESET_MODELS = ("default",)
+DRAFT_PRESETS = ("self-int8",)
+
+
+class AccessError(Exception):
+    """The server must not start as asked; the message is one sentence."""
+
+
+def share_token() -> str | None:
+    token = os.environ.get(TOKEN_ENV, "")
+    return token or None
+
+
+def shared_mode() -> bool:
+    """A token is set: every page asks for it, and model choices are limited."""
+    return share_token() is not None
+
+
+def token_matches(given: str | None) -> bool:
+    token = share_token()
+    if token is None or not given:
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a bind address only accepts this machine's own connections ('' binds every interface)."""
+    if not host:
+        return False
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str | None) -> None:
+    """Refuse to listen beyond this machine without a token worth the name."""
+    if is_loopback(host):
+        return
+    token = share_token()
+    if token is None:
+        raise AccessError(f"Refusing to listen on '{host or 'every interface'}' without a token: set {TOKEN_ENV} "
+                          "to a secret of at least 12 characters, or keep the default 127.0.0.1.")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise AccessError(f"{TOKEN_ENV} is {len(token)} characters long; a token that guards a LAN share needs at "
+                          f"least {MIN_TOKEN_CHARS}.")
+
+
+def models_dir() -> Path:
+    from .models import models_dir as folder
+
+    return folder()
+
+
+def model_folders() -> list[str]:
+    """The project's own model folders (data/models/NAME with a config.json), by name."""
+    root = models_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+
+
+def model_choice_allowed(text: str | None, draft: bool = False) -> bool:
+    """Whether the model field may hold this: anything when not shared; else a preset, a draft preset
+    (self-int8, self-exit:K) or a folder of the project's own, by name or by path inside it."""
+    if not shared_mode():
+        return True
+    text = (text or "").strip() or "default"
+    if text in PRESET_MODELS or text in model_folders():
+        return True
+    if draft and (text in DRAFT_PRESETS or (text.startswith("self-exit:") and text[10:].isdigit())):
+        return True
+    try:
+        path = Path(text).expanduser().resolve()
+        root = models_dir().resolve()
+    except (OSError, RuntimeError):
+        return False
+    return path.parent == root and path.name in model_folders()
+
+
+def refusal(text: str) -> str:
+    """The sentence shown when a shared dashboard turns a model choice down."""
+    choices = ", ".join([*PRESET_MODELS, *model_folders()])
+    return (f"This dashboard is shared on the network, so it runs only the project's own models ({choices}); "
+            f"'{text[:80]}' is not one of them.")
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str]:
+    """The Host names a browser may use to reach the share: loopback, this machine's name and
+    addresses (or the one address it binds), and any the user names; anything else is refused,
+    which keeps DNS rebinding out."""
+    names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn(), *extra}
+    if host not in ("0.0.0.0", "::", ""):
+        names.add(host)
+    else:
+        import psutil
+
+        names.update(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                     if a.family in (socket.AF_INET, socket.AF_INET6))
+    return sorted(n for n in names if n)
+
+
+def streamlit_command(host: str, port: int, extra_hosts: list[str]) -> list[str]:
+    command = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", host,
+               "--server.port", str(port)]
+    for name in allowed_hosts(host, extra_hosts):
+        command += ["--server.allowedHosts", name]
+    return command
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.access",
+                                     description=f"Start the dashboard, on the LAN only behind ${TOKEN_ENV}.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8502)
+    parser.add_argument("--allow-host", action="append", default=[],
+                        help="another name browsers use to reach this machine (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        check_bind(args.host)
+    except AccessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    command = streamlit_command(args.host, args.port, args.allow_host)
+    print(f"Serving on {args.host}:{args.port}" + (f"; every page asks for the token in ${TOKEN_ENV}"
+                                                    if shared_mode() else ""), flush=True)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Bad command-line input through real processes: one sentence on stderr, exit 2, no traceback,
+no run recorded; Ctrl-C while a model loads: one line, exit 130."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "data" / "models" / "SmolLM2-135M-Instruct"
+
+
+def engine(*args, db, timeout=300):
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "TOKENPATH_DB": str(db)})
+
+
+def folder(tmp_path, name, config='{"model_type": "llama"}', weights=None, tokenizer=True):
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(config)
+    if tokenizer:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            (path / file).write_bytes((MODEL / file).read_bytes())
+    if weights is not None:
+        (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+BAD_FOLDERS = {
+    "config.json that is not JSON": (dict(config="not json {"), "is not a readable JSON object"),
+    "config.json that is a list": (dict(config="[1, 2]"), "is not a readable JSON object"),
+    "no weights": (dict(config=(MODEL / "config.json").read_text()), "no weights"),
+    "a corrupt model.safetensors": (dict(config=(MODEL / "config.json").read_text(),
+                                         weights=(MODEL / "model.safetensors").read_bytes()[:1000]),
+                                    "could not be loaded"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_broken_model_folder_is_one_sentence(tmp_path, case):
+    kwargs, expected = BAD_FOLDERS[case]
+    path = folder(tmp_path, "model", **kwargs)
+    db = tmp_path / "runs.duckdb"
+    done = engine("generate", "--prompt", "hi", "--max-new-tokens", "2", "--model", str(path), db=db)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
+    assert Store(db).runs().empty
+
+
+ARGUMENT_ERRORS = [
+    ["runs", "--limit", "-1"],
+    ["runs", "--limit", "0"],
+    ["runs", "--limit", str(2 ** 64)],
+    ["runs", "--limit", "ten"],
+    ["generate"],
+    ["generate", "--prompt", "hi", "--max-new-tokens", "many"],
+    ["generate", "--prompt", "hi", "--quant", "int3"],
+    ["no-such-command"],
+    [],
+]
+
+
+@pytest.mark.parametrize("args", ARGUMENT_ERRORS, ids=lambda a: " ".join(a) or "nothing")
+def test_argument_errors_are_one_sentence_without_the_usage_block(tmp_path, args):
+    done = engine(*args, db=tmp_path / "runs.duckdb", timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "usage:" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_runs_with_a_sane_limit_still_works(tmp_path):
+    done = engine("runs", "--limit", "5", db=tmp_path / "runs.duckdb", timeout=120)
+    assert done.returncode == 0 and "no runs recorded yet" in done.stdout
+
+
+@pytest.mark.parametrize("after_s", [1.0, 4.0])
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path, after_s):
+    db = tmp_path / "runs.duckdb"
+    process = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--prompt", "hi", "--max-new-tokens", "2"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "TOKENPATH_DB": str(db)})
+    time.sleep(after_s)  # inside the imports or the model load, which take seconds
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cancelled"), err

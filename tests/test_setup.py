@@ -1,0 +1,82 @@
+"""Setup: the C++ kernels are built inside the checkout, one folder per environment, a build killed
+half-way never holds up the next process, and a missing build happens at model load, not in a run."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine import cpu_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_kernels_live_in_a_git_ignored_folder_of_the_checkout(monkeypatch):
+    monkeypatch.delenv("TOKENPATH_BUILD", raising=False)
+    folder = cpu_kernels.build_directory()
+    assert folder.parent == ROOT / "build"
+    probe = folder / "probe.so"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
+    assert ignored.returncode == 0, "build/ must be git-ignored"
+    assert Path.home() / ".cache" not in folder.parents
+
+
+def test_each_python_environment_gets_a_folder_of_its_own(monkeypatch):
+    here = cpu_kernels.build_directory()
+    monkeypatch.setattr(sys, "prefix", "/some/other/venv")
+    assert cpu_kernels.build_directory() != here
+    assert cpu_kernels.build_directory().parent == here.parent
+
+
+def _builder(env, *code):
+    return subprocess.Popen([sys.executable, "-c", "; ".join(code)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_build_killed_half_way_does_not_hold_up_the_next_process(tmp_path):
+    """A real compile, killed with SIGKILL (its compiler too) while PyTorch's lock file exists; the
+    next process, which loads a model, builds at once instead of waiting on that lock."""
+    env = {**os.environ, "TOKENPATH_BUILD": str(tmp_path)}
+    first = _builder(env, "from engine import cpu_kernels", "cpu_kernels.build()")
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("cpu_kernels-*/lock")):
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "the build never started"
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    assert list(tmp_path.glob("cpu_kernels-*/lock")), "the killed build left its lock, as a real kill does"
+
+    second = _builder(env, "from engine.models import tiny_model", "from engine import cpu_kernels",
+                      "tiny_model()", "print(cpu_kernels.is_built(), cpu_kernels.build_directory())")
+    out, err = second.communicate(timeout=900)
+    assert second.returncode == 0, err
+    assert out.split()[0] == "True" and str(tmp_path) in out
+    assert "Building Tokenpath's C++ kernels once" in err
+    assert "Waiting for another process" not in err
+
+    third = _builder(env, "from engine.models import tiny_model", "tiny_model()")
+    out, err = third.communicate(timeout=300)
+    assert third.returncode == 0 and "Building" not in err, err  # built once, imported afterwards
+
+
+def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
+    """While another process holds the builder lock, a second build waits for it (and says so)."""
+    monkeypatch.setenv("TOKENPATH_BUILD", str(tmp_path))
+    folder = cpu_kernels.build_directory()
+    folder.mkdir(parents=True)
+    holder = _builder({**os.environ, "TOKENPATH_BUILD": str(tmp_path)},
+                      "import fcntl, sys, time", f"f = open({str(folder / 'owner.lock')!r}, 'w')",
+                      "fcntl.flock(f, fcntl.LOCK_EX)", "print('held', flush=True)", "time.sleep(600)")
+    assert holder.stdout.readline().strip() == "held"
+    waiter = _builder({**os.environ, "TOKENPATH_BUILD": str(tmp_path)},
+                      "import engine.cpu_kernels as k",
+                      "k.is_built = lambda: True", "k._import = lambda d: 'imported'", "print(k.build())")
+    time.sleep(8)
+    assert waiter.poll() is None, waiter.communicate()  # still waiting on the live holder
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=60)
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0 and out.strip() == "imported", err
+    assert "Waiting for another process" in err
