@@ -12,15 +12,17 @@ import socket
 import sys
 from pathlib import Path
 
+from .errors import UserError
+from .paths import REPO_ROOT
+
 TOKEN_ENV = "TOKENPATH_TOKEN"
 MIN_TOKEN_CHARS = 12
-ROOT = Path(__file__).resolve().parent.parent
 # model choices a shared dashboard accepts besides the folders under data/models
 PRESET_MODELS = ("default",)
 DRAFT_PRESETS = ("self-int8",)
 
 
-class AccessError(Exception):
+class AccessError(UserError):
     """The server must not start as asked; the message is one sentence."""
 
 
@@ -121,7 +123,7 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str]:
 
 
 def streamlit_command(host: str, port: int, extra_hosts: list[str]) -> list[str]:
-    command = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", host,
+    command = [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "app.py"), "--server.address", host,
                "--server.port", str(port)]
     for name in allowed_hosts(host, extra_hosts):
         command += ["--server.allowedHosts", name]

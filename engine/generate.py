@@ -24,7 +24,7 @@ from .models import LoadedModel, load_model
 from .record import Recorder
 from .rows import Attribution, account
 from .sparsity import forward_savings, sparse_layers
-from .drafters import MAX_K
+from .drafters import MAX_K, SpeculativeError
 from .spec import GenConfig, GenerationError
 from .step import DecodeState, decode_step
 from .store import Store
@@ -61,7 +61,10 @@ class Generation:
         if self.kv_dtype is not None and not isinstance(lm.model, LeanLlama):
             raise GenerationError(f"A KV-cache precision apart from the weights' needs the lean forward, which runs "
                                   f"Llama-architecture models; {lm.name} is not one.")
-        self.drafter = speculative.make_drafter(lm, cfg, load=lambda m: load_model(m, device=str(lm.device)))
+        try:
+            self.drafter = speculative.make_drafter(lm, cfg, load=lambda m: load_model(m, device=str(lm.device)))
+        except SpeculativeError as exc:  # a setting of this run: the generation's own error
+            raise GenerationError(str(exc)) from None
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         sparse = sparse_layers(lm.model)

@@ -23,7 +23,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from . import hardware
+from . import access, hardware
 from .errors import UserError
 from .generate import Generation
 from .models import pick_device
@@ -175,6 +175,9 @@ def run(conn, request: dict) -> None:
     try:
         spec = RunSpec.from_dict(request["spec"])
         spec.check()
+        for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
+            if text and not access.model_choice_allowed(text, draft):
+                raise access.AccessError(access.refusal(text))
         store = Store(request["db"])
         lm = prepare(spec, store)
         gen = Generation(lm, spec.gen, store=store)

@@ -38,7 +38,7 @@ with c[1]:
             try:
                 run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
             except (WorkerRefused, WorkerFailed) as exc:
-                st.error(str(exc))
+                st.error(md_escape(str(exc)))
     recent = hardware.recent_calibrations(store, key) if store is not None else []
     stored = hardware.choose_calibration(recent)
     if stored is None:

@@ -9,7 +9,7 @@ from engine import kvcalc, shapes
 from engine.spec import GenConfig, RunSpec
 from engine.worker import WorkerFailed, WorkerRefused
 from engine.kvcalc import KVCalcError, human
-from ui import default_model_id, open_store, page_setup, run_in_worker, worker_request
+from ui import default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")
 
@@ -155,7 +155,7 @@ if store is not None:
             with st.spinner("Running in the generation process..."):
                 run_in_worker(worker_request(spec, store))
         except (WorkerRefused, WorkerFailed) as exc:
-            st.error(str(exc))
+            st.error(md_escape(str(exc)))
     runs = store.query(
         "SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' AND model = ? "
         "AND kv_cache ORDER BY run_id DESC LIMIT 10", [live.name])

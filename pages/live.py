@@ -14,7 +14,7 @@ from engine.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
 from engine.speculative import METHODS
 from engine.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                open_store, page_setup, worker_request)
+                md_escape, open_store, page_setup, worker_request)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
@@ -234,7 +234,7 @@ if submitted and store is not None:
     try:
         run_spec.check()
     except GenerationError as exc:
-        st.error(str(exc))
+        st.error(md_escape(str(exc)))
         st.stop()
     request = worker_request(run_spec, store)
     waiting = st.empty()
@@ -253,4 +253,4 @@ if submitted and store is not None:
                     st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
                               f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
         except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
-            st.error(str(exc))
+            st.error(md_escape(str(exc)))

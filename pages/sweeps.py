@@ -14,7 +14,7 @@ from engine.quant import available_levels
 from engine.spec import GenConfig, RunSpec
 from engine.speculative import METHODS
 from engine.worker import WorkerFailed, WorkerRefused
-from ui import BUCKET_COLOURS, default_model_id, open_store, page_setup, run_in_worker, worker_request
+from ui import BUCKET_COLOURS, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("Sweeps")
 st.title("Sweeps")
@@ -62,7 +62,7 @@ if go_button and store is not None:
             result = run_in_worker(worker_request(spec, store), on_wait=lambda pos: bar.progress(
                 i / len(grid), text=f"Waiting: {pos} generation(s) ahead."))["result"]
         except (WorkerRefused, WorkerFailed) as exc:
-            st.error(f"{name}: {exc}")
+            st.error(md_escape(f"{name}: {exc}"))
             continue
         results.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
                         / result["n_new_tokens"] for b in BUCKETS},
