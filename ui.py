@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from engine import access, hardware
-from engine.charts import BUCKET_COLOURS, bucket_chart, run_label  # noqa: F401 (pages read them from here)
+from engine.charts import BUCKET_COLOURS, bucket_chart, run_label, series  # noqa: F401 (pages read them from here)
 from engine.definitions import BUCKET_MEANING  # noqa: F401
 from engine.distances import BUCKETS
 from engine.models import pick_device
@@ -224,25 +224,27 @@ def live_bars(token_rows: list[dict], height_px: int = 150, max_columns: int = L
     if not token_rows:
         return ""
     per_column = -(-len(token_rows) // max_columns)
+    drawn = series(token_rows)
     columns = []
     for start in range(0, len(token_rows), per_column):
         group = token_rows[start:start + per_column]
-        columns.append([sum(row[f"{b}_ms"] for row in group) / len(group) for b in BUCKETS])
+        columns.append([sum(row[key] or 0.0 for row in group) / len(group) for _, key, _ in drawn])
     top = max(sum(column) for column in columns) or 1.0
     width = max(2, min(12, 900 // len(columns)))
-    paths = {b: [] for b in BUCKETS}
+    paths = {name: [] for name, _, _ in drawn}
     for i, column in enumerate(columns):
         y = float(height_px)
-        for b, ms in zip(BUCKETS, column):  # physical at the bottom, as in the Plotly chart
+        for (name, _, _), ms in zip(drawn, column):  # physical at the bottom, as in the Plotly chart
             h = ms / top * height_px
             if h > 0.05:
                 y = max(y - h, 0.0)  # the tallest column's top, without rounding error's "-0.0"
-                paths[b].append(f"M{i * (width + 1)} {y:.1f}h{width}v{h:.1f}h-{width}z")
-    shapes = "".join(f'<path fill="{BUCKET_COLOURS[b]}" d="{"".join(d)}"/>' for b, d in paths.items() if d)
+                paths[name].append(f"M{i * (width + 1)} {y:.1f}h{width}v{h:.1f}h-{width}z")
+    colours = {name: colour for name, _, colour in drawn}
+    shapes = "".join(f'<path fill="{colours[n]}" d="{"".join(d)}"/>' for n, d in paths.items() if d)
     svg_width = len(columns) * (width + 1)
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{svg_width}" height="{height_px}">{shapes}'
            f'<line x1="0" y1="{height_px}" x2="{svg_width}" y2="{height_px}" stroke="#999"/></svg>')
-    legend = " ".join(f'<span style="color:{BUCKET_COLOURS[b]}">&#9632;</span> {b}' for b in BUCKETS)
+    legend = " ".join(f'<span style="color:{colour}">&#9632;</span> {name}' for name, _, colour in drawn)
     picture = base64.b64encode(svg.encode()).decode()
     what = "token" if per_column == 1 else f"mean of {per_column} tokens"
     return (f'<div style="font-size:0.8rem">Where each token\'s time went (ms per token, one column per {what}; '

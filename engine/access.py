@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .errors import UserError
-from .paths import REPO_ROOT
+from .paths import REPO_ROOT, models_dir
 
 TOKEN_ENV = "TOKENPATH_TOKEN"
 MIN_TOKEN_CHARS = 12
@@ -66,12 +66,6 @@ def check_bind(host: str | None) -> None:
     if len(token) < MIN_TOKEN_CHARS:
         raise AccessError(f"{TOKEN_ENV} is {len(token)} characters long; a token that guards a LAN share needs at "
                           f"least {MIN_TOKEN_CHARS}.")
-
-
-def models_dir() -> Path:
-    from .models import models_dir as folder
-
-    return folder()
 
 
 def model_folders() -> list[str]:

@@ -11,6 +11,8 @@ from .distances import BUCKETS
 # because it vanishes on a white projector screen.
 BUCKET_COLOURS = {"physical": "#CC79A7", "memory": "#0072B2", "compute": "#009E73", "time": "#E69F00",
                   "decision": "#D55E00"}
+# a served run's server time when no GPU is named to split it into memory and compute
+SERVER_WORK = ("server work (not split)", "server_work_ms", "#999999")
 FONT_SIZE = 16
 TITLE_SIZE = 20
 LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal", font=dict(size=FONT_SIZE))
@@ -41,13 +43,22 @@ def run_label(row) -> str:
             f"{row.status}")
 
 
+def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(name, row key, colour) of what a per-token picture stacks: the five buckets, and a served run's
+    unsplit server work when its rows carry one."""
+    drawn = [(b, f"{b}_ms", BUCKET_COLOURS[b]) for b in BUCKETS]
+    if any(row.get("memory_ms") is None and row.get("server_work_ms") is not None for row in token_rows):
+        drawn.append(SERVER_WORK)
+    return drawn
+
+
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
     """Per-token stacked bars of the five buckets (ms)."""
     fig = go.Figure()
     xs = [row["idx"] for row in token_rows]
-    for b in BUCKETS:
-        fig.add_bar(x=xs, y=[row[f"{b}_ms"] for row in token_rows], name=b, marker_color=BUCKET_COLOURS[b],
-                    hovertemplate=f"token %{{x}}: {b} %{{y:.2f}} ms<extra></extra>")
+    for name, key, colour in series(token_rows):
+        fig.add_bar(x=xs, y=[row[key] or 0.0 for row in token_rows], name=name, marker_color=colour,
+                    hovertemplate=f"token %{{x}}: {name} %{{y:.2f}} ms<extra></extra>")
     return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
                     height=380, margin=dict(l=60, r=10, t=100, b=50))
 

@@ -2,6 +2,8 @@
 read these texts, so a definition never drifts between two places."""
 from __future__ import annotations
 
+from .serving_metrics import DEFINITIONS as SERVING_DEFINITIONS
+
 BUCKET_MEANING = {
     "physical": "crossing a link: upload to the device, download and device sync",
     "memory": "streaming the forward's bytes (weights, KV cache) at the calibrated bandwidth, capped by the "
@@ -12,6 +14,9 @@ BUCKET_MEANING = {
     "decision": "the share of the above spent on work whose result was thrown away (recomputing the prefix "
                 "without a KV cache, rejected guesses, multiplying zeros)",
 }
+
+# a served model's request metrics, as vLLM's benchmark client defines them
+SERVED_METRICS = SERVING_DEFINITIONS
 
 BUCKET_NOTE = ("Bandwidth and peak come from the device's calibration; bytes and FLOPs from the loaded model's real "
                "tensors. Memory and compute are estimates from that roofline model; the step times and their sum are "

@@ -85,6 +85,11 @@ class Generation:
         self.state: DecodeState | None = None
         self.result: dict | None = None
 
+    @property
+    def live_tokens(self) -> list[dict]:
+        """The token rows so far, for a page drawing the run while it streams."""
+        return self.tokens
+
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
                 "quant": self.lm.quant, "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode,

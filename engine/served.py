@@ -296,6 +296,7 @@ class ServedRun:
         self.chunks: list[tuple[float, list[int | None], str]] = []  # (t_ms, token ids, text) per chunk
         self.steps: list[dict] = []
         self.tokens: list[dict] = []
+        self.live_tokens: list[dict] = []  # a provisional row per chunk while streaming (tokens come at the end)
         self.result: dict | None = None
         self.stream_result = StreamResult()
         self._events = self._run()
@@ -345,6 +346,9 @@ class ServedRun:
         self.token_ids.extend(ids)
         self.text += chunk.text
         provisional = served_split.chunk_buckets([gap], self.rtt_ms if not first else 0.0, None)[0]
+        self.live_tokens.append({"idx": len(self.live_tokens), "step": len(self.chunks) - 1,
+                                 "token_id": ids[0] if ids else None, "piece": chunk.text, "t_ms": t_ms,
+                                 "gap_ms": gap, **provisional})
         return ChunkEvent(index=len(self.chunks) - 1, first_token=first, piece=chunk.text, token_ids=ids, t_ms=t_ms,
                           gap_ms=gap, buckets=provisional)
 

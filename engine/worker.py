@@ -23,7 +23,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from . import access, hardware
+from . import access, hardware, served
 from .errors import UserError
 from .generate import Generation
 from .models import pick_device
@@ -170,24 +170,36 @@ def calibrate(conn, request: dict) -> None:
     conn.send(("done", {"calibration": results}))
 
 
+def start(spec: RunSpec, store: Store):
+    """(the run ready to iterate, the special token ids the page hides) for a spec: the local engine, or a
+    served model's stream."""
+    spec.check()
+    if spec.backend == "served":
+        if access.shared_mode():  # a shared dashboard sends no requests to addresses its users type
+            raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
+                                     "servers; measure a served model from a dashboard on 127.0.0.1.")
+        g = spec.gen
+        run = served.generate(spec.endpoint, served_model=spec.served_model, prompt=g.prompt,
+                              max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed,
+                              raw=g.raw, api_key_env=spec.api_key_env, gpu=spec.gpu, store=store)
+        return run, []
+    for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
+        if text and not access.model_choice_allowed(text, draft):
+            raise access.AccessError(access.refusal(text))
+    lm = prepare(spec, store)
+    return Generation(lm, spec.gen, store=store), sorted(lm.tokenizer.all_special_ids)
+
+
 def run(conn, request: dict) -> None:
     """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
     try:
-        spec = RunSpec.from_dict(request["spec"])
-        spec.check()
-        for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
-            if text and not access.model_choice_allowed(text, draft):
-                raise access.AccessError(access.refusal(text))
-        store = Store(request["db"])
-        lm = prepare(spec, store)
-        gen = Generation(lm, spec.gen, store=store)
-    except UserError as exc:
+        gen, special_ids = start(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+    except (UserError, served.ServedError) as exc:
         conn.send(("refused", str(exc)))
         return
     except Exception as exc:
         conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
         return
-    special_ids = sorted(lm.tokenizer.all_special_ids)
     sent, last_sent = 0, None
     events = iter(gen)
     try:
@@ -198,17 +210,17 @@ def run(conn, request: dict) -> None:
             # in batches, as often as the page redraws: each message wakes the page's process, which
             # then takes a core from the model for a moment
             elif time.monotonic() - last_sent >= request["every_s"]:
-                conn.send(("tokens", gen.tokens[sent:]))
-                sent, last_sent = len(gen.tokens), time.monotonic()
+                conn.send(("tokens", gen.live_tokens[sent:]))
+                sent, last_sent = len(gen.live_tokens), time.monotonic()
             if conn.poll(0) and conn.recv() == "stop":
                 events.close()
                 break
-    except RecordDeferred as exc:
+    except (RecordDeferred, served.ServedRunError) as exc:
         ending = ("failed", str(exc))
     except Exception as exc:  # the engine has recorded the run with status error
         ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")
     else:
-        ending = ("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.stop_reason,
+        ending = ("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.result["stop_reason"],
                            "tokens": gen.tokens, "steps": gen.steps})
     conn.send(ending)
 

@@ -5,9 +5,11 @@ import time
 
 import streamlit as st
 
+from engine.definitions import METRICS, SERVED_METRICS
 from engine.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
 from engine.dtypes import KV_CHOICES
 from engine.models import workloads
+from engine.plan import gpu_ids
 from engine.quant import INT4_GROUPS, LEVELS
 from engine.sparsity import MODES
 from engine.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
@@ -27,24 +29,41 @@ LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the mo
              "bench/results/ui.md). At the end only: a progress note every 5 s, the text and charts when the run "
              "ends.")
 # how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
+LOCAL_METRICS = dict(METRICS)
 REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
 shipped = workloads()
 DEFAULTS = {"model": default_model_id(), "device": "auto", "max_new": 64, "group": 32, "mode": "mask",
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "draft_model": "self-int8", "spec_k": 4,
             "adaptive": False, "max_ngram": 3, "window": 4, "guesses": 4, "kv_dtype": "auto", "redraw": "every 2 seconds"}
+where = st.radio("Where the model runs", ["this machine", "a server"], horizontal=True,
+                 help="A server: any OpenAI-compatible endpoint (vLLM, SGLang, llama.cpp's server, TGI), measured from "
+                      "this client through its streaming API and, where it has one, its /metrics.")
+served = where == "a server"
 choice = st.selectbox("Prompt", ["(write my own)"] + list(shipped),
                       format_func=lambda n: n if n not in shipped else f"workload: {n} ({shipped[n]['kind']})")
 with st.form("live"):
     prompt = st.text_area("Prompt text", shipped[choice]["prompt"] if choice in shipped else
                           "Explain in two sentences why a KV cache speeds up text generation.", height=120)
+    if served:
+        c = st.columns(4)
+        endpoint = c[0].text_input("Server URL", "http://127.0.0.1:8000", help="The server's base URL; "
+                                   "python -m engine serve-vllm starts vLLM on this machine.")
+        served_model = c[1].text_input("Server model name", "", help="Blank: the first model GET /v1/models lists.")
+        gpu = c[2].selectbox("The server's GPU", ["(not named)"] + gpu_ids(), help="Named, the planner splits the "
+                             "server's work into memory and compute (an estimate); not named, it stays one figure.")
+        api_key_env = c[3].text_input("API key variable", "", help="The name of an environment variable of this "
+                                      "dashboard's process that holds the key; the key itself is never stored.")
+        st.caption("KV cache, weight precision, speculative decoding and sparsity are the server's own settings.")
     # the four switches the product is about; everything else is one click away
-    c = st.columns(4)
-    kv_cache = c[0].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
-    level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
-    spec = c[2].selectbox("Speculative decoding", list(METHODS),
-                          help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
-    target = c[3].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05, help="The share of each layer's inputs set "
-                         "to zero; the mode (under More settings) decides whether their weights are still read.")
+    kv_cache, level, spec, target = True, "fp32", "none", 0.0  # a server has its own
+    if not served:
+        c = st.columns(4)
+        kv_cache = c[0].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
+        level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
+        spec = c[2].selectbox("Speculative decoding", list(METHODS),
+                              help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
+        target = c[3].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05, help="The share of each layer's inputs set "
+                             "to zero; the mode (under More settings) decides whether their weights are still read.")
     with st.expander("More settings"):
         c = st.columns(4)
         model_id = c[0].text_input("Model", DEFAULTS["model"], help="'default', a local folder or a Hugging Face id")
@@ -121,7 +140,21 @@ def coloured_tokens(tokens: list[dict], hidden: set[int], per_token: bool = True
     return f'<div style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">{spans}</div>'
 
 
+def served_summary(result: dict) -> dict:
+    figures = {"TTFT": f"{result['ttft_ms']:.0f} ms" if result["ttft_ms"] is not None else "n/a",
+               "TPOT": f"{result['tpot_ms']:.1f} ms" if result["tpot_ms"] else "n/a",
+               "E2E": f"{result['e2e_ms']:.0f} ms" if result["e2e_ms"] is not None else "n/a",
+               "Tokens/s": f"{result['tokens_per_s']:.1f}" if result["tokens_per_s"] else "n/a",
+               "Chunks / tokens": f"{result['n_chunks']} / {result['n_new_tokens']} ({result['token_source']})",
+               "Network round trip": f"{result['rtt_ms']:.1f} ms" if result.get("rtt_ms") is not None else "n/a",
+               "Server work": f"{result['server_work_ms']:.0f} ms" + ("" if result["distances_ms"].get("memory")
+                                                                       is None else " (split by the planner)")}
+    return figures
+
+
 def summary(result: dict, steps: list[dict]) -> dict:
+    if "e2e_ms" in result:  # a served run
+        return served_summary(result)
     decode = [s for s in steps if s["kind"] == "decode"]
     per_token_bytes = statistics.mean(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"]
                                       for s in decode) if decode else None
@@ -188,10 +221,16 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     items = list(summary(done["result"], done["steps"]).items())
     for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
         for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
-            col.metric(name, value)
-    st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
-               "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "
-               "times are measured.")
+            col.metric(name, value, help=(SERVED_METRICS if "e2e_ms" in done["result"] else LOCAL_METRICS).get(name))
+    if "e2e_ms" in done["result"]:
+        st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. TTFT, ITL and E2E are measured by this "
+                   "client; queue, prefill and decode times come from the server's /metrics where it has them; a "
+                   "memory/compute split is the planner's estimate for the GPU named. Hover a figure for its "
+                   "definition (vLLM's benchmark definitions).")
+    else:
+        st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
+                   "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "
+                   "times are measured.")
     return done
 
 
@@ -231,6 +270,9 @@ if submitted and store is not None:
                     window=int(window), guesses=int(guesses), kv_dtype=kv_dtype)
     run_spec = RunSpec(gen=cfg, model=model_id.strip() or "default", device=device, weights=level,
                        group_size=int(group), sparsity=float(target), sparsity_mode=mode)
+    if served:
+        run_spec = RunSpec(gen=cfg, backend="served", endpoint=endpoint.strip(), served_model=served_model.strip() or None,
+                           gpu=None if gpu == "(not named)" else gpu, api_key_env=api_key_env.strip() or None)
     try:
         run_spec.check()
     except GenerationError as exc:
