@@ -3,6 +3,7 @@ ITL against vLLM's own histograms for the same requests, and a load sweep; write
 
 python bench/serving.py [--tokens 32] [--levels 1,2,4,8] [--requests 8] [--dtype float32] [--threads 1]"""
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def report(args, rows, sweep, seconds, start_s) -> str:
         "# Serving: the local engine against vLLM's CPU build, and vLLM under load", "",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
         f"- machine: {cpu['model']}, {cpu['logical_cores']} logical cores, {cpu['ram_bytes'] / 2**30:.0f} GiB RAM, "
-        f"{platform.system()} {platform.release()}",
+        f"{platform.system()} {platform.release()}; load average {os.getloadavg()[0]:.1f} as the report was written",
         f"- command: `python bench/serving.py {' '.join(sys.argv[1:])}`",
         f"- vLLM {args.dtype}, {args.threads} OpenMP thread(s), started in {start_s:.0f} s; local engine fp32; "
         f"greedy, {args.tokens} new tokens; the local runs before vLLM started; the machine's cores are shared "

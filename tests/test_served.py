@@ -94,7 +94,8 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     assert out.returncode == 2 and "Nothing answers at" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--spec",
                           "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and out.stderr == "error: --spec only applies to the local engine: leave it out with --endpoint.\n"
+    assert out.returncode == 2
+    assert out.stderr == "error: --spec only applies to the local engine: leave it out with --endpoint.\n"
 
 
 def test_unresolvable_host_is_one_sentence():
@@ -157,7 +158,8 @@ def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
     run = served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm", store=store)
     list(run)
     tokens = store.tokens(run.run_id)
-    assert tokens["memory_ms"].notna().all() and (tokens["memory_ms"] > 0).all()
+    # later chunks are all server work here (no /metrics), so every one of them gets a memory share
+    assert tokens["memory_ms"].notna().all() and (tokens["memory_ms"].iloc[1:] > 0).all()
     assert tokens[[f"{b}_ms" for b in BUCKETS]].sum().sum() == pytest.approx(run.result["e2e_ms"])
     assert run.result["provenance"]["memory"]["source"] == "estimate"
 
@@ -176,8 +178,8 @@ def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream
 
 def test_stalled_stream_is_cut_after_the_timeout_and_recorded(stream_server, store):
     url, _ = stream_server("stall")
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store, timeout_s=3)
-    with pytest.raises(ServedRunError, match="sent nothing for 3 s"):
+    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store, timeout_s=10)
+    with pytest.raises(ServedRunError, match="sent nothing for 10 s"):
         list(run)
     row = store.run(run.run_id)
     assert row["status"] == "interrupted" and row["n_new_tokens"] == 2
