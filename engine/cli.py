@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 USER_ERROR = 2
@@ -329,26 +330,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cancelled(*_):
+    """Ctrl-C before a run started (importing, parsing, loading): nothing to record. The process
+    ends at once: an import cut half-way leaves modules that a normal shutdown trips over."""
+    print("\ncancelled: interrupted before the command finished", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def main(argv=None) -> int:
+    previous = signal.signal(signal.SIGINT, _cancelled)
     try:
-        return _run(argv)
-    except KeyboardInterrupt:  # before a run started (importing, parsing, loading): nothing to record
-        print("\ncancelled: interrupted before the command finished", file=sys.stderr)
-        return 130
+        args = build_parser().parse_args(argv)
+        from .generate import GenerationError
+        from .kvcalc import KVCalcError
+        from .models import ModelError
+        from .quant import QuantError
+        from .sparsity import SparsityError
+        from .store import StoreError
 
-
-def _run(argv) -> int:
-    args = build_parser().parse_args(argv)
-    from .generate import GenerationError
-    from .kvcalc import KVCalcError
-    from .models import ModelError
-    from .quant import QuantError
-    from .sparsity import SparsityError
-    from .store import StoreError
-
-    _quiet_libraries()
+        _quiet_libraries()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         return args.func(args)
     except (GenerationError, KVCalcError, ModelError, QuantError, SparsityError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
+    except KeyboardInterrupt:  # a command's own run records its cancellation; this one had none running
+        _cancelled()
