@@ -129,6 +129,8 @@ def cmd_calibrate(args) -> int:
         _print_json({"calibration": results, "hardware": facts})
         return 0
     print(f"device {results['device_key']} (calibrated in {results['seconds']:.1f} s)")
+    if results.get("suspect"):
+        print(f"  flagged, and not used while agreeing calibrations exist: {results['suspect']}")
     print(f"  memory read, GEMV over cold weights: {results['memory_gbps']:.1f} GB/s")
     print(f"  memory read, streaming sum:          {results['stream_read_gbps']:.1f} GB/s")
     for dtype, gflops in results["matmul_gflops"].items():
