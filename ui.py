@@ -83,13 +83,22 @@ def model_choice_allowed(text: str, draft: bool = False) -> bool:
 
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:=^&])")
+# GFM makes links of bare https://..., www.... and e-mail addresses even when their characters are
+# backslash-escaped; an invisible word joiner before the colon, the at sign and www's dot stops that
+_AUTOLINK = re.compile(r"(?=\\:)|(?=@)|(?<=www)(?=\\\.)", re.IGNORECASE)
 
 
 def md_escape(text) -> str:
     """User text made literal inside Markdown (st.error, st.markdown, subheaders): every character
-    Markdown, Streamlit's directives (:red[...], :material/...:) or LaTeX ($) read is escaped, and
-    line breaks become spaces."""
-    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
+    Markdown, Streamlit's directives (:red[...], :material/...:) or LaTeX ($) read is escaped, line
+    breaks become spaces, and nothing becomes a link."""
+    escaped = _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
+    return _AUTOLINK.sub("\u2060", escaped)
+
+
+def plot_escape(text) -> str:
+    """User text made literal in a Plotly label, which reads <b>, <a href> and entities."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -118,7 +127,7 @@ def log_ticks(values) -> dict:
     high = max(high, low + 1)
     steps = (1,) if high - low >= 3 else (1, 2, 5)
     ticks = [m * 10 ** e for e in range(low, high + 1) for m in steps]
-    ticks = [t for t in ticks if min(positive) / 2.5 <= t <= max(positive) * 2.5]
+    ticks = [t for t in ticks if t <= 10 ** high]
     return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
 
 

@@ -151,6 +151,8 @@ def cmd_calibrate(args) -> int:
         _print_json({"calibration": results, "hardware": facts})
         return 0
     print(f"device {results['device_key']} (calibrated in {results['seconds']:.1f} s)")
+    if results.get("suspect"):
+        print(f"  flagged, and not used while agreeing calibrations exist: {results['suspect']}")
     print(f"  memory read, GEMV over cold weights: {results['memory_gbps']:.1f} GB/s")
     print(f"  memory read, streaming sum:          {results['stream_read_gbps']:.1f} GB/s")
     for dtype, gflops in results["matmul_gflops"].items():
@@ -366,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cancelled(*_):
+    """Ctrl-C before a run started (importing, parsing, loading): nothing to record. The process
+    ends at once: an import cut half-way leaves modules that a normal shutdown trips over."""
+    print("\ncancelled: interrupted before the command finished", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def _cancel_on_sigterm() -> None:
     """SIGTERM (timeout, systemd, Docker) ends a run as Ctrl-C does: recorded as cancelled, tokens kept."""
     def interrupt(signum, frame):
@@ -374,22 +384,20 @@ def _cancel_on_sigterm() -> None:
 
 
 def main(argv=None) -> int:
+    previous = signal.signal(signal.SIGINT, _cancelled)
     try:
-        return _run(argv)
-    except KeyboardInterrupt:  # before a run started (importing, parsing, loading): nothing to record
-        print("\ncancelled: interrupted before the command finished", file=sys.stderr)
-        return 130
+        args = build_parser().parse_args(argv)
+        from . import generate  # noqa: F401 (the heavy imports happen here, under the handler)
+        from .errors import UserError
 
-
-def _run(argv) -> int:
-    from .errors import UserError
-
-    args = build_parser().parse_args(argv)
-
-    _quiet_libraries()
+        _quiet_libraries()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     _cancel_on_sigterm()
     try:
         return args.func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
+    except KeyboardInterrupt:  # a command's own run records its cancellation; this one had none running
+        _cancelled()

@@ -7,7 +7,7 @@ import streamlit as st
 from engine import hardware
 from engine.store import BUCKETS
 from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
-                run_label)
+                plot_escape, run_label)
 
 page_setup("Distances")
 st.title("Latency by distance")
@@ -35,7 +35,7 @@ per_token = st.toggle("Per token (divide by the tokens each run produced)", True
 fig = go.Figure()
 for b in BUCKETS:
     values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
-    fig.add_bar(y=[labels[i] for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
+    fig.add_bar(y=[plot_escape(labels[i]) for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
 fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
                   height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 st.plotly_chart(fig, width="stretch")
@@ -69,6 +69,7 @@ for run_id in chosen:
     roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=40, b=40),
                        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), yaxis_type="log")
     roof.update_yaxes(**log_ticks([*steps["forward_ms"], *steps["roofline_ms"]]))
+    roof.update_xaxes(dtick=1 if len(steps) <= 20 else None)  # steps are whole numbers
     decode = steps[steps["kind"] == "decode"]
     ratio = (decode["roofline_ms"].sum() / decode["forward_ms"].sum()) if not decode.empty else None
     st.plotly_chart(roof, width="stretch")

@@ -59,7 +59,7 @@ columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cac
 st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Times in ms; "
            "tokens/s end to end; started_at in UTC.")
 event = st.dataframe(view[columns], hide_index=True, width="stretch", on_select="rerun",
-                     selection_mode="multi-row", key="runs_table")
+                     selection_mode="multi-row", key=f"runs_table_{st.session_state.get('runs_table_round', 0)}")
 picked = view.iloc[event.selection.rows] if event.selection.rows else view.iloc[0:0]
 
 if picked.empty:
@@ -95,6 +95,7 @@ with c[2].popover("Delete selected runs"):
              "This cannot be undone.")
     if st.button("Yes, delete them", type="primary"):
         deleted = store.delete_runs(ids)
-        st.session_state.pop("runs_table", None)
+        # a new key: the browser would otherwise keep ticking rows of the deleted selection
+        st.session_state["runs_table_round"] = st.session_state.get("runs_table_round", 0) + 1
         flash(f"Deleted {deleted} run(s): {', '.join(f'#{i}' for i in ids)}.")
         st.rerun()

@@ -83,7 +83,7 @@ def test_runs_with_a_sane_limit_still_works(tmp_path):
     assert done.returncode == 0 and "no runs recorded yet" in done.stdout
 
 
-@pytest.mark.parametrize("after_s", [1.0, 4.0])
+@pytest.mark.parametrize("after_s", [0.5, 1.5, 3.0, 5.0])
 def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path, after_s):
     db = tmp_path / "runs.duckdb"
     process = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--prompt", "hi", "--max-new-tokens", "2"],

@@ -1,0 +1,153 @@
+"""Hostile but fair input on the pages: user text stays literal (no Markdown, links or formulas),
+messages survive a rerun, axes read cleanly, and nothing is fetched from outside the machine."""
+import os
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from browser import CHROMIUM, browser_page, serve_app
+from engine import hardware
+from engine.generate import Generation, GenConfig
+from engine.store import Store
+from ui import csv_safe, log_ticks, md_escape, plot_escape
+
+HOSTILE_MODEL = "**bold** [a](https://evil.example) :red[x] $x^2$ <b>b</b> `c`"
+HOSTILE_PROMPT = '=HYPERLINK("https://evil.example","click")'
+
+
+def recorded_run(db, tiny_lm, calibration, model=HOSTILE_MODEL, prompt=HOSTILE_PROMPT, suspect=None):
+    store = Store(db)
+    stored = {**calibration, **({"suspect": suspect} if suspect else {})}
+    store.save_calibration(calibration["device_key"], stored)
+    gen = Generation(tiny_lm, GenConfig("Hi", raw=True, max_new_tokens=4, ignore_eos=True), store=store)
+    gen.run()
+    with store.connect() as con:
+        con.execute("UPDATE runs SET model = ?, prompt = ? WHERE run_id = ?", [model, prompt, gen.run_id])
+    return gen.run_id
+
+
+def page(name) -> AppTest:
+    at = AppTest.from_file("../app.py", default_timeout=180)
+    at.switch_page(name)
+    return at.run()
+
+
+@pytest.mark.parametrize("text", [HOSTILE_MODEL, "www.evil.example a@b.org", "# heading", "- item\n- item", "a\\*b", "1. first", "> quote",
+                                  ":material/route:", "&lt;script&gt;", "|a|b|"])
+def test_escaped_text_has_no_markdown_left(text):
+    escaped = md_escape(text)
+    assert "\n" not in escaped
+    decoded = escaped.replace("\u2060", "")  # the invisible joiners that keep addresses from becoming links
+    plain = "".join(c for c in text.replace("\n", " ") if c.isalnum() or c == " ")
+    assert "".join(c for c in decoded if c.isalnum() or c == " ") == plain  # only escapes were added
+    i = 0
+    while i < len(decoded):  # every character Markdown or Streamlit reads is preceded by a backslash
+        if decoded[i] == "\\":
+            i += 2
+            continue
+        assert decoded[i] not in "\\`*_{}[]()#+-.!|<>~$:=^&", (text, escaped)
+        i += 1
+
+
+def test_plot_labels_keep_tags_literal():
+    assert plot_escape('<a href="https://evil.example">x</a> &amp;') == \
+        '&lt;a href="https://evil.example"&gt;x&lt;/a&gt; &amp;amp;'
+
+
+def test_csv_export_cells_cannot_run_as_formulas():
+    frame = pd.DataFrame({"prompt": ["=1+1", "+SUM(A1)", "-2", "@cmd", "\tx", "plain", None],
+                          "ttft_ms": [-1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]})
+    safe = csv_safe(frame)
+    assert list(safe["prompt"][:6]) == ["'=1+1", "'+SUM(A1)", "'-2", "'@cmd", "'\tx", "plain"]
+    assert pd.isna(safe["prompt"].iloc[6])
+    assert list(safe["ttft_ms"]) == list(frame["ttft_ms"])  # numbers, negative ones too, stay numbers
+    assert list(frame["prompt"][:1]) == ["=1+1"]  # the page's own frame (and the Parquet export) keep the data
+
+
+@pytest.mark.parametrize("values, labels", [([23.0, 61.0], ["10", "20", "50", "100"]),
+                                            ([0.4, 3000.0], ["0.1", "1", "10", "100", "1000", "10000"]),
+                                            ([150.0, 900.0], ["100", "200", "500", "1000"])])
+def test_log_axis_ticks_are_plain_numbers(values, labels):
+    ticks = log_ticks(values)
+    assert ticks["ticktext"] == labels
+    assert all(float(t) == v for t, v in zip(ticks["ticktext"], ticks["tickvals"]))
+    assert log_ticks([0, None, float("nan")]) == {}
+
+
+def test_a_message_set_before_a_rerun_is_seen_after_it():
+    def script():
+        import streamlit as st
+
+        from ui import flash, show_flash
+
+        show_flash()
+        if st.button("Delete"):
+            flash("Deleted 2 run(s): #1, #2.")
+            st.rerun()
+
+    at = AppTest.from_function(script).run()
+    at.button[0].click().run()
+    assert [s.value for s in at.success] == ["Deleted 2 run(s): #1, #2."]
+    at.run()
+    assert not at.success  # shown once
+
+
+@pytest.mark.integration
+def test_distances_keeps_a_hostile_model_name_literal_and_names_the_calibration(page_db, tiny_lm, calibration):
+    recorded_run(page_db, tiny_lm, calibration, suspect="Its memory bandwidth was low.")
+    at = page("pages/distances.py")
+    assert not at.exception and not at.error
+    heading = next(s.value for s in at.subheader if "bold" in s.value)
+    assert "**bold**" not in heading and "](https" not in heading and md_escape(HOSTILE_MODEL) in heading
+    notes = [c.value for c in at.caption if c.value.startswith("Attributed with the calibration measured")]
+    assert len(notes) == 1 and f"{calibration['memory_gbps']:.1f} GB/s" in notes[0]
+    assert "This calibration is flagged" in notes[0]
+
+
+@pytest.mark.integration
+def test_runs_shows_each_runs_calibration(page_db, tiny_lm, calibration):
+    recorded_run(page_db, tiny_lm, calibration)
+    at = page("pages/runs.py")
+    assert not at.exception and not at.error
+    table = at.dataframe[0].value
+    assert table["calibration"].iloc[0].startswith(f"{calibration['memory_gbps']:.1f} GB/s")
+
+
+def test_hardware_warns_of_a_flagged_newest_calibration(page_db, calibration):
+    store = Store(page_db)
+    key = hardware.device_key(__import__("torch").device("cpu"))
+    store.save_calibration(key, {**calibration, "device_key": key})
+    low = {**calibration, "device_key": key, "memory_gbps": calibration["memory_gbps"] * 0.3}
+    store.save_calibration(key, {**low, "suspect": hardware.disagreement(low, hardware.recent_calibrations(store, key))})
+    at = page("pages/hardware.py")
+    assert not at.exception and not at.error
+    assert any("is flagged and not used" in w.value for w in at.warning)
+    assert f"{calibration['memory_gbps']:.1f} GB/s" in at.dataframe[0].value["value"].tolist()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed")
+def test_in_chromium_the_text_stays_literal_and_nothing_leaves_the_machine(tmp_path, tiny_lm, calibration):
+    db = tmp_path / "hostile.duckdb"
+    recorded_run(db, tiny_lm, calibration)
+    outside = []
+    with serve_app(db) as url, browser_page() as page:
+        page.route("**/*", lambda route: (outside.append(route.request.url), route.abort())
+                   if not route.request.url.startswith(url) else route.continue_())
+        page.goto(url + "/distances")
+        page.get_by_text("Attributed with the calibration").first.wait_for(timeout=90_000)
+        page.locator(".js-plotly-plot").nth(1).wait_for(timeout=60_000)
+        page.wait_for_timeout(1500)
+        page.set_viewport_size({"width": 1400, "height": 2000})
+        page.screenshot(path="/tmp/hostile-distances.png", full_page=True)
+        heading = page.locator("h3").filter(has_text="bold").first
+        assert "**bold** [a](https://evil.example) :red[x]" in heading.inner_text().replace("\u2060", "")
+        assert page.locator("a[href*='evil.example']").count() == 0
+        assert page.locator("h3 strong, h3 b").count() == 0
+        assert "<b>b</b>" in page.locator(".js-plotly-plot .ytick text").first.text_content()  # Plotly: literal too
+        icon = page.locator("link[rel~='icon']").first.get_attribute("href")
+        assert icon and not icon.startswith("http") or icon.startswith(url), icon
+        labels = page.locator(".js-plotly-plot").nth(2).locator(".ytick text").all_text_contents()
+        assert labels and all(label.replace(".", "", 1).isdigit() for label in labels), labels
+    assert outside == [], outside
