@@ -176,7 +176,7 @@ def machine_section(runs: list[dict]) -> Section:
                 ["GPU", "; ".join(str(g.get("name", g)) for g in gpus) or hw.get("cuda_device") or "none"],
                 ["torch", hw.get("torch", "–")], ["calibration", cal.get("device_key", "none stored with the run")],
                 ["memory bandwidth (GEMV, cold weights)", fmt(cal.get("memory_gbps"), ".1f", " GB/s")]]
-        rows += [[f"matmul peak {dtype}", fmt(gflops, ".0f", " GFLOP/s")]
+        rows += [[f"matmul peak {dtype}", fmt(gflops, ".3g", " GFLOP/s")]
                  for dtype, gflops in (cal.get("matmul_gflops") or {}).items()]
         rows.append(["dispatch overhead per op", fmt(cal.get("dispatch_us"), ".1f", " µs")])
         parts.append(table(["", ""], [[html.escape(k), html.escape(str(v))] for k, v in rows]))
