@@ -186,7 +186,8 @@ def machine_section(runs: list[dict]) -> Section:
 def pictures_section(runs: list[dict], token_rows: dict[int, list[dict]]) -> Section:
     labels = [label(run) for run in runs]
     figures = [totals_chart(labels, runs, per_token=True, title="Where the time went, per run (ms per token)")]
-    figures += [bucket_chart(token_rows[run["run_id"]], f"#{run['run_id']}: where each token's time went")
+    figures += [bucket_chart(token_rows[run["run_id"]], f"#{run['run_id']}: where each token's time went",
+                            clip_prefill=True)
                 for run in runs if token_rows[run["run_id"]]]
     legend = " ".join(f'<span class="swatch" style="background:{BUCKET_COLOURS[b]}"></span>{b}' for b in BUCKETS)
     return Section("The five buckets", f"<p>{legend}</p>", figures)
