@@ -52,13 +52,22 @@ def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
     return drawn
 
 
-def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went") -> go.Figure:
-    """Per-token stacked bars of the five buckets (ms)."""
+def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went",
+                 clip_prefill: bool = False) -> go.Figure:
+    """Per-token stacked bars of the five buckets (ms). clip_prefill scales the axis to the decode
+    tokens and writes the first token's height on it, since the prefill can dwarf them."""
     fig = go.Figure()
     xs = [row["idx"] for row in token_rows]
-    for name, key, colour in series(token_rows):
+    drawn = series(token_rows)
+    for name, key, colour in drawn:
         fig.add_bar(x=xs, y=[row[key] or 0.0 for row in token_rows], name=name, marker_color=colour,
                     hovertemplate=f"token %{{x}}: {name} %{{y:.2f}} ms<extra></extra>")
+    heights = [sum(row[key] or 0.0 for _, key, _ in drawn) for row in token_rows]
+    if clip_prefill and len(heights) > 1 and heights[0] > 2 * max(heights[1:]):
+        top = 1.15 * max(heights[1:])
+        fig.update_yaxes(range=[0, top])
+        fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
+                           showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
     return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
                     height=380, margin=dict(l=60, r=10, t=100, b=50))
 

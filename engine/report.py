@@ -178,7 +178,7 @@ def machine_section(runs: list[dict]) -> Section:
                 ["GPU", "; ".join(str(g.get("name", g)) for g in gpus) or hw.get("cuda_device") or "none"],
                 ["torch", hw.get("torch", "–")], ["calibration", cal.get("device_key", "none stored with the run")],
                 ["memory bandwidth (GEMV, cold weights)", fmt(cal.get("memory_gbps"), ".1f", " GB/s")]]
-        rows += [[f"matmul peak {dtype}", fmt(gflops, ".0f", " GFLOP/s")]
+        rows += [[f"matmul peak {dtype}", fmt(gflops, ".3g", " GFLOP/s")]
                  for dtype, gflops in (cal.get("matmul_gflops") or {}).items()]
         rows.append(["dispatch overhead per op", fmt(cal.get("dispatch_us"), ".1f", " µs")])
         parts.append(table(["", ""], [[html.escape(k), html.escape(str(v))] for k, v in rows]))
@@ -188,7 +188,8 @@ def machine_section(runs: list[dict]) -> Section:
 def pictures_section(runs: list[dict], token_rows: dict[int, list[dict]]) -> Section:
     labels = [label(run) for run in runs]
     figures = [totals_chart(labels, runs, per_token=True, title="Where the time went, per run (ms per token)")]
-    figures += [bucket_chart(token_rows[run["run_id"]], f"#{run['run_id']}: where each token's time went")
+    figures += [bucket_chart(token_rows[run["run_id"]], f"#{run['run_id']}: where each token's time went",
+                            clip_prefill=True)
                 for run in runs if token_rows[run["run_id"]]]
     legend = " ".join(f'<span class="swatch" style="background:{BUCKET_COLOURS[b]}"></span>{b}' for b in BUCKETS)
     return Section("The five buckets", f"<p>{legend}</p>", figures)

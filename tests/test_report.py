@@ -168,3 +168,10 @@ def test_every_chart_uses_the_one_palette_and_projector_fonts():
     for fig in (bucket_chart(rows), totals_chart(["#1"], [{**rows[0], "n_new_tokens": 1}])):
         assert [t.marker.color for t in fig.data] == [BUCKET_COLOURS[b] for b in BUCKETS]
         assert fig.layout.font.size >= 16 and fig.layout.legend.font.size >= 16
+
+
+def test_a_prefill_that_dwarfs_the_decode_tokens_is_written_on_the_clipped_axis():
+    rows = [{"idx": i, **{f"{b}_ms": (100.0 if i == 0 else 1.0) for b in BUCKETS}} for i in range(4)]
+    fig = bucket_chart(rows, clip_prefill=True)
+    assert fig.layout.yaxis.range[1] < 500 and "500 ms, off the scale" in fig.layout.annotations[0].text
+    assert bucket_chart(rows).layout.yaxis.range is None  # the pages keep the whole scale

@@ -1,10 +1,11 @@
-"""The report opened from disk in Debian's Chromium with every request but the file itself refused:
-it draws every Plotly figure and attempts no network request. The screenshot goes to test-artifacts/."""
+"""The report in Debian's Chromium: opened from disk with every request but the file itself refused,
+it draws every Plotly figure and attempts no network request (screenshot in test-artifacts/); and
+the Runs page's Download report gives the file of the ticked runs."""
 import os
 
 import pytest
 
-from browser import CHROMIUM, REPO, browser_page
+from browser import CHROMIUM, REPO, browser_page, serve_app
 from engine.report import runs_report
 from engine.store import Store
 from test_report import make_runs, plotly_divs
@@ -41,3 +42,23 @@ def test_the_report_renders_offline_in_chromium(tmp_path, tiny_lm, calibration):
         page.screenshot(path=str(artifacts / "report.png"), full_page=True)
     assert attempted == [] and errors == []
     assert figures == 1 + len(ids) and bars > 5 * len(ids)
+
+
+def test_download_report_on_the_runs_page_gives_the_selected_runs(tmp_path, tiny_lm, calibration):
+    db = tmp_path / "runs.duckdb"
+    ids = make_runs(Store(db), tiny_lm, calibration)
+    with serve_app(db) as url, browser_page(width=1400, height=1000) as page:
+        page.goto(url + "/runs")
+        grid = page.locator("[data-testid='stDataFrame']").first
+        grid.wait_for(timeout=90_000)
+        for row in (1, 2):  # the row-selection checkboxes of the two newest runs (the table is newest first)
+            grid.click(position={"x": 18, "y": 35 * row + 17})
+        page.get_by_text("2 selected").wait_for(timeout=30_000)
+        with page.expect_download(timeout=120_000) as download:
+            page.get_by_role("button", name="Download report").click()
+        saved = tmp_path / "downloaded.html"
+        download.value.save_as(saved)
+        name = download.value.suggested_filename
+    text = saved.read_text()
+    assert name == f"tokenpath-report-{ids[1]}-{ids[2]}.html"
+    assert plotly_divs(text) == 3 and f"Tokenpath: runs #{ids[1]}, #{ids[2]}" in text
