@@ -2,7 +2,7 @@
 (memory and links) or by waiting, and which switch helped most?"""
 from __future__ import annotations
 
-from .store import BUCKETS
+from .distances import BUCKETS
 
 SAME = 1.05  # speed ratios within this factor of 1 count as unchanged
 

@@ -16,7 +16,8 @@ from . import server_metrics, served_split, served_store
 from .metrics import percentile
 from .models import DEFAULT_MODEL_NAME, default_model_dir
 from .serving_metrics import request_metrics
-from .store import BUCKETS, Store
+from .distances import BUCKETS
+from .store import Store
 
 STALL_TIMEOUT_S = 120.0  # the longest wait for the next byte of a stream before the run is cut short
 CONNECT_TIMEOUT_S = 10.0

@@ -12,7 +12,7 @@ decision: the share of the server's decode work spent verifying speculative toke
   (rejected / verified positions, an estimate from its counters)."""
 from __future__ import annotations
 
-from .store import BUCKETS
+from .distances import BUCKETS
 
 CLIENT, SERVER, ESTIMATE, NONE = "client", "server", "estimate", "none"
 

@@ -7,11 +7,10 @@ import socket
 
 import psutil
 
-from .store import BUCKETS, Store, _process_alive, utcnow
-
-RUN_SUMMARY = ("n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s",
-               "total_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
-
+from .distances import BUCKETS
+from .recovery import process_alive
+from .sql import complete_run, insert_batches, utcnow
+from .store import Store
 
 def _owner() -> dict:
     me = psutil.Process()
@@ -33,18 +32,15 @@ def start_run(store: Store, *, endpoint: str, server_model: str, config: dict, p
 
 def finish_run(store: Store, run_id: int, *, status: str, output: str, token_ids: list[int], metrics: dict,
                provenance: dict, error: str | None, steps: list[dict], tokens: list[dict]) -> None:
-    """Complete the run row and write its steps and tokens in one connection."""
-    values = {c: metrics.get(c) for c in RUN_SUMMARY}
-    distances = metrics.get("distances_ms") or {}
-    values.update({f"{b}_ms": distances.get(b) for b in BUCKETS})
-    values.update({"finished_at": utcnow(), "status": status, "output": output, "token_ids": list(token_ids),
-                   "metrics": json.dumps(metrics, default=str), "error": error, "provenance": json.dumps(provenance),
-                   "server_work_ms": metrics.get("server_work_ms")})
-    assignments = ", ".join(f"{c} = ?" for c in values)
+    """Write the run's steps and tokens and complete its row, in one transaction."""
     with store.connect() as con:
-        con.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?", [*values.values(), run_id])
-    store.insert({"steps": [{"run_id": run_id, **r} for r in steps],
-                  "tokens": [{"run_id": run_id, **r} for r in tokens]})
+        con.execute("BEGIN")
+        insert_batches(con, {"steps": [{"run_id": run_id, **r} for r in steps],
+                             "tokens": [{"run_id": run_id, **r} for r in tokens]})
+        complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error)
+        con.execute("UPDATE runs SET provenance = ?, server_work_ms = ? WHERE run_id = ?",
+                    [json.dumps(provenance), metrics.get("server_work_ms"), run_id])
+        con.execute("COMMIT")
 
 
 def start_sweep(store: Store, *, endpoint: str, server_model: str, config: dict) -> int:
@@ -71,7 +67,7 @@ def sweeps(store: Store, limit: int = 50):
     frame = store.query("SELECT * FROM load_sweeps ORDER BY sweep_id DESC LIMIT ?", [limit])
     host = socket.gethostname()
     for i, row in frame.iterrows():
-        if row["status"] == "running" and row["host"] == host and not _process_alive(row["pid"], row["pid_started"]):
+        if row["status"] == "running" and row["host"] == host and not process_alive(row["pid"], row["pid_started"]):
             frame.loc[i, "status"] = "interrupted"
     return frame
 

@@ -17,7 +17,6 @@ import duckdb
 import psutil
 
 from . import recovery
-from .distances import BUCKETS  # noqa: F401 (older importers)
 from .errors import UserError
 from .paths import default_db_path
 from .schema import MIGRATIONS, SCHEMA_VERSION

@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine import hardware
-from engine.store import BUCKETS
+from engine.distances import BUCKETS
 from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
                 plot_escape, run_label)
 

@@ -59,7 +59,7 @@ def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, 
 
 
 def test_long_runs_draw_means_of_neighbouring_tokens_in_a_bounded_picture():
-    from engine.store import BUCKETS
+    from engine.distances import BUCKETS
     from ui import live_bars
 
     rows = [{"idx": i, **{f"{b}_ms": 0.0 for b in BUCKETS}} for i in range(7)]

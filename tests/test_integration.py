@@ -11,7 +11,7 @@ import torch
 from engine.accounting import cache_nbytes, model_shape
 from engine.generate import Generation, GenConfig
 from engine.text import prompt_ids
-from engine.store import BUCKETS
+from engine.distances import BUCKETS
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent

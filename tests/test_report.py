@@ -17,7 +17,8 @@ from engine.definitions import BUCKET_MEANING, METRICS
 from engine.generate import Generation, GenConfig
 from engine.quant import variant
 from engine.report import ReportError, Section, runs_report
-from engine.store import BUCKETS, Store
+from engine.distances import BUCKETS
+from engine.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from engine import served, served_split, served_store
 from engine.load import Sweep, SweepConfig, load_prompts, parse_concurrency
 from engine.served import ServedError, ServedRunError
 from engine.serving_metrics import request_metrics
-from engine.store import BUCKETS
+from engine.distances import BUCKETS
 from engine.vllm_server import free_port
 
 SERVER = Path(__file__).with_name("stream_server.py")

@@ -9,7 +9,7 @@ from engine import served, served_store, server_metrics
 from engine.generate import Generation, GenConfig
 from engine.load import Sweep, SweepConfig, load_prompts
 from engine.served import ServedError
-from engine.store import BUCKETS
+from engine.distances import BUCKETS
 from engine.vllm_server import VLLM_VENV, VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
