@@ -7,7 +7,6 @@ import socket
 
 import psutil
 
-from .distances import BUCKETS
 from .recovery import process_alive
 from .sql import complete_run, insert_batches, utcnow
 from .store import Store
