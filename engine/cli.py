@@ -35,7 +35,7 @@ def spec_from_args(args):
 
     given = [flag for dest, flag in SPEC_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
     if args.spec == "none" and given:
-        raise GenerationError(f"{', '.join(given)} set speculative decoding: add --spec METHOD, or leave them out.")
+        raise GenerationError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to speculative decoding: add --spec METHOD, or leave {'it' if len(given) == 1 else 'them'} out.")
     defaults = GenConfig("")
     spec_settings = {dest: getattr(defaults, dest) if getattr(args, dest) is None else getattr(args, dest)
                      for dest in SPEC_FLAGS}
@@ -275,18 +275,17 @@ def run_limit(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def common(p, device=True) -> None:
+    p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
+    if device:
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_generate_parser(sub) -> None:
+    """generate: its choices of weight level, KV precision and speculative method come from the registries."""
     from .dtypes import KV_CHOICES
     from .speculative import METHODS
-
-    parser = Parser(prog="python -m engine", description="Tokenpath engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def common(p, device=True):
-        p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
-        if device:
-            p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
 
     g = sub.add_parser("generate", help="generate text token by token and record the run")
     g.add_argument("--prompt", required=True)
@@ -316,6 +315,36 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.set_defaults(func=cmd_generate)
 
+
+def add_kvcalc_parser(sub) -> None:
+    from .dtypes import BITS
+
+    k = sub.add_parser("kvcalc", help="KV-cache and memory calculator")
+    k.add_argument("--preset", help="a shipped model preset (substring of its name); --list-presets lists them")
+    k.add_argument("--config", help="a model's config.json")
+    k.add_argument("--model", help="'default' or a local model folder: its config.json and real parameter count")
+    k.add_argument("--layers", type=int)
+    k.add_argument("--kv-heads", type=int)
+    k.add_argument("--heads", type=int, help="attention heads (default: --kv-heads)")
+    k.add_argument("--head-dim", type=int)
+    k.add_argument("--window", type=int, help="sliding-window length")
+    k.add_argument("--sliding-layers", type=int, help="layers that use the window (default: all)")
+    k.add_argument("--dtype", default="fp16", choices=list(BITS))
+    k.add_argument("--group", type=int, default=64, help="values per 16-bit scale for int8/int4 KV")
+    k.add_argument("--context", type=int, default=2048)
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (per-GPU share)")
+    k.add_argument("--params", type=float, help="parameter count, for the weights memory")
+    k.add_argument("--weight-dtype", default="bf16", choices=list(BITS))
+    k.add_argument("--list-presets", action="store_true")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_kvcalc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m engine", description="Tokenpath engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
     q = sub.add_parser("quality", help="perplexity, KL and top-1 agreement against fp32 on data/eval.txt")
     q.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
     add_quant_args(q)
@@ -335,27 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--device", default="auto")
     h.set_defaults(func=cmd_hardware)
 
-    k = sub.add_parser("kvcalc", help="KV-cache and memory calculator")
-    k.add_argument("--preset", help="a shipped model preset (substring of its name); --list-presets lists them")
-    k.add_argument("--config", help="a model's config.json")
-    k.add_argument("--model", help="'default' or a local model folder: its config.json and real parameter count")
-    k.add_argument("--layers", type=int)
-    k.add_argument("--kv-heads", type=int)
-    k.add_argument("--heads", type=int, help="attention heads (default: --kv-heads)")
-    k.add_argument("--head-dim", type=int)
-    k.add_argument("--window", type=int, help="sliding-window length")
-    k.add_argument("--sliding-layers", type=int, help="layers that use the window (default: all)")
-    k.add_argument("--dtype", default="fp16", choices=["fp32", "bf16", "fp16", "fp8", "int8", "int4"])
-    k.add_argument("--group", type=int, default=64, help="values per 16-bit scale for int8/int4 KV")
-    k.add_argument("--context", type=int, default=2048)
-    k.add_argument("--batch", type=int, default=1)
-    k.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (per-GPU share)")
-    k.add_argument("--params", type=float, help="parameter count, for the weights memory")
-    k.add_argument("--weight-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8", "int4"])
-    k.add_argument("--list-presets", action="store_true")
-    k.add_argument("--json", action="store_true")
-    k.set_defaults(func=cmd_kvcalc)
-
+    add_kvcalc_parser(sub)
     from .plan_cli import add_plan_parser
 
     add_plan_parser(sub)

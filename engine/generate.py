@@ -28,7 +28,7 @@ from .drafters import MAX_K, SpeculativeError
 from .spec import GenConfig, GenerationError
 from .step import DecodeState, decode_step
 from .store import Store
-from .text import TextStream, eos_ids, prompt_ids
+from .text import Output, prompt_ids
 
 
 @dataclass
@@ -72,18 +72,24 @@ class Generation:
             self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
             cfg.kv_cache, forward_savings(sparse) if sparse else None)
         self.recorder = Recorder(store) if store is not None else None
-        self.eos = eos_ids(lm)
+        self.output = Output(lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
         self.run_id: int | None = None
         self.status = "pending"
         self.error: str | None = None
         self.stop_reason: str | None = None
-        self.text = ""
-        self.token_ids: list[int] = []
         self.steps: list[dict] = []
         self.tokens: list[dict] = []
         self.telemetry_rows: list[dict] = []
         self.state: DecodeState | None = None
         self.result: dict | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids
 
     @property
     def live_tokens(self) -> list[dict]:
@@ -126,7 +132,6 @@ class Generation:
     def _loop(self, t_request: int):
         cfg = self.cfg
         generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-        stream = TextStream(self.lm.tokenizer)
         cache = DynamicCache(config=self.lm.config) if cfg.kv_cache else None
         if cache is not None and self.drafter is not None:
             self.drafter.attach(cache, self.kv_dtype)
@@ -139,7 +144,8 @@ class Generation:
             guessing = step > 0 and room > 0 and (backoff is None or backoff.allows())
             out = decode_step(self.lm, state, cfg, self.drafter, min(k, room) if guessing else 0, generator,
                               step_start)
-            events, text, done = self._emit(out.emitted, stream)
+            events, text, done = self.output.take(out.emitted)
+            state.ids.extend(token for token, _ in events)
             state.pending = state.ids[cache.get_seq_length():] if cfg.kv_cache else state.ids
             t_end = time.perf_counter_ns()
             row, token_rows = account(self.attribution, step, out,
@@ -163,40 +169,6 @@ class Generation:
                 # what guessing costs
                 backoff.record((t_end - out.marks[1]) / 1e6, len(events), bool(out.drafted))
             step += 1
-
-    def _emit(self, emitted: list[int], stream: TextStream) -> tuple[list[tuple[int, str]], str, str | None]:
-        """Append the step's approved tokens up to the budget or a stop; returns (token, text piece)
-        pairs, the text they added and why the run ends (None: it goes on)."""
-        events, added, done = [], "", None
-        for token in emitted[: self.cfg.max_new_tokens - len(self.token_ids)]:
-            self.state.ids.append(token)
-            self.token_ids.append(token)
-            piece = stream.push(token)
-            self.text += piece
-            done = self._stop_check(token, piece)
-            if done == "stop_string":
-                cut = self._cut_at_stop()
-                piece = piece[: max(0, len(piece) - (len(self.text) - len(cut)))]
-                self.text = cut
-            events.append((token, piece))
-            added += piece
-            if done:
-                break
-        if not done and len(self.token_ids) >= self.cfg.max_new_tokens:
-            done = "max_new_tokens"
-        return events, added, done
-
-    def _stop_check(self, token: int, piece: str) -> str | None:
-        if token in self.eos and not self.cfg.ignore_eos:
-            return "eos"
-        # a stop string that appeared now ends within the last piece
-        if any(s and s in self.text[-(len(s) + len(piece)):] for s in self.cfg.stop):
-            return "stop_string"
-        return None
-
-    def _cut_at_stop(self) -> str:
-        cut = min(self.text.find(s) for s in self.cfg.stop if s and s in self.text)
-        return self.text[:cut]
 
     def _summary(self) -> dict:
         metrics = run_metrics([t["t_ms"] for t in self.tokens], len(self.prompt_ids))
