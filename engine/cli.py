@@ -33,7 +33,8 @@ def spec_from_args(args):
     from .generate import GenerationError
     from .spec import GenConfig, RunSpec
 
-    given = [flag for dest, flag in SPEC_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    given = [flag for dest, flag in SPEC_FLAGS.items()
+             if getattr(args, dest, None) is not None and getattr(args, dest) is not False]
     if args.spec == "none" and given:
         raise GenerationError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to speculative decoding: add --spec METHOD, or leave {'it' if len(given) == 1 else 'them'} out.")
     defaults = GenConfig("")

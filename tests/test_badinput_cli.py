@@ -96,3 +96,36 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path, after_s
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("cancelled"), err
+
+
+GENERATE_VALUES = [
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "nan"], "top_p"),
+    (["--seed", str(2 ** 64)], "seed"),
+    (["--seed", "-1"], "seed"),
+    (["--spec-k", "0"], "--spec-k only applies to speculative decoding"),
+    (["--spec", "prompt-lookup", "--spec-k", "0"], "draft length"),
+    (["--window", "3", "--adaptive"], "only apply to speculative decoding"),
+    (["--sparsity", "nan"], "Sparsity"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize("args, expected", GENERATE_VALUES, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_generate_values_out_of_range_are_one_sentence_and_record_nothing(tmp_path, args, expected):
+    db = tmp_path / "runs.duckdb"
+    done = engine("generate", "--prompt", "hi", *args, db=db, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], done.stderr
+    assert not db.exists() or Store(db).runs().empty
+
+
+def test_a_prompt_that_is_not_utf8_is_one_sentence(tmp_path):
+    db = tmp_path / "runs.duckdb"
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", b"caf\xe9 \xff"], cwd=ROOT,
+                          capture_output=True, timeout=120, env={**os.environ, "TOKENPATH_DB": str(db)})
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 2 and "UTF-8" in err and "Traceback" not in err, err
+    assert not db.exists() or Store(db).runs().empty

@@ -124,3 +124,14 @@ def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibr
     assert list(store.runs()["run_id"]) == [ids[1]]
     assert store.tokens(ids[0]).empty and store.steps(ids[0]).empty
     assert len(store.tokens(ids[1])) > 0
+
+
+def test_the_steps_and_tokens_tables_have_the_row_types_columns(store):
+    from dataclasses import fields
+
+    from engine.rows import StepRow, TokenRow
+
+    served = {"server_work_ms"}  # a served run's unsplit server time (engine.served)
+    for table, row in (("steps", StepRow), ("tokens", TokenRow)):
+        columns = set(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
+        assert columns == {f.name for f in fields(row)} | {"run_id"} | served, table
