@@ -454,7 +454,20 @@ def formulas(setup: Setup) -> dict:
                 f"{eff.launch_us:g} us = {step['time']:.3f} ms",
         "decision": "speculative drafts the target rejects and their share of the verification (0 without "
                     "speculative decoding)",
+        **speculative_formula(setup, context),
     }
+
+
+def speculative_formula(setup: Setup, context: int) -> dict:
+    """With speculative decoding the buckets above are of a plain step; this says how a token's are made."""
+    if setup.spec_acceptance is None:
+        return {}
+    a, k = setup.spec_acceptance, setup.spec_draft_length
+    emitted = speculative(setup, context)["tokens_per_step"]
+    return {"speculative": f"a step drafts {k} tokens at {setup.spec_draft_cost:g} x a plain step each and verifies "
+                           f"{k + 1} at once; it emits (1 - {a:g}^{k + 1}) / (1 - {a:g}) = {emitted:.2f} tokens, so "
+                           f"each bucket per token = the verification step's bucket / {emitted:.2f}, with the "
+                           "rejected drafts' share moved to decision"}
 
 
 def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, weights: str = "bf16",
