@@ -90,7 +90,8 @@ class Model:
     def read_params(self) -> float:
         """Parameters one decode token reads: an untied input embedding is only looked up (one row)."""
         skipped = self.vocab * self.hidden if self.vocab and not self.tied else 0
-        return max(self.active_params - skipped, self.active_params * 0.5)
+        # a parameter count smaller than twice the embedding is a count without it: keep the whole count
+        return self.active_params - skipped if self.active_params > 2 * skipped else self.active_params
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ def check_setup(setup: Setup) -> Setup:
     if interconnects()[setup.interconnect]["link"] == "gpu" and most and (tp or gpus // pp) > most:
         raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} joins at most {most} GPUs: "
                         f"use the pcie interconnect for tensor parallel over more.")
-    link_gbps(setup) if (tp or gpus // pp) > 1 or pp > 1 else None
+    if (tp or gpus // pp) > 1 or pp > 1:
+        link_gbps(setup)  # refuses an interconnect the GPU does not have
     kvcalc.bits_per_value(setup.kv_dtype)
     weight_bits(setup)
     for name in ("batch", "prompt_tokens", "new_tokens"):
