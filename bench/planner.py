@@ -67,6 +67,12 @@ def render_local(rows: list[dict]) -> str:
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['load']:.1f} / {r['load_after']:.1f} | {r['memory_gbps']:.1f} | {r['measured']:.1f} | "
                      f"{r['planned']:.1f} | {r['planned'] / r['measured']:.3f} |")
+    ratios = [r["planned"] / r["measured"] for r in rows]
+    loads = [x for r in rows for x in (r["load"], r["load_after"])]
+    lines += ["", f"Planned / measured {min(ratios):.3f} to {max(ratios):.3f} (median {statistics.median(ratios):.3f}); "
+              f"{os.cpu_count()} logical cores, load average {min(loads):.1f} to {max(loads):.1f} during the runs. "
+              "The plan has no term for waiting for a core, which each of a step's operations that runs on both "
+              "threads does while other processes hold them."]
     return "\n".join(lines) + "\n"
 
 

@@ -65,8 +65,8 @@ ORIGIN = {
                      "launch of one CUDA graph)",
     "launch_us": "0 on GPUs: compiled engines launch a step as one CUDA graph; on this machine the calibrated "
                  "dispatch cost per operation",
-    "kernels_per_layer": "the operations of one layer in Tokenpath's own forward (norms, fused projections, rotary, "
-                         "attention, residuals)",
+    "kernels_per_layer": "counts only where launch_us is above 0; on this machine the dispatches of one layer of "
+                         "Tokenpath's own forward, counted with torch.profiler",
     "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
     "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
                    "are few beside its bandwidth), in fp32 vector operations per weight",
@@ -90,7 +90,8 @@ class Model:
     def read_params(self) -> float:
         """Parameters one decode token reads: an untied input embedding is only looked up (one row)."""
         skipped = self.vocab * self.hidden if self.vocab and not self.tied else 0
-        return max(self.active_params - skipped, self.active_params * 0.5)
+        # a parameter count smaller than twice the embedding is a count without it: keep the whole count
+        return self.active_params - skipped if self.active_params > 2 * skipped else self.active_params
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ def check_setup(setup: Setup) -> Setup:
     if interconnects()[setup.interconnect]["link"] == "gpu" and most and (tp or gpus // pp) > most:
         raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} joins at most {most} GPUs: "
                         f"use the pcie interconnect for tensor parallel over more.")
-    link_gbps(setup) if (tp or gpus // pp) > 1 or pp > 1 else None
+    if (tp or gpus // pp) > 1 or pp > 1:
+        link_gbps(setup)  # refuses an interconnect the GPU does not have
     kvcalc.bits_per_value(setup.kv_dtype)
     weight_bits(setup)
     for name in ("batch", "prompt_tokens", "new_tokens"):
@@ -454,7 +456,20 @@ def formulas(setup: Setup) -> dict:
                 f"{eff.launch_us:g} us = {step['time']:.3f} ms",
         "decision": "speculative drafts the target rejects and their share of the verification (0 without "
                     "speculative decoding)",
+        **speculative_formula(setup, context),
     }
+
+
+def speculative_formula(setup: Setup, context: int) -> dict:
+    """With speculative decoding the buckets above are of a plain step; this says how a token's are made."""
+    if setup.spec_acceptance is None:
+        return {}
+    a, k = setup.spec_acceptance, setup.spec_draft_length
+    emitted = speculative(setup, context)["tokens_per_step"]
+    return {"speculative": f"a step drafts {k} tokens at {setup.spec_draft_cost:g} x a plain step each and verifies "
+                           f"{k + 1} at once; it emits (1 - {a:g}^{k + 1}) / (1 - {a:g}) = {emitted:.2f} tokens, so "
+                           f"each bucket per token = the verification step's bucket / {emitted:.2f}, with the "
+                           "rejected drafts' share moved to decision"}
 
 
 def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, weights: str = "bf16",
@@ -471,6 +486,11 @@ def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, w
 # --- this machine -----------------------------------------------------------------------------
 
 LOCAL_HOST_US = 250.0  # the decode loop's Python bookkeeping per step (token selection, cache and record keeping)
+# Dispatches one decode step of Tokenpath's lean forward pays per layer: torch.profiler records 2,634 ATen calls
+# (at every level: a linear is linear, t, matmul, mm, views) in one step of the default model's 30 layers, 87.8 a
+# layer, plus 4 calls into the C++ kernels (two norms, two rotary) that it does not see. Each costs about one
+# calibrated dispatch, which is why the step exceeds its bytes over the bandwidth by more than its matrix products.
+LOCAL_OPS_PER_LAYER = 92
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -489,7 +509,7 @@ def local_efficiency(calibration: dict) -> Efficiency:
     """The calibration already measures achieved figures (gemv bandwidth, matmul peak, one dispatch), so the
     factors are 1 and the fixed cost is the calibrated dispatch per operation plus the loop's host work."""
     return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
-                      step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
+                      kernels_per_layer=LOCAL_OPS_PER_LAYER, step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,

@@ -42,7 +42,8 @@ def cmd_plan(args) -> int:
           f"per user, {result['tokens_per_s_total']:.1f} tokens/s in all")
     print(f"  prefill of {result['prompt_tokens']} tokens: {result['prefill_ms']:.2f} ms")
     for bucket, formula in plan.formulas(setup).items():
-        print(f"  {bucket:>8} {result['distances_ms'][bucket]:9.4f} ms  = {formula}")
+        figure = f"{result['distances_ms'][bucket]:9.4f} ms" if bucket in result["distances_ms"] else " " * 12
+        print(f"  {bucket:>8} {figure}  = {formula}")
     print(f"  memory per GPU: {kvcalc.human(result['memory_per_gpu_bytes'])} of "
           f"{kvcalc.human(result['memory']['capacity_bytes'])}; largest batch that fits: {result['largest_batch']}")
     return 0

@@ -137,7 +137,7 @@ def test_the_local_prediction_uses_the_calibration_as_measured():
     s = kvcalc.spec_from_model_folder("default")
     kv = kvcalc.kv_bytes(s, 30 + 32 + 1, "fp32")
     assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 20e9 * 1e3)
-    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * 16 + 4) * 5.0) / 1e3)
+    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0) / 1e3)
     assert r["distances_ms"]["physical"] == 0
 
 

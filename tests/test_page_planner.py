@@ -1,0 +1,94 @@
+"""The Planner page through AppTest: its defaults, every preset, bad input, and planned against measured."""
+import json
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine import plan
+from engine.store import Store
+
+pytestmark = pytest.mark.usefixtures("page_db")
+STORIES = ["GPT-3 175B on a DGX A100: NVSwitch against PCIe", "Llama-2-70B on 2, 4 and 8 GPUs: NVLink against PCIe",
+           "What int8 buys on an H200", "70B on 8 x A100 over PCIe or 4 x H100 over NVLink"]
+
+
+def open_page(timeout=180) -> AppTest:
+    at = AppTest.from_file("../app.py", default_timeout=timeout)
+    at.switch_page("pages/planner.py")
+    return at.run()
+
+
+def bars(at: AppTest):
+    return [c for c in at.get("plotly_chart")]
+
+
+def test_defaults_show_the_dgx_story_as_estimates_with_formulas():
+    at = open_page()
+    assert not at.exception and not at.error
+    table = at.dataframe[0].value
+    assert list(table["configuration"]) == ["GPT-3 175B class · 8 x a100-80gb-sxm · nvswitch",
+                                            "GPT-3 175B class · 8 x a100-80gb-pcie · pcie"]
+    assert all("(estimate)" in c for c in table.columns if "ms" in c or "tokens/s" in c)
+    nvswitch, pcie = table["tokens/s per user (estimate)"]
+    assert nvswitch > pcie  # the slower link costs the PCIe box speed
+    assert len(bars(at)) == 3  # the stacked buckets and the two scaling curves
+    assert [e.label for e in at.expander if e.label.startswith("Formulas")] == \
+        [f"Formulas: {c}" for c in table["configuration"]]
+    assert any("physical: 2 x 96 layers x all-reduce" in c.value for c in at.code)
+
+
+@pytest.mark.parametrize("story", STORIES)
+def test_every_preset_renders(story):
+    at = open_page()
+    at.selectbox[0].set_value(story).run()
+    assert not at.exception and not at.error
+    table = at.dataframe[0].value
+    assert len(table) == len([c for c in at.expander if c.label.startswith("Formulas")]) >= 2
+    assert table["fits"].all()
+
+
+def test_the_llama_story_scales_worse_over_pcie():
+    at = open_page()
+    at.selectbox[0].set_value(STORIES[1]).run()
+    speeds = list(at.dataframe[0].value["tokens/s per user (estimate)"])
+    nvlink_gain, pcie_gain = speeds[1] / speeds[0], speeds[3] / speeds[2]
+    assert nvlink_gain > pcie_gain > 1
+
+
+def test_bad_input_is_one_sentence_in_its_column():
+    at = open_page()
+    at.number_input(key="GPT-3 175B on a DGX A100: NVSwitch against PCIe-0-tp").set_value(16).run()
+    assert not at.exception
+    assert "needs 16 GPUs but only 8" in at.error[0].value.replace("\\", "")
+    assert len(at.dataframe[0].value) == 1  # the other configuration still renders
+    at.number_input(key="GPT-3 175B on a DGX A100: NVSwitch against PCIe-0-tp").set_value(0).run()
+    at.number_input(key="GPT-3 175B on a DGX A100: NVSwitch against PCIe-1-gpus").set_value(0).run()
+    assert "gpus must be a whole number" in at.error[0].value.replace("\\", "")
+
+
+def test_a_model_that_does_not_fit_is_flagged():
+    at = open_page()
+    at.number_input(key="GPT-3 175B on a DGX A100: NVSwitch against PCIe-0-gpus").set_value(2).run()
+    assert not at.exception
+    assert any("does not fit" in w.value.replace("\\", "") for w in at.warning)
+    assert not at.dataframe[0].value["fits"].iloc[0]
+
+
+def test_planned_against_measured_for_recorded_runs(page_db):
+    store = Store(page_db)
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0}
+    run_id = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
+                             config={"quant": "fp32", "kv_cache": True}, hardware={}, prompt="x")
+    store.finish_run(run_id, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": 40.0,
+                                                   "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
+                                                   "calibration": calibration})
+    at = open_page()
+    assert not at.exception
+    table = at.dataframe[-1].value
+    expected = plan.plan_for_run({"model": "SmolLM2-135M-Instruct", "dtype": "float32", "n_prompt_tokens": 30,
+                                  "n_new_tokens": 64, "metrics": json.dumps({"weight_bytes_per_forward": 538060288,
+                                                                             "kv_dtype": "fp32"})}, calibration)
+    assert list(table["run"]) == [run_id]
+    assert table["planned ms per token (estimate)"].iloc[0] == round(expected["decode_ms_per_token"], 2)
+    assert table["measured ms per token (TPOT)"].iloc[0] == 40.0
