@@ -122,12 +122,3 @@ def parse_json_bytes(data: bytes, name: str, max_bytes: int = CONFIG_MAX_BYTES, 
     if not isinstance(value, dict):
         raise ShapeError(f"{name} holds JSON but not an object, so it is not a {what}.")
     return value
-
-
-_MARKDOWN = set("\\`*_{}[]()#+-.!|<>~:$=&\"'")
-
-
-def markdown_literal(text) -> str:
-    """User text (a model name, a path, a file name) for a Markdown renderer: every character that Markdown or
-    Streamlit's directives (:red[...], :material/...:) would act on is backslash-escaped, newlines become spaces."""
-    return "".join("\\" + c if c in _MARKDOWN else c for c in " ".join(str(text).splitlines()))

@@ -86,13 +86,13 @@ try:
         result = kvcalc.calculate(spec, context=int(context), dtype=dtype, batch=int(batch), tp=int(tp),
                                   group=int(group), weight_dtype=weight_dtype)
 except KVCalcError as exc:
-    st.error(shapes.markdown_literal(exc))
+    st.error(md_escape(exc))
     st.stop()
 
 if spec is None:
     st.stop()
 
-st.subheader(shapes.markdown_literal(f"{spec.name}: {spec.kind}"))
+st.subheader(md_escape(f"{spec.name}: {spec.kind}"))
 m = st.columns(4)
 m[0].metric("Values per token", f"{result['values_per_token']:,}")
 both_units(m[1], "Bytes per token", result["bytes_per_token"])

@@ -9,8 +9,8 @@ import streamlit as st
 
 from engine import plan
 from engine.kvcalc import human, project_model_folders
-from engine.shapes import ShapeError, markdown_literal
-from ui import BUCKET_COLOURS, open_store, page_setup
+from engine.shapes import ShapeError
+from ui import BUCKET_COLOURS, md_escape, open_store, page_setup
 
 page_setup("Planner")
 
@@ -88,8 +88,8 @@ def efficiency_form() -> plan.Efficiency:
                      "host_sync_us"):
             values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if
                                            getattr(base, name) <= 1 else 1.0, key=f"eff-{name}")
-            st.caption(markdown_literal(plan.ORIGIN[name]))
-        st.caption("dequant_ops " + markdown_literal(f"{base.dequant_ops}: {plan.ORIGIN['dequant_ops']}"))
+            st.caption(md_escape(plan.ORIGIN[name]))
+        st.caption("dequant_ops " + md_escape(f"{base.dequant_ops}: {plan.ORIGIN['dequant_ops']}"))
     return replace(base, **values)
 
 
@@ -118,7 +118,7 @@ for i, form in enumerate(forms):
         results.append(plan.plan(setup))
         setups.append(setup)
     except ShapeError as exc:
-        columns[i].error(markdown_literal(exc))
+        columns[i].error(md_escape(exc))
 if not results:
     st.stop()
 
@@ -138,7 +138,7 @@ st.subheader("Side by side (estimates)")
 st.dataframe(summary_table(results), hide_index=True, width="stretch")
 for r in results:
     if not r["fits"]:
-        st.warning(markdown_literal(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
+        st.warning(md_escape(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
 bars = go.Figure()
 for b in plan.BUCKETS:
     bars.add_bar(x=[label(r) for r in results], y=[r["distances_ms"][b] for r in results], name=b,

@@ -63,8 +63,3 @@ def test_json_files_are_read_with_a_limit_and_only_when_regular(tmp_path):
         shapes.parse_json_bytes(b"[1]", "x.json")
     with pytest.raises(ShapeError, match="not valid JSON"):
         shapes.parse_json_bytes(b"\xff\xfe", "x.json")
-
-
-def test_user_text_is_escaped_for_markdown():
-    text = shapes.markdown_literal("**x** [a](https://e.com) :red[y]\nz")
-    assert text == "\\*\\*x\\*\\* \\[a\\]\\(https\\://e\\.com\\) \\:red\\[y\\] z"
