@@ -12,7 +12,17 @@ from .distances import BUCKETS, PHASES, Roofline, attribute, split_over_tokens, 
 
 
 @dataclass
-class StepRow:
+class BucketRow:
+    """The five buckets of a row, in ms."""
+    physical_ms: float
+    memory_ms: float
+    compute_ms: float
+    time_ms: float
+    decision_ms: float
+
+
+@dataclass
+class StepRow(BucketRow):
     step: int
     kind: str  # prefill or decode
     n_input: int
@@ -35,26 +45,16 @@ class StepRow:
     compute_est_ms: float
     roofline_ms: float
     waste_fraction: float
-    physical_ms: float
-    memory_ms: float
-    compute_ms: float
-    time_ms: float
-    decision_ms: float
 
 
 @dataclass
-class TokenRow:
+class TokenRow(BucketRow):
     idx: int
     step: int
     token_id: int
     piece: str
     t_ms: float  # since the request started, when the token was handed over
     gap_ms: float  # the step's wall time for its first token, 0 for the others it emitted
-    physical_ms: float
-    memory_ms: float
-    compute_ms: float
-    time_ms: float
-    decision_ms: float
 
 
 @dataclass
