@@ -62,7 +62,8 @@ def test_live_first_view_is_the_four_switches_and_more_settings_are_summarised(p
     assert "all at their defaults" in at.caption[0].value
     next(w for w in at.number_input if w.label == "Max new tokens").set_value(9)
     next(w for w in at.toggle if w.label == "Adaptive").set_value(True)
-    at.run()
+    at.text_area[0].set_value("  ")  # refused at once: no run, but the form's values are submitted
+    next(b for b in at.button if b.label == "Generate").click().run()
     assert at.caption[0].value == "More settings: max new 9, adaptive True"
 
 
@@ -117,3 +118,19 @@ def test_hardware_page_shows_calibration_after_the_button(page_db):
     at.button[0].click().run()
     assert not at.exception
     assert any("GB/s" in str(df.value) for df in at.dataframe)
+
+
+def test_live_page_served_mode_with_a_server_that_does_not_answer_is_one_sentence(page_db):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    at = open_page("pages/live.py")
+    next(r for r in at.radio if r.label == "Where the model runs").set_value("a server").run()
+    assert not any(w.label == "Weight precision" for w in at.selectbox)  # the server's own settings
+    next(w for w in at.text_input if w.label == "Server URL").set_value(f"http://127.0.0.1:{port}")
+    next(b for b in at.button if b.label == "Generate").click().run()
+    assert not at.exception
+    assert len(at.error) == 1 and at.error[0].value.startswith("Nothing answers at")
+    assert Store(page_db).runs().empty
