@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx2
 
-from .models import DEFAULT_MODEL_NAME, REPO_ROOT, default_model_dir
+from .models import DEFAULT_MODEL_NAME, default_model_dir
+from .paths import REPO_ROOT
 
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 HOST = "127.0.0.1"

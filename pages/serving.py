@@ -11,7 +11,8 @@ import streamlit as st
 
 from engine import served, served_store, sweep_views
 from engine.load import load_prompts, parse_concurrency
-from engine.models import REPO_ROOT, workloads
+from engine.models import workloads
+from engine.paths import REPO_ROOT
 from engine.served import ServedError
 from engine.serving_metrics import DEFINITIONS
 from ui import open_store, page_setup
