@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from engine import hardware, plan  # noqa: E402
+from engine import hardware, plan
 
 
 def predict(point: dict) -> float:

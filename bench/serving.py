@@ -12,15 +12,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import hardware, served  # noqa: E402
-from engine.generate import Generation, GenConfig  # noqa: E402
-from engine.load import Sweep, SweepConfig, load_prompts, parse_concurrency  # noqa: E402
+from engine import hardware, served
+from engine.generate import Generation, GenConfig
+from engine.load import Sweep, SweepConfig, load_prompts, parse_concurrency
 from engine.models import load_model, workloads
 from engine.paths import REPO_ROOT
-from engine.served_cli import level_table  # noqa: E402
-from engine.store import Store  # noqa: E402
-from engine.vllm_server import VLLMServer  # noqa: E402
+from engine.served_cli import level_table
+from engine.store import Store
+from engine.vllm_server import VLLMServer
 
 WORKLOADS = ("passage question", "summary", "code edit")
 
