@@ -23,7 +23,7 @@ from .metrics import run_metrics
 from .models import LoadedModel, load_model
 from .record import Recorder
 from .rows import Attribution, account
-from .sparsity import forward_savings, sparse_layers
+from .sparsity import sparse_layers
 from .drafters import MAX_K, SpeculativeError
 from .spec import GenConfig, GenerationError
 from .step import DecodeState, decode_step
@@ -67,10 +67,9 @@ class Generation:
             raise GenerationError(str(exc)) from None
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
-        sparse = sparse_layers(lm.model)
         self.attribution = Attribution(
             self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
-            cfg.kv_cache, forward_savings(sparse) if sparse else None)
+            cfg.kv_cache, tuple(sparse_layers(lm.model)))
         self.recorder = Recorder(store) if store is not None else None
         self.output = Output(lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
         self.run_id: int | None = None
@@ -90,6 +89,11 @@ class Generation:
     @property
     def token_ids(self) -> list[int]:
         return self.output.token_ids
+
+    @property
+    def cache(self):
+        """The run's KV cache (None before the run or with the cache off)."""
+        return self.state.cache if self.state else None
 
     @property
     def live_tokens(self) -> list[dict]:
@@ -173,7 +177,7 @@ class Generation:
     def _summary(self) -> dict:
         metrics = run_metrics([t["t_ms"] for t in self.tokens], len(self.prompt_ids))
         decode_steps = [s for s in self.steps if s["kind"] == "decode"]
-        cache = self.state.cache if self.state else None
+        cache = self.cache
         metrics.update({
             "distances_ms": sum_buckets([{b: s[f"{b}_ms"] for b in BUCKETS} for s in self.steps]),
             "stop_reason": self.stop_reason,

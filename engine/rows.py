@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .accounting import ForwardWork, ModelShape, forward_work, reduce_work
 from .distances import BUCKETS, PHASES, Roofline, attribute, split_over_tokens, waste_fraction
+from .sparsity import forward_savings
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Attribution:
     shape: ModelShape
     roofline: Roofline
     kv_cache: bool
-    sparse_savings: dict | None  # engine.sparsity.forward_savings of the sparse layers, if any
+    sparse: tuple = ()  # the model's sparse layers, whose counts say what each forward skipped
 
 
 def phases_ms(marks: tuple, t_end: int) -> dict:
@@ -99,8 +100,8 @@ def step_work(a: Attribution, out: Outcome, first_step: bool) -> tuple[ForwardWo
         useful = forward_work(a.shape, out.n_input - out.drafted + out.accepted, out.past, logits_kept=kept)
     else:
         useful = None
-    if a.sparse_savings:
-        saved = a.sparse_savings
+    if a.sparse:
+        saved = forward_savings(list(a.sparse))  # this forward's skipped and masked rows; resets the counts
         work = reduce_work(work, saved["skipped_bytes"], saved["skipped_flops"])
         if saved["zero_bytes"] or saved["zero_flops"]:  # masked: zeros multiplied for nothing
             useful = reduce_work(useful or work, saved["zero_bytes"], saved["zero_flops"])

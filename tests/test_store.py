@@ -53,7 +53,7 @@ def test_a_crashed_run_is_marked_interrupted(tmp_path):
 
 def test_a_live_run_of_this_process_stays_running(store):
     run_id = store.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt="p")
-    assert store.mark_interrupted() == 0
+    assert store.recover() == 0
     assert store.run(run_id)["status"] == "running"
 
 

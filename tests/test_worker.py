@@ -1,9 +1,8 @@
 """The generation process the Live page runs its generations in (engine.worker), with the real model."""
-from dataclasses import asdict
-
 import pytest
 
 from engine.generate import Generation, GenConfig
+from engine.spec import RunSpec
 from engine.store import Store
 from engine.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
@@ -17,8 +16,8 @@ def worker():
 
 def request(db, model="default", level="fp32", sparsity=0.0, **config) -> dict:
     cfg = GenConfig(prompt=config.pop("prompt", "Name a colour."), **config)
-    return {"db": str(db), "model": model, "device": "cpu", "level": level, "group": 32, "sparsity": sparsity,
-            "sparsity_mode": "mask", "config": asdict(cfg)}
+    spec = RunSpec(gen=cfg, model=model, device="cpu", weights=level, sparsity=sparsity)
+    return {"db": str(db), "spec": spec.to_dict()}
 
 
 def until_ready(run) -> dict:
