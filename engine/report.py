@@ -245,16 +245,30 @@ def runs_report(store, run_ids: list[int], title: str | None = None, extra: list
 
 def cmd_report(args) -> int:
     """python -m engine report: write the report file; bad input is one sentence and exit code 2."""
+    from . import story  # it builds on this module
     from .cli import USER_ERROR
-    from .store import Store, StoreError
 
+    if args.story:
+        return _write(args, story.story_report, "the latest story runs")
+    if not args.runs:
+        print("error: give --runs with run ids separated by commas (such as 3,4,5), or --story.", file=sys.stderr)
+        return USER_ERROR
     try:
         ids = [int(part) for part in args.runs.split(",") if part.strip()]
     except ValueError:
         print(f"error: --runs takes run ids separated by commas (such as 3,4,5), not '{args.runs}'.", file=sys.stderr)
         return USER_ERROR
+    return _write(args, lambda store: runs_report(store, ids, title=args.title),
+                  f"runs {', '.join(f'#{i}' for i in ids)}")
+
+
+def _write(args, build, what: str) -> int:
+    """Build the report from the store and write it; bad input is one sentence and exit code 2."""
+    from .cli import USER_ERROR
+    from .store import Store, StoreError
+
     try:
-        page = runs_report(Store(args.db), ids, title=args.title)
+        page = build(Store(args.db))
         Path(args.out).write_text(page, encoding="utf-8")
     except (ReportError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -262,13 +276,15 @@ def cmd_report(args) -> int:
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror}.", file=sys.stderr)
         return USER_ERROR
-    print(f"wrote {args.out} ({len(page) / 1e6:.1f} MB): runs {', '.join(f'#{i}' for i in ids)}")
+    print(f"wrote {args.out} ({len(page) / 1e6:.1f} MB): {what}")
     return 0
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("report", help="one self-contained HTML report of stored runs")
-    r.add_argument("--runs", required=True, help="run ids separated by commas; the first is the baseline")
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument("--runs", help="run ids separated by commas; the first is the baseline")
+    which.add_argument("--story", action="store_true", help="the latest runs of the Story page, chapter by chapter")
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--title", help="the report's title (default: the run ids)")
     r.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")

@@ -7,7 +7,8 @@ import socket
 
 import psutil
 
-from .store import BUCKETS, Store, _process_alive, utcnow
+from .recovery import process_alive as _process_alive
+from .store import BUCKETS, Store, utcnow
 
 RUN_SUMMARY = ("n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s",
                "total_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
@@ -24,7 +25,7 @@ def start_run(store: Store, *, endpoint: str, server_model: str, config: dict, p
            "server_model": server_model, "model": server_model, "device": "server", "dtype": None,
            "kv_cache": True, "temperature": float(config.get("temperature", 0.0)), "quant": None, "spec": "none",
            "config": json.dumps(config), "hardware": json.dumps({"gpu": config.get("gpu")}), "prompt": prompt,
-           **_owner()}
+           "tag": config.get("tag"), **_owner()}
     names = ", ".join(row)
     with store.connect() as con:
         return con.execute(f"INSERT INTO runs ({names}) VALUES ({', '.join('?' for _ in row)}) RETURNING run_id",
