@@ -6,7 +6,6 @@ import pandas as pd
 import streamlit as st
 
 from engine import story
-from engine.report import ReportError
 from engine.served import ServedError, api_root
 from engine.worker import WorkerFailed, WorkerRefused
 from ui import bucket_chart, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
@@ -25,13 +24,13 @@ model = default_model_id()
 SERVER_KEY = "story_server_url"
 
 
-def play(chapters, bar, done=0, total=None) -> int:
-    """Run the chapters' experiments in order through the queue; returns how many runs were made."""
+def play(chapters, bar) -> list[str]:
+    """Run the chapters' experiments in order through the queue; returns the sentences of runs refused."""
     specs = [(c, s) for c in chapters for s in story.chapter_specs(c, model)]
     url = st.session_state.get(SERVER_KEY, "").strip()
     if story.BY_KEY["physical"] in chapters and url:
         specs.append((story.BY_KEY["physical"], story.served_spec(url)))
-    total = total or len(specs)
+    total, problems = len(specs), []
     started = time.monotonic()
     for i, (chapter, spec) in enumerate(specs):
         bar.progress(i / total, text=f"{chapter.title}: {spec.tag.split(':')[2]} ({i + 1} of {total})")
@@ -39,9 +38,10 @@ def play(chapters, bar, done=0, total=None) -> int:
             run_in_worker(worker_request(spec, store), on_wait=lambda pos: bar.progress(
                 i / total, text=f"Waiting: {pos} generation(s) ahead."))
         except (WorkerRefused, WorkerFailed) as exc:
-            st.error(md_escape(f"{chapter.title}, {spec.tag.split(':')[2]}: {exc}"))
-    bar.progress(1.0, text=f"{len(specs)} runs in {time.monotonic() - started:.0f} s")
-    return len(specs)
+            problems.append(f"{chapter.title}, {spec.tag.split(':')[2]}: {exc}")
+            st.error(md_escape(problems[-1]))
+    bar.progress(1.0, text=f"{total - len(problems)} of {total} runs in {time.monotonic() - started:.0f} s")
+    return problems
 
 
 def server_url_problem(url: str) -> str | None:
@@ -58,14 +58,10 @@ play_all = top[0].button("Run the whole story", type="primary", help=f"{sum(len(
                          "a server URL is given below.")
 if play_all:
     play(story.CHAPTERS, st.progress(0.0, text="Starting..."))
-try:
-    report = story.story_report(store) if story.story_run_ids(store) else None
-except ReportError as exc:
-    report = None
-    st.error(md_escape(str(exc)))
-if report:
-    top[1].download_button("Download report", report, file_name="tokenpath-story.html", mime="text/html",
-                           on_click="ignore", help="One HTML file with every chapter's runs; it opens without a network.")
+if story.story_run_ids(store):  # the report is built when the button is pressed, not at every redraw
+    top[1].download_button("Download report", lambda: story.story_report(store), file_name="tokenpath-story.html",
+                           mime="text/html", on_click="ignore",
+                           help="One HTML file with every chapter's runs; it opens without a network.")
 
 
 def figures_table(rows: list[dict], comparison) -> pd.DataFrame:
@@ -138,9 +134,10 @@ for number, chapter in enumerate(story.CHAPTERS, start=1):
         problem = server_url_problem(url) if chapter.key == "physical" and url else None
         if problem:
             st.error(md_escape(problem))
-        elif chapter.comparisons or url:
-            play([chapter], st.progress(0.0, text="Starting..."))
-            st.rerun()
+        elif not chapter.comparisons and not url:
+            st.info("The estimates need no run: give a server URL below to measure a served run as well.")
+        elif not play([chapter], st.progress(0.0, text="Starting...")):
+            st.rerun()  # the report button above then holds the new runs too
     runs = story.latest_runs(store, chapter)
     for comparison in chapter.comparisons:
         comparison_view(comparison, runs)
