@@ -156,7 +156,15 @@ def share(run: dict, bucket: str) -> float | None:
     return (run[f"{bucket}_ms"] or 0.0) / total if total else None
 
 
-def figures(run: dict, baseline: dict | None, quality: dict | None) -> dict:
+def weight_bytes_per_token(store, run_id: int) -> float | None:
+    """Weight bytes the decode steps read per token they emitted: a skip-sparse step reads fewer."""
+    frame = store.query("SELECT sum(weight_bytes) AS b, sum(n_emitted) AS n FROM steps WHERE run_id = ? AND "
+                        "kind = 'decode'", [run_id])
+    read, emitted = frame["b"].iloc[0], frame["n"].iloc[0]
+    return float(read) / float(emitted) if emitted and emitted == emitted else None
+
+
+def figures(run: dict, baseline: dict | None, quality: dict | None, weight_bytes: float | None = None) -> dict:
     """Every figure a comparison may show for one run, by the names Comparison.figures uses."""
     m = run["metrics"]
     spec = m.get("speculative") or {}
@@ -164,7 +172,7 @@ def figures(run: dict, baseline: dict | None, quality: dict | None) -> dict:
     q = quality or {}
     return {"decode tok/s": rate, "speedup": rate / base if rate and base else None, "TPOT ms": run["tpot_ms"],
             "TTFT ms": run["ttft_ms"],
-            "weights MB per token": (m.get("weight_bytes_per_forward") or 0) / 1e6 or None,
+            "weights MB per token": (weight_bytes or m.get("weight_bytes_per_forward") or 0) / 1e6 or None,
             "tokens per forward": spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None),
             "acceptance": spec.get("acceptance_rate"),
             "thrown away": spec["drafted"] - spec["accepted"] if "drafted" in spec else None,
@@ -189,7 +197,7 @@ def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> lis
     rows = []
     for arm in present:
         run = runs[arm.key]
-        values = figures(run, baseline, quality.get(run["run_id"]))
+        values = figures(run, baseline, quality.get(run["run_id"]), weight_bytes_per_token(store, run["run_id"]))
         rows.append({"arm": arm.label, "run": run["run_id"], **{name: values[name] for name in comparison.figures}})
     return rows
 
