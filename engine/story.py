@@ -148,7 +148,8 @@ def story_run_ids(store) -> list[int]:
 
 
 def bucket_total(run: dict) -> float:
-    return sum(run[f"{b}_ms"] or 0.0 for b in BUCKETS)
+    """The run's attributed time: the five buckets, plus a served run's server work when no GPU split it."""
+    return sum(run[f"{b}_ms"] or 0.0 for b in BUCKETS) + (run.get("server_work_ms") or 0.0)
 
 
 def share(run: dict, bucket: str) -> float | None:

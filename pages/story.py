@@ -91,9 +91,10 @@ def comparison_view(comparison, runs: dict) -> None:
     cols = st.columns(len(rows))
     for column, row in zip(cols, rows):
         speedup = row.get("speedup")
-        column.metric(row["arm"], f"{story.show('decode tok/s', row['decode tok/s'])} tok/s",
-                      None if row["arm"] == comparison.baseline.label or speedup is None else f"{speedup:.2f}x",
-                      delta_color="off")
+        column.metric(row["arm"], f"{story.show('decode tok/s', row['decode tok/s'])} tok/s")
+        if speedup is not None:  # a plain ratio: a metric's delta arrow would point up for a slowdown too
+            column.caption("the baseline" if row["arm"] == comparison.baseline.label else
+                           f"**{speedup:.2f}x** the baseline's decode rate")
     st.plotly_chart(story.picture(comparison, runs, rows), width="stretch", key=f"tot-{comparison.title}")
     st.dataframe(figures_table(rows, comparison), hide_index=True, width="stretch")
     for level in story.missing_quality(rows, comparison):
@@ -107,7 +108,13 @@ def physical_view(runs: dict) -> None:
                "efficiency factors. The Planner page shows the formulas and lets you change every setting.")
     for title, results in story.deployment_results():
         st.plotly_chart(story.deployment_picture(title, results), width="stretch", key=f"dep-{title}")
-        frame = pd.DataFrame(story.deployment_rows(results)).round(3)
+        frame = pd.DataFrame([{"configuration": r["configuration"],
+                               "ms per token (estimate)": f"{r['ms per token (estimate)']:.2f}",
+                               "tokens/s (estimate)": f"{r['tokens/s (estimate)']:.1f}",
+                               "speedup (estimate)": f"{r['speedup (estimate)']:.2f}x",
+                               "physical share (estimate)": f"{r['physical share (estimate)']:.0%}",
+                               "fits in GPU memory": "yes" if r["fits"] else "no"}
+                              for r in story.deployment_rows(results)])
         st.dataframe(frame, hide_index=True, width="stretch")
     st.subheader("Measured: one served run")
     st.text_input("Server URL (an OpenAI-compatible server such as vLLM; empty: none)", key=SERVER_KEY,
