@@ -170,7 +170,7 @@ def machine_section(runs: list[dict]) -> Section:
     parts = []
     for members in groups.values():
         hw, cal = members[0]["hardware"], members[0]["metrics"].get("calibration") or {}
-        cpu, gpus = hw.get("cpu", {}), hw.get("gpu", {}).get("gpus", [])
+        cpu, gpus = hw.get("cpu") or {}, (hw.get("gpu") or {}).get("gpus", [])  # a served run names no local GPU
         rows = [["runs", ", ".join(f"#{r['run_id']}" for r in members)], ["device", hw.get("device", "–")],
                 ["CPU", f"{cpu.get('model', '–')}, {cpu.get('physical_cores', '–')} cores "
                         f"({cpu.get('logical_cores', '–')} logical), torch uses {cpu.get('torch_threads', '–')} threads"],

@@ -146,6 +146,7 @@ def test_a_served_run_is_measured_with_its_network_share(story_page, page_db):
     runs = Store(page_db).runs()
     assert list(runs["tag"]) == ["story:physical:served"] and list(runs["backend"]) == ["served"]
     assert any(m.label == "network share (physical bucket)" for m in at.metric)
+    assert f"#{int(runs['run_id'].iloc[0])} at http://127.0.0.1:{port}" in story.story_report(Store(page_db))
 
 
 def test_the_story_report_holds_every_chapters_runs(store, tiny_lm, calibration, tmp_path):
