@@ -250,9 +250,6 @@ def cmd_report(args) -> int:
 
     if args.story:
         return _write(args, story.story_report, "the latest story runs")
-    if not args.runs:
-        print("error: give --runs with run ids separated by commas (such as 3,4,5), or --story.", file=sys.stderr)
-        return USER_ERROR
     try:
         ids = [int(part) for part in args.runs.split(",") if part.strip()]
     except ValueError:
