@@ -5,12 +5,16 @@ ordinary runs; the physical chapter adds the planner's deployment estimates and,
 from __future__ import annotations
 
 import html
+
+import plotly.io as pio
 from dataclasses import dataclass, field
 
 from . import plan
 from .charts import totals_chart
 from .distances import BUCKETS
-from .report import ReportError, Section, fmt, latest_quality, load_runs, runs_report, table
+from .report import (FIGURE_CONFIG, ReportError, Section, build_html, definitions_section, fmt, latest_quality,
+                     load_runs, run_sections, table)
+from .sql import utcnow
 from .spec import GenConfig, RunSpec
 
 TAG = "story"
@@ -144,7 +148,7 @@ def latest_runs(store, chapter: Chapter) -> dict[str, dict]:
 
 
 def story_run_ids(store) -> list[int]:
-    return [run["run_id"] for chapter in CHAPTERS for run in latest_runs(store, chapter).values()]
+    return sorted(run["run_id"] for chapter in CHAPTERS for run in latest_runs(store, chapter).values())
 
 
 def bucket_total(run: dict) -> float:
@@ -260,7 +264,7 @@ def deployment_rows(results: list[dict]) -> list[dict]:
 
 def chapter_section(store, chapter: Chapter) -> Section:
     """A chapter of the story report: its thesis, each comparison's figures and picture."""
-    parts, figs = [f"<p>{html.escape(chapter.thesis)}</p><p><b>Lever:</b> {html.escape(chapter.lever)}</p>"], []
+    parts = [f"<p>{html.escape(chapter.thesis)}</p><p><b>Lever:</b> {html.escape(chapter.lever)}</p>"]
     runs = latest_runs(store, chapter)
     for comparison in chapter.comparisons:
         rows = comparison_rows(store, comparison, runs)
@@ -274,13 +278,19 @@ def chapter_section(store, chapter: Chapter) -> Section:
                             for r in rows], numeric_from=2))
         parts += [f"<p class=note>No quality stored for {html.escape(level)}: run "
                   f"<code>{html.escape(quality_command(level))}</code>.</p>" for level in missing_quality(rows, comparison)]
-        figs.append(picture(comparison, runs, rows))
+        parts.append(figure_html(picture(comparison, runs, rows)))
     if chapter.key == "physical":
-        parts.append(physical_html(store, figs))
-    return Section(f"Story: {chapter.title}", "".join(parts), figs)
+        parts.append(physical_html(store))
+    return Section(f"Story: {chapter.title}", "".join(parts))
 
 
-def physical_html(store, figs: list) -> str:
+def figure_html(fig) -> str:
+    """A figure inline, right under its table (the page's one copy of Plotly's script draws it)."""
+    fig.update_yaxes(automargin=True)  # room for the run labels: plotly.js leaves none by default
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, config=FIGURE_CONFIG)
+
+
+def physical_html(store) -> str:
     parts = ["<p><b>Estimates</b> from the planner (engine/plan.py), not measurements.</p>"]
     for title, results in deployment_results():
         rows = deployment_rows(results)
@@ -289,7 +299,7 @@ def physical_html(store, figs: list) -> str:
                              fmt(r["tokens/s (estimate)"], ".1f"), fmt(r["speedup (estimate)"], ".2f", "x"),
                              fmt(r["physical share (estimate)"], ".0%"), "yes" if r["fits"] else "no"] for r in rows],
             numeric_from=1))
-        figs.append(deployment_picture(title, results))
+        parts.append(figure_html(deployment_picture(title, results)))
     served = latest_runs(store, BY_KEY["physical"]).get("served")
     if served:
         values = figures(served, None, None)
@@ -301,9 +311,13 @@ def physical_html(store, figs: list) -> str:
 
 
 def story_report(store) -> str:
-    """The report of the latest story runs: the standard sections plus one per chapter."""
+    """The report of the latest story runs: one section per chapter, then the standard sections of its runs."""
     ids = story_run_ids(store)
     if not ids:
         raise ReportError("No story runs are stored yet: play the story on the Story page first.")
-    return runs_report(store, ids, title="Tokenpath: the four distances",
-                       extra=[chapter_section(store, chapter) for chapter in CHAPTERS])
+    intro = (f'<p class="note">The four distances played on this machine, made {utcnow():%Y-%m-%d %H:%M} UTC from '
+             f"{html.escape(store.path.name)}: runs {', '.join(f'#{i}' for i in ids)}. Every measured figure comes "
+             "from the stored runs; the planner's figures are estimates.</p>")
+    sections = [*(chapter_section(store, chapter) for chapter in CHAPTERS), *run_sections(store, ids),
+                definitions_section()]
+    return build_html("Tokenpath: the four distances", sections, intro)

@@ -113,7 +113,7 @@ def physical_view(runs: dict) -> None:
                                "tokens/s (estimate)": f"{r['tokens/s (estimate)']:.1f}",
                                "speedup (estimate)": f"{r['speedup (estimate)']:.2f}x",
                                "physical share (estimate)": f"{r['physical share (estimate)']:.0%}",
-                               "fits in GPU memory": "yes" if r["fits"] else "no"}
+                               "fits": "yes" if r["fits"] else "no"}
                               for r in story.deployment_rows(results)])
         st.dataframe(frame, hide_index=True, width="stretch")
     st.subheader("Measured: one served run")
