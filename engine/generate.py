@@ -48,9 +48,9 @@ class Generation:
     After iteration: status, text, token_ids, steps, tokens, result (the run summary)."""
 
     def __init__(self, lm: LoadedModel, cfg: GenConfig, store: Store | None = None,
-                 calibration: dict | None = None, telemetry: bool = True):
+                 calibration: dict | None = None, telemetry: bool = True, tag: str | None = None):
         cfg.check()
-        self.lm, self.cfg, self.telemetry = lm, cfg, telemetry
+        self.lm, self.cfg, self.telemetry, self.tag = lm, cfg, telemetry, tag
         self.prompt_ids = prompt_ids(lm, cfg.prompt, cfg.raw)
         needed = len(self.prompt_ids) + cfg.max_new_tokens
         if needed > lm.max_context:
@@ -111,7 +111,7 @@ class Generation:
             self.run_id = self.recorder.start(
                 model=self.lm.name, device=str(self.lm.device), dtype=config["dtype"], config=config,
                 hardware=hardware.hardware_summary(self.lm.device), prompt=self.cfg.prompt,
-                n_prompt_tokens=len(self.prompt_ids))
+                n_prompt_tokens=len(self.prompt_ids), tag=self.tag)
         self.status = "running"
         sampler = hardware.TelemetrySampler(self.lm.device) if self.telemetry else None
         try:

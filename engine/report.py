@@ -170,7 +170,7 @@ def machine_section(runs: list[dict]) -> Section:
     parts = []
     for members in groups.values():
         hw, cal = members[0]["hardware"], members[0]["metrics"].get("calibration") or {}
-        cpu, gpus = hw.get("cpu", {}), hw.get("gpu", {}).get("gpus", [])
+        cpu, gpus = hw.get("cpu") or {}, (hw.get("gpu") or {}).get("gpus", [])  # a served run names no local GPU
         rows = [["runs", ", ".join(f"#{r['run_id']}" for r in members)], ["device", hw.get("device", "–")],
                 ["CPU", f"{cpu.get('model', '–')}, {cpu.get('physical_cores', '–')} cores "
                         f"({cpu.get('logical_cores', '–')} logical), torch uses {cpu.get('torch_threads', '–')} threads"],
@@ -246,16 +246,27 @@ def runs_report(store, run_ids: list[int], title: str | None = None, extra: list
 
 def cmd_report(args) -> int:
     """python -m engine report: write the report file; bad input is one sentence and exit code 2."""
+    from . import story  # it builds on this module
     from .cli import USER_ERROR
-    from .store import Store, StoreError
 
+    if args.story:
+        return _write(args, story.story_report, "the latest story runs")
     try:
         ids = [int(part) for part in args.runs.split(",") if part.strip()]
     except ValueError:
         print(f"error: --runs takes run ids separated by commas (such as 3,4,5), not '{args.runs}'.", file=sys.stderr)
         return USER_ERROR
+    return _write(args, lambda store: runs_report(store, ids, title=args.title),
+                  f"runs {', '.join(f'#{i}' for i in ids)}")
+
+
+def _write(args, build, what: str) -> int:
+    """Build the report from the store and write it; bad input is one sentence and exit code 2."""
+    from .cli import USER_ERROR
+    from .store import Store, StoreError
+
     try:
-        page = runs_report(Store(args.db), ids, title=args.title)
+        page = build(Store(args.db))
         Path(args.out).write_text(page, encoding="utf-8")
     except (ReportError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -263,13 +274,15 @@ def cmd_report(args) -> int:
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror}.", file=sys.stderr)
         return USER_ERROR
-    print(f"wrote {args.out} ({len(page) / 1e6:.1f} MB): runs {', '.join(f'#{i}' for i in ids)}")
+    print(f"wrote {args.out} ({len(page) / 1e6:.1f} MB): {what}")
     return 0
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("report", help="one self-contained HTML report of stored runs")
-    r.add_argument("--runs", required=True, help="run ids separated by commas; the first is the baseline")
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument("--runs", help="run ids separated by commas; the first is the baseline")
+    which.add_argument("--story", action="store_true", help="the latest runs of the Story page, chapter by chapter")
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--title", help="the report's title (default: the run ids)")
     r.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")

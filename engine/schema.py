@@ -3,7 +3,7 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from .distances import BUCKETS
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -71,5 +71,8 @@ MIGRATIONS = {
             ttft_ms DOUBLE, tpot_ms DOUBLE, e2e_ms DOUBLE, chunk_ms DOUBLE[], chunk_tokens INTEGER[])""",
         """CREATE TABLE load_samples (
             sweep_id BIGINT, concurrency INTEGER, t_ms DOUBLE, running DOUBLE, waiting DOUBLE, kv_cache_usage DOUBLE)""",
+    ],
+    6: [  # a run's tag, such as story:memory:fp32, so a page finds the runs it made again
+        "ALTER TABLE runs ADD COLUMN tag VARCHAR",
     ],
 }

@@ -265,7 +265,7 @@ class ServedRun:
     def __init__(self, endpoint: str, *, served_model: str | None, prompt: str, max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, raw: bool = False,
                  api_key_env: str | None = None, gpu: str | None = None, store: Store | None = None,
-                 timeout_s: float = STALL_TIMEOUT_S):
+                 timeout_s: float = STALL_TIMEOUT_S, tag: str | None = None):
         if not prompt or not prompt.strip():
             raise ServedError("The prompt is empty: type something for the model to continue.")
         if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_CAP:
@@ -289,6 +289,8 @@ class ServedRun:
         self.config = {"endpoint": self.root, "served_model": self.served_model, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_p": top_p, "seed": seed, "raw": raw, "gpu": gpu,
                        "api_key_env": api_key_env, "server_kind": self.server_kind, "timeout_s": timeout_s}
+        if tag:
+            self.config["tag"] = tag
         self.prompt = prompt
         self.counter = TokenCounter(None if self.server_kind == "vllm" else tokenizer_for(self.served_model))
         self.run_id: int | None = None
@@ -411,8 +413,9 @@ class ServedRun:
 
 def generate(endpoint: str, *, served_model: str | None, prompt: str, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, raw: bool = False, api_key_env: str | None = None,
-             gpu: str | None = None, store: Store | None = None, timeout_s: float = STALL_TIMEOUT_S) -> ServedRun:
+             gpu: str | None = None, store: Store | None = None, timeout_s: float = STALL_TIMEOUT_S,
+             tag: str | None = None) -> ServedRun:
     """A served run, ready to iterate: its ChunkEvents, then .result, .tokens, .steps, .run_id, .status."""
     return ServedRun(endpoint, served_model=served_model, prompt=prompt, max_new_tokens=max_new_tokens,
                      temperature=temperature, top_p=top_p, seed=seed, raw=raw, api_key_env=api_key_env, gpu=gpu,
-                     store=store, timeout_s=timeout_s)
+                     store=store, timeout_s=timeout_s, tag=tag)

@@ -22,7 +22,7 @@ def start_run(store: Store, *, endpoint: str, server_model: str, config: dict, p
            "server_model": server_model, "model": server_model, "device": "server", "dtype": None,
            "kv_cache": True, "temperature": float(config.get("temperature", 0.0)), "quant": None, "spec": "none",
            "config": json.dumps(config), "hardware": json.dumps({"gpu": config.get("gpu")}), "prompt": prompt,
-           **_owner()}
+           "tag": config.get("tag"), **_owner()}
     names = ", ".join(row)
     with store.connect() as con:
         return con.execute(f"INSERT INTO runs ({names}) VALUES ({', '.join('?' for _ in row)}) RETURNING run_id",

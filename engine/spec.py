@@ -84,6 +84,7 @@ class RunSpec:
     served_model: str | None = None  # served: the model name the server knows
     api_key_env: str | None = None  # served: the environment variable holding the API key (never the key)
     gpu: str | None = None  # served: the GPU the server runs on, for the planner's memory/compute split
+    tag: str | None = None  # stored with the run, so the page that asked for it finds it again (story:memory:fp32)
 
     def check(self) -> None:
         self.gen.check()
@@ -92,6 +93,8 @@ class RunSpec:
         if self.backend == "served" and not self.endpoint:
             raise GenerationError("A served run needs the server's URL (--endpoint).")
         _check_number("Sparsity", self.sparsity, 0.0, 0.9, "between 0 and")
+        if self.tag is not None and (not isinstance(self.tag, str) or not 0 < len(self.tag) <= 200):
+            raise GenerationError(f"A run's tag is a text of 1 to 200 characters, not {self.tag!r}.")
 
     def to_dict(self) -> dict:
         return asdict(self)

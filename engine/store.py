@@ -98,17 +98,18 @@ class Store:
         """Fold in the runs whose process died (engine.recovery); returns how many changed."""
         return recovery.recover(self)
 
-    def start_run(self, *, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str) -> int:
+    def start_run(self, *, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str,
+                  tag: str | None = None) -> int:
         me = psutil.Process()
         with self.connect() as con:
             return con.execute(
                 """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, sparsity,
-                   sparsity_mode, spec, config, hardware, prompt, host, pid, pid_started)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                   sparsity_mode, spec, config, hardware, prompt, tag, host, pid, pid_started)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
                 [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
                  float(config.get("temperature", 0.0)), config.get("quant", "fp32"), float(config.get("sparsity", 0.0)),
                  config.get("sparsity_mode"), config.get("spec", "none"), json.dumps(config),
-                 json.dumps(hardware), prompt,
+                 json.dumps(hardware), prompt, tag,
                  socket.gethostname(), me.pid, me.create_time()],
             ).fetchone()[0]
 

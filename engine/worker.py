@@ -181,13 +181,13 @@ def start(spec: RunSpec, store: Store):
         g = spec.gen
         run = served.generate(spec.endpoint, served_model=spec.served_model, prompt=g.prompt,
                               max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed,
-                              raw=g.raw, api_key_env=spec.api_key_env, gpu=spec.gpu, store=store)
+                              raw=g.raw, api_key_env=spec.api_key_env, gpu=spec.gpu, store=store, tag=spec.tag)
         return run, []
     for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
         if text and not access.model_choice_allowed(text, draft):
             raise access.AccessError(access.refusal(text))
     lm = prepare(spec, store)
-    return Generation(lm, spec.gen, store=store), sorted(lm.tokenizer.all_special_ids)
+    return Generation(lm, spec.gen, store=store, tag=spec.tag), sorted(lm.tokenizer.all_special_ids)
 
 
 def run(conn, request: dict) -> None:

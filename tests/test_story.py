@@ -1,0 +1,177 @@
+"""The story: its chapters as RunSpecs, the tag that finds their runs again, the Story page through AppTest
+on a tiny model (each chapter's button makes stored, tagged runs and a picture), and its report."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine import story
+from engine.generate import Generation
+from engine.models import tiny_model
+from engine.spec import GenConfig, GenerationError, RunSpec
+from engine.store import Store
+from browser import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = Path(__file__).with_name("stream_server.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as a model folder, so the page's runs load in a second."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    lm = tiny_model(lean_forward=False)
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def story_page(page_db, tiny_folder, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_MODEL", str(tiny_folder))
+
+    def open_page() -> AppTest:
+        at = AppTest.from_file("../app.py", default_timeout=600)
+        at.switch_page("pages/story.py")
+        return at.run()
+    return open_page
+
+
+def click(at: AppTest, label: str) -> AppTest:
+    next(b for b in at.button if b.label == label).click().run()
+    return at
+
+
+def test_every_chapter_run_is_a_valid_spec_tagged_with_its_chapter_and_arm():
+    for chapter in story.CHAPTERS:
+        specs = story.chapter_specs(chapter)
+        assert len(specs) == len({arm.key for c in chapter.comparisons for arm in c.arms})
+        for spec in specs:
+            spec.check()
+            assert spec.tag.startswith(f"story:{chapter.key}:") and spec.gen.ignore_eos
+    memory = story.chapter_specs(story.BY_KEY["memory"])
+    assert [s.weights for s in memory] == ["fp32", "int8-dyn", "int4-wo"]
+    assert len({s.gen.prompt for s in memory}) == 1  # the same prompt at every precision
+    assert story.served_spec("http://127.0.0.1:8000").tag == "story:physical:served"
+    with pytest.raises(GenerationError, match="tag"):
+        RunSpec(gen=GenConfig("hi"), tag="").check()
+
+
+def test_a_runs_tag_is_stored_on_its_row(store, tiny_lm, calibration):
+    gen = Generation(tiny_lm, GenConfig("hi", raw=True, max_new_tokens=2), store=store, calibration=calibration,
+                     tag="story:memory:fp32")
+    gen.run()
+    assert store.run(gen.run_id)["tag"] == "story:memory:fp32"
+    assert story.latest_runs(store, story.BY_KEY["memory"])["fp32"]["run_id"] == gen.run_id
+    assert story.latest_runs(store, story.BY_KEY["time"]) == {}
+
+
+def test_the_physical_chapters_estimates_are_the_planners_and_say_so():
+    (dgx_title, dgx), (scale_title, scale) = story.deployment_results()
+    assert [r["interconnect"] for r in dgx] == ["nvswitch", "pcie"] and [r["gpus"] for r in scale] == [2, 4, 8]
+    assert all(r["estimate"] for r in dgx + scale)
+    # PCIe's slower links show up as a larger physical bucket than NVSwitch's, on the same model and GPU count
+    assert dgx[1]["distances_ms"]["physical"] > dgx[0]["distances_ms"]["physical"]
+    rows = story.deployment_rows(dgx)
+    assert rows[0]["speedup (estimate)"] == pytest.approx(1.0)
+    assert "estimate" in story.deployment_picture(dgx_title, dgx).layout.title.text
+
+
+def test_the_story_page_renders_on_an_empty_database(story_page):
+    at = story_page()
+    assert not at.exception and not at.error
+    assert [h.value for h in at.header] == [f"{i}. {c.title}" for i, c in enumerate(story.CHAPTERS, start=1)]
+    assert sum("Not played yet" in i.value for i in at.info) == 5  # every comparison of the three local chapters
+    assert any("Estimates, not measurements" in w.value for w in at.warning)
+    assert not [b for b in at.get("download_button")]  # nothing to report yet
+
+
+@pytest.mark.parametrize("number,chapter", [(1, "memory"), (2, "time"), (3, "decision")])
+def test_each_chapters_button_stores_tagged_runs_and_draws_them(story_page, page_db, number, chapter):
+    at = click(story_page(), f"Play chapter {number}")
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    runs = Store(page_db).runs()
+    expected = {s.tag for s in story.chapter_specs(story.BY_KEY[chapter])}
+    assert set(runs["tag"]) == expected and set(runs["status"]) == {"ok"}
+    assert (runs["n_new_tokens"] == story.NEW_TOKENS).all()
+    # one stacked bar per arm in each comparison's picture, and no "not played" left in this chapter
+    comparisons = story.BY_KEY[chapter].comparisons
+    titled = [c for c in at.get("plotly_chart") if any(cmp.title in c.proto.spec for cmp in comparisons)]
+    assert len(titled) >= len(comparisons)
+    assert sum("Not played yet" in i.value for i in at.info) == 5 - len(comparisons)
+    # a second visit shows them at once, and replaying the chapter adds new runs, shown in their place
+    again = story_page()
+    assert not again.exception and any("tok/s" in m.value for m in again.metric)
+    click(again, f"Play chapter {number}")
+    newest = story.latest_runs(Store(page_db), story.BY_KEY[chapter])
+    assert min(r["run_id"] for r in newest.values()) > int(runs["run_id"].max())
+
+
+def test_the_memory_chapter_shows_stored_quality_or_the_command(story_page, page_db):
+    at = click(story_page(), "Play chapter 1")
+    captions = " ".join(c.value for c in at.caption)
+    assert "python -m engine quality --quant int8-dyn" in captions and "--quant int4-wo" in captions
+    table = next(d.value for d in at.dataframe if "perplexity" in d.value.columns)
+    assert list(table["arm"]) == [a.label for a in story.BY_KEY["memory"].comparisons[0].arms]
+    assert float(table["speedup"].iloc[0].rstrip("x")) == pytest.approx(1.0)
+
+
+def test_a_server_that_does_not_answer_is_one_sentence_and_no_run(story_page, page_db):
+    at = story_page()
+    at.text_input[0].set_value("http://127.0.0.1:9").run()
+    click(at, "Play chapter 4")
+    assert not at.exception and len(at.error) == 1
+    assert at.error[0].value.count(". ") <= 1 and "Traceback" not in at.error[0].value
+    assert Store(page_db).runs().empty
+    at.text_input[0].set_value("not a url").run()
+    click(at, "Play chapter 4")
+    assert len(at.error) == 1 and "is not a server address" in at.error[0].value
+
+
+def test_a_served_run_is_measured_with_its_network_share(story_page, page_db):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.01"])
+    try:
+        time.sleep(1.5)
+        at = story_page()
+        at.text_input[0].set_value(f"http://127.0.0.1:{port}").run()
+        click(at, "Play chapter 4")
+        assert not at.exception and not at.error, [e.value for e in at.error]
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    runs = Store(page_db).runs()
+    assert list(runs["tag"]) == ["story:physical:served"] and list(runs["backend"]) == ["served"]
+    assert any(m.label == "network share (physical bucket)" for m in at.metric)
+    assert f"#{int(runs['run_id'].iloc[0])} at http://127.0.0.1:{port}" in story.story_report(Store(page_db))
+
+
+def test_the_story_report_holds_every_chapters_runs(store, tiny_lm, calibration, tmp_path):
+    made = {}
+    for chapter in story.CHAPTERS[:3]:
+        spec = story.chapter_specs(chapter)[0]
+        gen = Generation(tiny_lm, spec.gen, store=store, calibration=calibration, tag=spec.tag)
+        gen.run()
+        made[chapter.key] = gen.run_id
+    page = story.story_report(store)
+    for chapter in story.CHAPTERS:
+        assert f"Story: {chapter.title}" in page
+    for run_id in made.values():
+        assert f"#{run_id}" in page
+    assert "Not played yet" in page  # the levers were not run, and the report says so rather than inventing them
+    out = tmp_path / "story.html"
+    done = subprocess.run([sys.executable, "-m", "engine", "report", "--story", "--out", str(out), "--db",
+                           str(store.path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and out.read_text().count("Story: ") >= 4
+
+
+def test_a_story_report_with_no_story_runs_is_one_sentence(tmp_path):
+    db, out = tmp_path / "empty.duckdb", tmp_path / "none.html"
+    Store(db)
+    done = subprocess.run([sys.executable, "-m", "engine", "report", "--story", "--out", str(out), "--db", str(db)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and not out.exists()
+    assert done.stderr.strip() == "error: No story runs are stored yet: play the story on the Story page first."

@@ -1,0 +1,103 @@
+"""The whole story played in Debian's Chromium: streamlit run app.py on a free localhost port, a tiny model and
+a small streaming server on loopback; a screenshot of each chapter goes to test-artifacts/, and the downloaded
+story report opens with every request but the file itself refused and holds every chapter's runs."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from browser import CHROMIUM, REPO, browser_page, free_port, serve_app
+from engine import story
+from engine.models import tiny_model
+from engine.store import Store
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")]
+ARTIFACTS = REPO / "test-artifacts"
+SERVER = Path(__file__).with_name("stream_server.py")
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    lm = tiny_model(lean_forward=False)
+    lm.model.save_pretrained(tmp_path / "tiny")
+    lm.tokenizer.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+@pytest.fixture
+def server_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.01"])
+    time.sleep(1.5)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def chapter_shot(page, number: int, chapter) -> Path:
+    """The chapter's heading scrolled to the top of a tall viewport, then a screenshot."""
+    heading = page.get_by_role("heading", name=f"{number}. {chapter.title}")
+    heading.evaluate("el => el.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(1500)
+    path = ARTIFACTS / f"story-{number}-{chapter.key}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def open_report_offline(page, path: Path) -> tuple[list, list]:
+    attempted, errors = [], []
+
+    def refuse_the_network(route):
+        if route.request.url.startswith("file://"):
+            return route.continue_()
+        attempted.append(route.request.url)
+        return route.abort()
+
+    page.route("**/*", refuse_the_network)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(path.as_uri())
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8", timeout=120_000)
+    return attempted, errors
+
+
+def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_path, tiny_folder, server_url):
+    db = tmp_path / "story.duckdb"
+    ARTIFACTS.mkdir(exist_ok=True)
+    with serve_app(db, env={"TOKENPATH_MODEL": str(tiny_folder)}) as url, browser_page(height=1500) as page:
+        page.goto(url)
+        page.get_by_role("link", name="Story").first.click()
+        page.get_by_text("Not played yet").first.wait_for(timeout=120_000)
+        page.get_by_label("Server URL").fill(server_url)
+        page.get_by_label("Server URL").press("Enter")
+        page.wait_for_timeout(1500)
+        page.get_by_role("button", name="Run the whole story").click()
+        page.get_by_text(" runs in ").wait_for(timeout=1_500_000)
+        page.get_by_role("button", name="Download report").wait_for(timeout=120_000)
+        # the five comparisons, the two deployments and the served run drawn (the per-token ones wait, folded)
+        page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot .main-svg')]"
+                               ".filter(e => e.getBoundingClientRect().height > 0).length >= 8", timeout=120_000)
+        assert page.locator("[data-testid='stException']").count() == 0
+        assert page.get_by_text("Not played yet").count() == 0
+        for number, chapter in enumerate(story.CHAPTERS, start=1):
+            assert chapter_shot(page, number, chapter).stat().st_size > 20_000
+        with page.expect_download(timeout=300_000) as download:
+            page.get_by_role("button", name="Download report").click()
+        report = tmp_path / "story.html"
+        download.value.save_as(report)
+    runs = Store(db).runs()
+    assert set(runs["status"]) == {"ok"}
+    expected = {s.tag for c in story.CHAPTERS for s in story.chapter_specs(c)} | {"story:physical:served"}
+    assert set(runs["tag"]) == expected
+    with browser_page(width=1400, height=1000) as page:
+        attempted, errors = open_report_offline(page, report)
+        for chapter in story.CHAPTERS:
+            assert page.locator("h2", has_text=f"Story: {chapter.title}").count() == 1
+        text = page.inner_text("body")
+        page.screenshot(path=str(ARTIFACTS / "story-report.png"), full_page=True)
+    assert attempted == [] and errors == []
+    for run_id in runs["run_id"]:
+        assert f"#{run_id}" in text
