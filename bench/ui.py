@@ -54,6 +54,8 @@ def through_page(page, url, store, tokens, reload, redraw, timeout_s: float = 30
     if reload or not page.url.endswith("/live"):
         page.goto(url + "/live")
     page.get_by_label("Prompt text").fill(PROMPT)
+    if not page.get_by_label("Max new tokens").is_visible():
+        page.get_by_text("More settings", exact=True).click()
     page.get_by_label("Max new tokens").fill(str(tokens))
     page.get_by_role("combobox", name="Draw the tokens while they stream").click()
     page.get_by_role("option", name=redraw, exact=True).click()

@@ -53,6 +53,7 @@ def test_generate_in_the_browser_and_find_the_run(tmp_path):
         page.get_by_role("link", name="Live generation").first.click()
         page.get_by_label("Prompt text").fill("Tell a long story about the sea.")
         # the model tells this story for all 4096 tokens: a fast machine must not finish it before the click
+        page.get_by_text("More settings", exact=True).click()  # the token budget sits there
         page.get_by_label("Max new tokens").fill("4096")
         page.get_by_role("button", name="Generate").click()
         page.get_by_text("Generating:").wait_for(timeout=60_000)
