@@ -133,3 +133,18 @@ def test_the_pytorch_path_without_the_kernels_gives_the_same_logits(pair, monkey
     with_kernels = pair[0](input_ids=IDS, use_cache=False).logits
     monkeypatch.setattr(lean, "optional_kernel", lambda: None)
     torch.testing.assert_close(pair[0](input_ids=IDS, use_cache=False).logits, with_kernels, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, length, dim", [(1, 4, 2, 1, 16), (1, 9, 3, 37, 64), (2, 6, 6, 300, 20)])
+def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch, heads, kv_heads, length, dim):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(length)
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv_heads, length, dim) * 3, torch.randn(batch, kv_heads, length, dim)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5,
+                                                             enable_gqa=heads != kv_heads)
+    out = kernel.decode_attention(q, k, v, dim ** -0.5)
+    assert out.shape == (batch, 1, heads * dim)
+    torch.testing.assert_close(out, plain.transpose(1, 2).reshape(batch, 1, heads * dim), rtol=1e-5, atol=1e-6)
