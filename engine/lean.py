@@ -52,7 +52,7 @@ class LeanLinear(nn.Linear):
     """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: MKL's few-row
     kernels pack the weights first, so verifying drafts cost nearly two plain steps; this one reads each
     weight once for all rows, and a row's result does not depend on how many rows share the call. Other
-    dtypes, quantized weights, prefills and CPUs without AVX-512 use F.linear."""
+    dtypes, quantized weights, prefills and machines without the built extension use F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

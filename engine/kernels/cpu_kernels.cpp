@@ -17,6 +17,18 @@
 #include <immintrin.h>
 #endif
 
+// Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
+// order: vectorized without reassociating a single running sum.
+static inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[d + j] * b[d + j];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
 template <int R>
 static inline void add_rows(float* __restrict y, const float* const* rows, const float* v, int64_t out) {
   for (int64_t j = 0; j < out; ++j) {
@@ -196,10 +208,14 @@ static inline void dot_rows(const float* const* w, const float* x, int64_t M, in
   }
 }
 
+#endif
+
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
-// Threads take shares of the weight rows, four at a time, and each block of four rows is read from
-// memory once for all M rows of x (from the first-level cache after the first four). On a 2-core
-// AVX-512 machine, 5 rows took 1.5x the one-row time (MKL: 1.8x) and 9 rows 1.6x (MKL: 2.4x).
+// Threads take shares of the weight rows and each weight row is read from memory once for all M rows
+// of x. With AVX-512 the rows go four at a time (on a 2-core AVX-512 machine, 5 rows took 1.5x the
+// one-row time, MKL 1.8x; 9 rows 1.6x, MKL 2.4x); elsewhere one at a time through dot_lanes, which
+// the compiler vectorizes for the CPU at hand. Either way a row's sums run in an order that does not
+// depend on M.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "small_linear takes float32");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous 2-D tensor");
@@ -213,6 +229,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512F__
   constexpr int R = 4;
   const int64_t blocks = (N + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
@@ -229,16 +246,15 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
       }
     }
   });
+#else
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_lanes(xp + m * K, wp + n * K, K);
+  });
+#endif
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
-#else
-// Without AVX-512 a plain loop would be far slower than MKL, so there is no small_linear to call.
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "small_linear needs AVX-512; this build has none");
-  return x;
-}
-#endif
 
 bool has_avx512() {
 #ifdef __AVX512F__
@@ -322,18 +338,6 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
-// Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
-// order: vectorized without reassociating a single running sum.
-static inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[d + j] * b[d + j];
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
 // Attention of one new token per sequence over all cached positions (a decode step: every key is
 // visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
 // a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
@@ -402,7 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
-  m.def("has_avx512", &has_avx512, "whether small_linear was built (it needs AVX-512)");
+  m.def("has_avx512", &has_avx512, "whether small_linear was built with AVX-512 instructions");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
