@@ -16,11 +16,11 @@ import importlib.util
 import statistics
 import sys
 
+from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from engine import hardware
+
 import numpy as np
 import torch
-
-from common import PROMPT, in_turn, recorded
-from engine import hardware
 from engine.generate import Generation, GenConfig
 from engine.models import default_gguf_path, load_model
 from engine.quant import available_levels, quantize
