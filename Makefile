@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench browser kernels share vllm
+.PHONY: run test setup bench browser kernels share vllm peers
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
@@ -65,3 +65,10 @@ $(VLLM_STAMP):
 
 bench: setup
 	$(PY) bench/decode.py
+
+# Tokenpath against llama.cpp on the same GGUF (bench/peers.py). llama-cpp-python is this benchmark's
+# own dependency, never part of `make test`: it builds from source (about 20 minutes on 2 cores, once;
+# pip caches the wheel).
+peers: setup
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install --quiet llama-cpp-python==0.3.36
+	$(PY) bench/peers.py

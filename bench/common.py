@@ -22,8 +22,15 @@ def lockstep(runs: dict, calibration) -> dict:
     each to its own stretch of luck). Returns, per key, the finished Generation and the time spent
     inside it for each token (its step, selection and bookkeeping; the first includes the prefill)."""
     gens = {k: Generation(lm, cfg, calibration=calibration, telemetry=False) for k, (lm, cfg) in runs.items()}
-    running = {k: iter(g) for k, g in gens.items()}
-    token_ms = {k: [] for k in gens}
+    token_ms = in_turn({k: iter(g) for k, g in gens.items()})
+    return {k: (gens[k], token_ms[k]) for k in gens}
+
+
+def in_turn(iterators: dict) -> dict[str, list[float]]:
+    """Advance every iterator one item each in turn until all are exhausted; the milliseconds each
+    item took, per key (None ends an iterator, as a Generation's end does)."""
+    running = dict(iterators)
+    token_ms = {k: [] for k in iterators}
     while running:
         for k in list(running):
             start = time.perf_counter()
@@ -31,7 +38,7 @@ def lockstep(runs: dict, calibration) -> dict:
                 del running[k]
             else:
                 token_ms[k].append((time.perf_counter() - start) * 1e3)
-    return {k: (gens[k], token_ms[k]) for k in gens}
+    return token_ms
 
 
 def lockstep_rates(variants: dict, calibration, n: int, rounds: int) -> tuple[dict, dict]:

@@ -3,8 +3,9 @@ alternating in one run. Our loop runs three ways per round: instrumented with th
 sampler off, instrumented (timing, attribution, telemetry), and instrumented plus recorded to
 DuckDB (a run row, every step and token); and once more on transformers' own forward instead of the
 lean one (engine/lean.py), to show what the lean forward saves. Prints
-tokens/s of each, the ratios, and the fraction of the memory roofline reached (weight bytes per
-token / calibrated read bandwidth).
+tokens/s of each, the ratios, the fraction of the calibrated memory peak reached (weight bytes per
+token / the best read bandwidth calibration saw), and the fixed cost of a decode step: the lean
+forward's step on a tiny model as deep as the default one, whose weights take a fraction of a ms.
 
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
 """
@@ -14,14 +15,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from engine import hardware
+
 import torch
 
-from common import recorded
-from engine import hardware
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
 from engine.text import prompt_ids
-from engine.models import load_model
+from engine.models import load_model, tiny_model
 from engine.store import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -43,6 +45,18 @@ def time_hf(lm, n):
                                 do_sample=False)
     assert out.shape[1] - ids.shape[1] == n
     return n / (time.perf_counter() - start)
+
+
+def fixed_cost(lm, calibration, n: int) -> dict:
+    """The instrumented decode step of a tiny model with lm's depth: what a step costs apart from its
+    weights (its forward and its whole step, medians in ms, and the tiny model's weight bytes)."""
+    tiny = tiny_model(layers=lm.config.num_hidden_layers)
+    gen = Generation(tiny, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration,
+                     telemetry=False)
+    gen.run()
+    steps = [s for s in gen.steps if s["kind"] == "decode"]
+    return {"forward_ms": statistics.median(s["forward_ms"] for s in steps),
+            "step_ms": statistics.median(s["wall_ms"] for s in steps), "weight_bytes": steps[0]["weight_bytes"]}
 
 
 def main():
@@ -71,6 +85,7 @@ def main():
             rates[name].append(rate)
             if name == "ours":
                 decode.append(result["decode_tokens_per_s"])
+    fixed = fixed_cost(lm, calibration, args.tokens)
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape = model_shape(lm.model)
     roofline_tps = calibration["memory_gbps"] * 1e9 / shape.weight_bytes
@@ -85,8 +100,14 @@ def main():
     for name in ("ours", "recorded"):
         per_round = ", ".join(f"{a / b:.3f}" for a, b in zip(rates[name], rates["hf"]))
         print(f"ratio {name} / generate: {med[name] / med['hf']:.3f} (per round: {per_round})")
-    print(f"memory roofline: {shape.weight_bytes / 1e6:.0f} MB of weights per token at {calibration['memory_gbps']:.1f} "
-          f"GB/s -> {roofline_tps:.1f} tok/s; our decode steps reached {statistics.median(decode) / roofline_tps:.0%} of it")
+    print(f"memory peak: {shape.weight_bytes / 1e6:.0f} MB of weights per token at {calibration['memory_gbps']:.1f} "
+          f"GB/s (best method: {calibration['memory_method']}; "
+          + ", ".join(f"{k} {v:.1f}" for k, v in calibration["memory_methods_gbps"].items())
+          + f") -> {roofline_tps:.1f} tok/s; our decode steps reached {statistics.median(decode) / roofline_tps:.0%} of it")
+    step_ms = 1e3 / statistics.median(decode)
+    print(f"fixed cost of a decode step (tiny model, {lm.config.num_hidden_layers} layers, "
+          f"{fixed['weight_bytes'] / 1e6:.1f} MB of weights): forward {fixed['forward_ms']:.2f} ms, whole step "
+          f"{fixed['step_ms']:.2f} ms; {fixed['step_ms'] / step_ms:.0%} of the default model's {step_ms:.2f} ms step")
 
 
 if __name__ == "__main__":

@@ -154,10 +154,11 @@ def cmd_calibrate(args) -> int:
     print(f"device {results['device_key']} (calibrated in {results['seconds']:.1f} s)")
     if results.get("suspect"):
         print(f"  flagged, and not used while agreeing calibrations exist: {results['suspect']}")
-    print(f"  memory read, GEMV over cold weights: {results['memory_gbps']:.1f} GB/s")
-    print(f"  memory read, streaming sum:          {results['stream_read_gbps']:.1f} GB/s")
+    print(f"  memory read peak: {results['memory_gbps']:.1f} GB/s (best method: {results['memory_method']})")
+    for method, gbps in results["memory_methods_gbps"].items():
+        print(f"    {method:<33} {gbps:.1f} GB/s")
     for dtype, gflops in results["matmul_gflops"].items():
-        print(f"  matmul peak {dtype:>9}:             {gflops:.0f} GFLOP/s")
+        print(f"  matmul peak {dtype:>9}:             {gflops:.0f} GFLOP/s ({results['matmul_shape'][dtype]})")
     print(f"  dispatch overhead per op:            {results['dispatch_us']:.1f} us")
     if "host_link" in results:
         link = results["host_link"]

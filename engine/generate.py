@@ -188,7 +188,12 @@ class Generation:
             "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
                                       / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,
             "calibration": {k: self.calibration.get(k) for k in
-                            ("device_key", "memory_gbps", "matmul_gflops", "dispatch_us", "created_at")},
+                            ("device_key", "memory_gbps", "memory_method", "matmul_gflops", "dispatch_us",
+                             "created_at")},
+            # the decode's bytes per second against the calibrated peak, flagged when it beats it
+            "peak_check": hardware.peak_check(
+                sum(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"] for s in decode_steps),
+                sum(s["forward_ms"] for s in decode_steps) / 1e3, self.calibration) if decode_steps else None,
         })
         if self.drafter is not None:
             metrics["speculative"] = speculative.summary(self.steps, len(self.token_ids))

@@ -13,7 +13,8 @@ import time
 import psutil
 import torch
 
-CALIBRATION_VERSION = 1
+# 2: the memory and matmul peaks are the best of several methods and shapes
+CALIBRATION_VERSION = 2
 
 
 def _cpu_model() -> str:
@@ -144,36 +145,106 @@ def _weights_budget_bytes(device: torch.device) -> int:
     return 1 << 30
 
 
-def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """GB/s reading cold weights through matrix-vector products, the access pattern of decoding."""
-    rows, cols = 4096, 4096
+def _cold_weights(device: torch.device, dtype: torch.dtype, rows: int = 4096, cols: int = 4096) -> list:
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(2, _weights_budget_bytes(device) // (rows * cols * elem))
-    mats = [torch.randn(rows, cols, device=device).to(dtype) for _ in range(count)]
-    x = torch.randn(1, cols, device=device, dtype=dtype)
+    return [torch.ones(rows, cols, device=device, dtype=dtype) for _ in range(count)]
+
+
+def _pass_gbps(mats: list, product, device: torch.device) -> float:
+    """GB/s of one product per matrix over all of them, best of a few passes."""
+    x = torch.ones(1, mats[0].shape[1], device=device, dtype=mats[0].dtype)
 
     def run():
         for w in mats:
-            torch.nn.functional.linear(x, w)
+            product(x, w)
 
-    seconds = _best_seconds(run, device, repeats=5)
-    return count * rows * cols * elem / seconds / 1e9
+    return sum(w.nbytes for w in mats) / _best_seconds(run, device, repeats=5) / 1e9
+
+
+def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.float32, mats: list | None = None) -> float:
+    """GB/s reading cold weights through matrix-vector products, the access pattern of decoding."""
+    return _pass_gbps(mats or _cold_weights(device, dtype), torch.nn.functional.linear, device)
+
+
+def measure_small_rows_bandwidth(device: torch.device, mats: list | None = None) -> float | None:
+    """GB/s of the project's small-rows kernel (the one fp32 decode steps run) over cold weights,
+    or None where that kernel does not run here."""
+    from .cpu_kernels import has_small_rows_kernel, optional_kernel
+
+    if device.type != "cpu" or not has_small_rows_kernel():
+        return None
+    kernel = optional_kernel()
+    return _pass_gbps(mats or _cold_weights(device, torch.float32), lambda x, w: kernel.small_linear(x, w, None),
+                      device)
 
 
 def measure_stream_bandwidth(device: torch.device) -> float:
-    """GB/s of a plain streaming read (a sum over a large buffer)."""
+    """GB/s of a plain streaming read (a sum over a large buffer, on every thread)."""
     buf = torch.ones(_weights_budget_bytes(device) // 4, device=device)
     seconds = _best_seconds(lambda: buf.sum(), device, repeats=3)
     return buf.nbytes / seconds / 1e9
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak GFLOP/s of a square matmul at this dtype."""
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _best_seconds(lambda: a @ b, device, repeats=5)
-    return 2 * n ** 3 / seconds / 1e9
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """GB/s of bytes read plus bytes written by a large copy (STREAM's convention for copy)."""
+    src = torch.ones(_weights_budget_bytes(device) // 8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats=3)
+    return 2 * src.nbytes / seconds / 1e9
+
+
+def measure_read_bandwidth(device: torch.device) -> dict[str, float]:
+    """Every method's read bandwidth in GB/s: the memory peak is the best of them, because a run's
+    kernels can stream no faster than the fastest way these cores were seen to."""
+    mats = _cold_weights(device, torch.float32)
+    methods = {"gemv": measure_gemv_bandwidth(device, mats=mats),
+               "small_rows_kernel": measure_small_rows_bandwidth(device, mats=mats)}
+    del mats
+    methods["stream_sum"] = measure_stream_bandwidth(device)
+    methods["copy"] = measure_copy_bandwidth(device)
+    return {name: value for name, value in methods.items() if value is not None}
+
+
+def best_method(figures: dict) -> tuple[str, float]:
+    """The method with the highest figure, and that figure."""
+    name = max(figures, key=figures.get)
+    return name, figures[name]
+
+
+def _matmul_shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    """(M, K, N) products, smallest first: square ones and a prefill-like one (a few hundred rows
+    against a wide weight)."""
+    if device.type == "cuda":
+        return [(4096, 4096, 4096), (2048, 4096, 16384), (8192, 8192, 8192)]
+    return [(512, 512, 512), (1024, 1024, 1024), (256, 2048, 4096), (2048, 2048, 2048)]
+
+
+# A shape whose measurement would take longer than this at the best rate seen so far is skipped: a
+# dtype without fast units here (bf16 on a CPU without AVX-512 BF16) runs at a fraction of a GFLOP/s.
+MATMUL_BUDGET_S = 2.0
+_MATMUL_REPEATS = 3
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] | None = None) -> float:
+    """GFLOP/s of one matmul shape (M, K, N) at this dtype (square 1024 or 4096 when not given)."""
+    m, k, n = shape or ((4096,) * 3 if device.type == "cuda" else (1024,) * 3)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    seconds = _best_seconds(lambda: a @ b, device, repeats=_MATMUL_REPEATS)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """GFLOP/s of each shape of _matmul_shapes that fits MATMUL_BUDGET_S, keyed "MxKxN" (the first
+    always runs); the peak is the best of them."""
+    figures: dict[str, float] = {}
+    for shape in _matmul_shapes(device):
+        flops = 2 * shape[0] * shape[1] * shape[2]
+        if figures and (_MATMUL_REPEATS + 1) * flops / (max(figures.values()) * 1e9) > MATMUL_BUDGET_S:
+            continue
+        figures["x".join(map(str, shape))] = measure_matmul_flops(device, dtype, shape)
+    return figures
 
 
 def measure_dispatch_us(device: torch.device) -> float:
@@ -209,19 +280,42 @@ def engine_dtypes(device: torch.device) -> list[torch.dtype]:
 
 def calibrate(device: torch.device) -> dict:
     start = time.perf_counter()
+    reads = measure_read_bandwidth(device)
+    method, peak = best_method(reads)
+    matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
     results = {
         "version": CALIBRATION_VERSION,
         "device_key": device_key(device),
-        "memory_gbps": measure_gemv_bandwidth(device),
-        "stream_read_gbps": measure_stream_bandwidth(device),
-        "matmul_gflops": {str(d).removeprefix("torch."): measure_matmul_flops(device, d)
-                          for d in engine_dtypes(device)},
+        "memory_gbps": peak,
+        "memory_method": method,
+        "memory_methods_gbps": reads,
+        "stream_read_gbps": reads["stream_sum"],
+        "matmul_gflops": {d: best_method(shapes)[1] for d, shapes in matmuls.items()},
+        "matmul_shape": {d: best_method(shapes)[0] for d, shapes in matmuls.items()},
+        "matmul_shapes_gflops": matmuls,
         "dispatch_us": measure_dispatch_us(device),
     }
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)
     results["seconds"] = time.perf_counter() - start
     return results
+
+
+# Two timings of the same work on this machine differ by a few percent; a run this far above the
+# calibrated peak is beyond noise: the peak is then too low, not the run too fast.
+PEAK_NOISE = 0.05
+
+
+def peak_check(bytes_moved: float, seconds: float, calibration: dict) -> dict:
+    """A run's bytes per second against the calibrated memory peak: the rate, its fraction of the
+    peak and, when it beats the peak by more than PEAK_NOISE, a sentence saying so (else None)."""
+    gbps = bytes_moved / seconds / 1e9 if seconds > 0 else 0.0
+    peak = calibration["memory_gbps"]
+    flag = None
+    if gbps > peak * (1 + PEAK_NOISE):
+        flag = (f"Its decode moved {gbps:.1f} GB/s, {gbps / peak:.0%} of the calibrated peak of {peak:.1f} GB/s "
+                f"({calibration.get('memory_method', 'gemv')}): the peak is too low, calibrate again on a quiet machine.")
+    return {"gbps": gbps, "peak_fraction": gbps / peak if peak else None, "beyond_peak": flag}
 
 
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:

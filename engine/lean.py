@@ -52,7 +52,7 @@ class LeanLinear(nn.Linear):
     """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: MKL's few-row
     kernels pack the weights first, so verifying drafts cost nearly two plain steps; this one reads each
     weight once for all rows, and a row's result does not depend on how many rows share the call. Other
-    dtypes, quantized weights, prefills and CPUs without AVX-512 use F.linear."""
+    dtypes, quantized weights, prefills and machines without the built extension use F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -128,6 +128,9 @@ class LeanAttention(nn.Module):
             q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        kernel = cpu_kernel(q) if length == 1 and mask is None else None
+        if kernel is not None:  # one new token that sees every cached one: a decode step
+            return self.o_proj(kernel.decode_attention(q, k, v, self.scaling).to(x.dtype))
         causal = mask is None and length > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                              enable_gqa=self.kv_heads != self.heads)

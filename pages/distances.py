@@ -52,6 +52,9 @@ def calibration_note(run_metrics) -> str:
             f"{summary['matmul_gflops']['float32']:,.0f} GFLOP/s, dispatch {summary['dispatch_us']:.1f} µs.")
     if found and found.get("suspect"):
         note += f" :orange[This calibration is flagged: {md_escape(found['suspect'])}]"
+    beyond = (json.loads(run_metrics).get("peak_check") or {}).get("beyond_peak")
+    if beyond:
+        note += f" :red[This run beat the calibrated peak. {md_escape(beyond)}]"
     return note
 
 

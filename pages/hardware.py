@@ -50,7 +50,7 @@ with c[1]:
                        f"{md_escape(recent[0]['suspect'])}" if recent[0] is not stored else
                        f"The calibration in use is flagged: {md_escape(stored['suspect'])} Calibrate again on a "
                        "quiet machine.")
-        rows = [("memory read, GEMV over 1 GiB of cold weights", f"{stored['memory_gbps']:.1f} GB/s"),
+        rows = [(f"memory read peak (best method: {stored.get('memory_method', 'gemv')})", f"{stored['memory_gbps']:.1f} GB/s"),
                 ("memory read, streaming sum", f"{stored['stream_read_gbps']:.1f} GB/s"),
                 *[(f"matmul peak, {dtype}", f"{v:.0f} GFLOP/s") for dtype, v in stored["matmul_gflops"].items()],
                 ("dispatch cost per operation", f"{stored['dispatch_us']:.1f} µs")]

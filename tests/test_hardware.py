@@ -38,7 +38,7 @@ def test_calibration_is_stored_and_reused(store, calibration):
 
 def test_calibrate_command_prints_the_stored_calibration_as_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "calibrate", "--json", "--db", str(tmp_path / "c.duckdb")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["calibration"]["memory_gbps"] > 0 and result["calibration"]["seconds"] > 0
@@ -112,3 +112,34 @@ def test_telemetry_counts_from_its_start_and_never_reports_an_unmeasured_cpu_sha
     later = sampler.sample()
     assert later["cpu_percent"] is not None and 0 <= later["cpu_percent"] <= 100
     assert later["t_ms"] >= 300
+
+
+def test_the_memory_and_matmul_peaks_are_the_best_of_their_methods(calibration):
+    methods = calibration["memory_methods_gbps"]
+    assert {"gemv", "stream_sum", "copy"} <= set(methods)
+    assert all(calibration["memory_gbps"] >= v > 0 for v in methods.values())
+    assert methods[calibration["memory_method"]] == calibration["memory_gbps"]
+    for dtype, shapes in calibration["matmul_shapes_gflops"].items():
+        assert all(calibration["matmul_gflops"][dtype] >= v > 0 for v in shapes.values())
+        assert shapes[calibration["matmul_shape"][dtype]] == calibration["matmul_gflops"][dtype]
+
+
+def test_the_peak_check_flags_only_what_beats_the_peak_beyond_noise():
+    peak = {"memory_gbps": 10.0, "memory_method": "copy"}
+    within = hardware.peak_check(10.4e9, 1.0, peak)
+    assert within["beyond_peak"] is None and abs(within["peak_fraction"] - 1.04) < 1e-9
+    beyond = hardware.peak_check(12e9, 1.0, peak)
+    assert beyond["gbps"] == 12.0 and "120% of the calibrated peak of 10.0 GB/s (copy)" in beyond["beyond_peak"]
+
+
+def test_a_run_faster_than_the_given_peak_is_flagged_in_its_stored_metrics(tiny_lm, store, calibration):
+    def run(peak_gbps):
+        cfg = GenConfig("Hi", raw=True, max_new_tokens=4, ignore_eos=True)
+        gen = Generation(tiny_lm, cfg, store=store, calibration={**calibration, "memory_gbps": peak_gbps})
+        gen.run()
+        return json.loads(store.run(gen.run_id)["metrics"])["peak_check"]
+
+    low = run(1e-9)  # any real decode moves more than a byte per second
+    assert low["beyond_peak"] and low["gbps"] > 0 and low["peak_fraction"] > 1
+    high = run(1e9)
+    assert high["beyond_peak"] is None and 0 < high["peak_fraction"] < 1

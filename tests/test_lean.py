@@ -92,7 +92,7 @@ def test_cpu_kernels_compute_the_pytorch_expressions():
 @pytest.mark.parametrize("n, k", [(64, 48), (67, 37), (3, 16)])
 def test_small_linear_gives_each_row_the_same_result_whatever_the_rows_beside_it(n, k):
     if not has_small_rows_kernel():
-        pytest.skip("small_linear needs the C++ extension built with AVX-512")
+        pytest.skip("small_linear needs the C++ extension, which cannot be built here")
     kernel = optional_kernel()
     torch.manual_seed(0)
     x, w, b = torch.randn(1, 11, k), torch.randn(n, k), torch.randn(n)
@@ -110,7 +110,7 @@ def test_lean_linear_uses_the_kernel_for_few_float32_rows_only(monkeypatch):
     layer = lean.lean_linear(torch.nn.Linear(32, 24))
     calls = []
     if not has_small_rows_kernel():
-        pytest.skip("small_linear needs the C++ extension built with AVX-512")
+        pytest.skip("small_linear needs the C++ extension, which cannot be built here")
     real = optional_kernel()
 
     class Spy:
@@ -122,7 +122,7 @@ def test_lean_linear_uses_the_kernel_for_few_float32_rows_only(monkeypatch):
     for rows in [1, lean.SMALL_ROWS, lean.SMALL_ROWS + 1]:
         x = torch.randn(1, rows, 32)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    monkeypatch.setattr(lean, "has_small_rows_kernel", lambda: False)  # a CPU without AVX-512
+    monkeypatch.setattr(lean, "has_small_rows_kernel", lambda: False)  # no C++ extension here
     layer(torch.randn(1, 2, 32))
     layer.to(torch.bfloat16)(torch.randn(1, 2, 32, dtype=torch.bfloat16))
     assert calls == [(1, 1, 32), (1, lean.SMALL_ROWS, 32)]
@@ -133,3 +133,18 @@ def test_the_pytorch_path_without_the_kernels_gives_the_same_logits(pair, monkey
     with_kernels = pair[0](input_ids=IDS, use_cache=False).logits
     monkeypatch.setattr(lean, "optional_kernel", lambda: None)
     torch.testing.assert_close(pair[0](input_ids=IDS, use_cache=False).logits, with_kernels, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, length, dim", [(1, 4, 2, 1, 16), (1, 9, 3, 37, 64), (2, 6, 6, 300, 20)])
+def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch, heads, kv_heads, length, dim):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(length)
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv_heads, length, dim) * 3, torch.randn(batch, kv_heads, length, dim)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5,
+                                                             enable_gqa=heads != kv_heads)
+    out = kernel.decode_attention(q, k, v, dim ** -0.5)
+    assert out.shape == (batch, 1, heads * dim)
+    torch.testing.assert_close(out, plain.transpose(1, 2).reshape(batch, 1, heads * dim), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,18 @@
 #include <immintrin.h>
 #endif
 
+// Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
+// order: vectorized without reassociating a single running sum.
+static inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[d + j] * b[d + j];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
 template <int R>
 static inline void add_rows(float* __restrict y, const float* const* rows, const float* v, int64_t out) {
   for (int64_t j = 0; j < out; ++j) {
@@ -196,10 +208,14 @@ static inline void dot_rows(const float* const* w, const float* x, int64_t M, in
   }
 }
 
+#endif
+
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
-// Threads take shares of the weight rows, four at a time, and each block of four rows is read from
-// memory once for all M rows of x (from the first-level cache after the first four). On a 2-core
-// AVX-512 machine, 5 rows took 1.5x the one-row time (MKL: 1.8x) and 9 rows 1.6x (MKL: 2.4x).
+// Threads take shares of the weight rows and each weight row is read from memory once for all M rows
+// of x. With AVX-512 the rows go four at a time (on a 2-core AVX-512 machine, 5 rows took 1.5x the
+// one-row time, MKL 1.8x; 9 rows 1.6x, MKL 2.4x); elsewhere one at a time through dot_lanes, which
+// the compiler vectorizes for the CPU at hand. Either way a row's sums run in an order that does not
+// depend on M.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "small_linear takes float32");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous 2-D tensor");
@@ -213,6 +229,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512F__
   constexpr int R = 4;
   const int64_t blocks = (N + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
@@ -229,16 +246,15 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
       }
     }
   });
+#else
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_lanes(xp + m * K, wp + n * K, K);
+  });
+#endif
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
-#else
-// Without AVX-512 a plain loop would be far slower than MKL, so there is no small_linear to call.
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "small_linear needs AVX-512; this build has none");
-  return x;
-}
-#endif
 
 bool has_avx512() {
 #ifdef __AVX512F__
@@ -322,6 +338,59 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
+// Attention of one new token per sequence over all cached positions (a decode step: every key is
+// visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
+// a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
+// takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every call, which
+// for one query row costs far more than the arithmetic; this is one plain pass per head, split over
+// threads only when there is enough work to pay for them.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+              v.scalar_type() == torch::kFloat, "decode_attention takes float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == 1,
+              "decode_attention: q [B, H, 1, D], k and v [B, KV, T, D]");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
+  auto out = torch::empty({B, 1, H * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / KV;
+  const float s = static_cast<float>(scale);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (T * D));
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(static_cast<size_t>(T));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* qh = qp + bh * D;
+      const float* kh = kp + (b * KV + h / group) * T * D;
+      const float* vh = vp + (b * KV + h / group) * T * D;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) {
+        w[t] = dot_lanes(qh, kh + t * D, D) * s;
+        top = std::max(top, w[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        w[t] = std::exp(w[t] - top);
+        total += w[t];
+      }
+      float* o = op + bh * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const float p = w[t] / total;
+        const float* vt = vh + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * vt[d];
+      }
+    }
+  });
+  return out;
+}
+
 bool has_vnni() {
 #ifdef __AVX512VNNI__
   return true;
@@ -335,8 +404,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x w^T (+ bias) for a few rows of x, float32, each row's result independent of M");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32");
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
+  m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
-  m.def("has_avx512", &has_avx512, "whether small_linear was built (it needs AVX-512)");
+  m.def("has_avx512", &has_avx512, "whether small_linear was built with AVX-512 instructions");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");

@@ -1,0 +1,133 @@
+"""Tokenpath at each weight level against llama.cpp (llama-cpp-python) on the same GGUF the default
+model is converted from: same prompt tokens, thread count and token count, greedy, advanced in lockstep.
+
+Every round runs all of them one token each in turn (bench/common.py's in_turn), so a burst of load on
+a shared machine slows them alike. Prefill tokens/s is the prompt's length over the first token's time
+(the prompt's forward and the first pick), decode tokens/s the inverse of the median later token; both
+are measured the same way on both sides. Tokenpath's loop is the instrumented one (timing and
+attribution on, the telemetry sampler off). Writes bench/results/peers.md.
+
+    .venv/bin/python bench/peers.py [--tokens 64] [--rounds 3] [--levels fp32,int8-dyn,...]
+
+llama-cpp-python is this benchmark's own dependency (`make peers` installs it into .venv).
+"""
+import argparse
+import importlib.util
+import statistics
+import sys
+
+from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from engine import hardware
+
+import numpy as np
+import torch
+from engine.generate import Generation, GenConfig
+from engine.models import default_gguf_path, load_model
+from engine.quant import available_levels, quantize
+
+LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
+PEER = "llama.cpp Q4_1"
+
+
+def load_llama_cpp(gguf, threads: int, context: int):
+    """llama.cpp's model on the GGUF (llama_cpp is imported only here: the module loads without it)."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, verbose=False)
+
+
+def llama_greedy(llm, prompt_ids: list[int], n: int):
+    """llama.cpp's greedy tokens, one per next(): the first evaluates the prompt, each later one a token."""
+    import llama_cpp
+
+    llm.reset()
+    llm.eval(prompt_ids)
+    for i in range(n):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        token = int(np.argmax(logits))
+        yield token
+        if i < n - 1:
+            llm.eval([token])
+
+
+def one_round(variants: dict, llm, n: int, calibration: dict, first: int) -> dict:
+    """{name: (token ids, per-token ms)} of one lockstep round, starting from the `first`-th runner."""
+    cfg = lambda: GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    gens = {lv: Generation(lm, cfg(), calibration=calibration, telemetry=False) for lv, lm in variants.items()}
+    prompt_ids = next(iter(gens.values())).prompt_ids
+    tokens = {PEER: []}
+
+    def peer():
+        for token in llama_greedy(llm, prompt_ids, n):
+            tokens[PEER].append(token)
+            yield token
+
+    runners = {**{lv: iter(g) for lv, g in gens.items()}, PEER: peer()}
+    keys = list(runners)
+    order = keys[first % len(keys):] + keys[: first % len(keys)]
+    token_ms = in_turn({k: runners[k] for k in order})
+    tokens.update({lv: g.token_ids for lv, g in gens.items()})
+    return {k: (tokens[k], token_ms[k], len(prompt_ids)) for k in keys}
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy generations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def report(rounds: list[dict], levels: list[str], threads: int, n: int) -> None:
+    prefill = {k: [p / ms[0] * 1e3 for _, ms, p in (r[k] for r in rounds)] for k in rounds[0]}
+    decode = {k: [1e3 / statistics.median(ms[1:]) for _, ms, _ in (r[k] for r in rounds)] for k in rounds[0]}
+    peer_decode, peer_prefill = statistics.median(decode[PEER]), statistics.median(prefill[PEER])
+    prompt_len = rounds[0][PEER][2]
+    print(f"{len(rounds)} rounds in lockstep, {threads} threads on both sides, {prompt_len} prompt tokens, "
+          f"{n} new tokens, greedy")
+    print(f"{'runner':<16} {'decode tok/s':>12} {'vs llama.cpp':>12} {'prefill tok/s':>13} {'vs llama.cpp':>12} "
+          f"{'tokens as llama.cpp':>19}  per-round decode ratio")
+    for k in [*levels, PEER]:
+        d, p = statistics.median(decode[k]), statistics.median(prefill[k])
+        same = agreement(rounds[-1][k][0], rounds[-1][PEER][0])
+        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(decode[k], decode[PEER]))
+        print(f"{k:<16} {d:>12.1f} {d / peer_decode:>11.2f}x {p:>13.1f} {p / peer_prefill:>11.2f}x "
+              f"{same:>14}/{n:<4}  {per_round}")
+    best = max(levels, key=lambda k: statistics.median(decode[k]))
+    print(f"best Tokenpath level: {best}, {statistics.median(decode[best]) / peer_decode:.2f}x llama.cpp's decode")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--levels", help="comma-separated; default: every level this device runs")
+    args = parser.parse_args()
+    if args.tokens < 2 or args.rounds < 1:
+        print("--tokens must be at least 2 and --rounds at least 1.", file=sys.stderr)
+        return 2
+    base = load_model()
+    levels = args.levels.split(",") if args.levels else available_levels(base.device)
+    unknown = sorted(set(levels) - set(available_levels(base.device)))
+    if unknown:
+        print(f"Unknown or unavailable level(s) here: {', '.join(unknown)}.", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    gguf = default_gguf_path()
+    llm = load_llama_cpp(gguf, threads, context=512)
+    variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in levels}
+    calibration = hardware.calibration_for(base.device)
+    print(f"{base.name} on {base.device}; llama.cpp on {gguf.name} (the GGUF Tokenpath's weights are converted from)")
+    one_round(variants, llm, 4, calibration, 0)  # warm up every path
+    rounds = [one_round(variants, llm, args.tokens, calibration, i) for i in range(args.rounds)]
+    report(rounds, levels, threads, args.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"llama-cpp-python is not installed in this environment: `make peers` installs {LLAMA_CPP_PIN}.",
+              file=sys.stderr)
+        sys.exit(2)
+    with recorded("peers"):
+        code = main()
+        if code:  # leaves the block by the exception: nothing is written for a refused run
+            sys.exit(code)
