@@ -249,8 +249,15 @@ def cmd_report(args) -> int:
     from . import story  # it builds on this module
     from .cli import USER_ERROR
 
+    from . import sweep_report
+
     if args.story:
         return _write(args, story.story_report, "the latest story runs")
+    if args.sweep:
+        return _write(args, lambda store: sweep_report.sweep_report(store, args.sweep), f"sweep {args.sweep}")
+    if args.load_sweep is not None:
+        return _write(args, lambda store: sweep_report.load_sweep_report(store, args.load_sweep),
+                      f"load sweep #{args.load_sweep}")
     try:
         ids = [int(part) for part in args.runs.split(",") if part.strip()]
     except ValueError:
@@ -283,6 +290,8 @@ def add_parser(sub) -> None:
     which = r.add_mutually_exclusive_group(required=True)
     which.add_argument("--runs", help="run ids separated by commas; the first is the baseline")
     which.add_argument("--story", action="store_true", help="the latest runs of the Story page, chapter by chapter")
+    which.add_argument("--sweep", help="a sweep of the Sweeps page, by the id shown under its results")
+    which.add_argument("--load-sweep", type=int, help="a load sweep against a server, by its number")
     r.add_argument("--out", required=True, help="the HTML file to write")
     r.add_argument("--title", help="the report's title (default: the run ids)")
     r.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")

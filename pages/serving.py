@@ -15,6 +15,7 @@ from engine.models import workloads
 from engine.paths import REPO_ROOT
 from engine.served import ServedError
 from engine.serving_metrics import DEFINITIONS
+from engine.sweep_report import load_sweep_report
 from ui import open_store, page_setup
 
 page_setup("Serving")
@@ -111,6 +112,11 @@ if not chosen:
 rows = {r.sweep_id: r for r in frame.itertuples()}
 levels = {label[s]: sweep_views.level_frame(rows[s].levels) for s in chosen}
 first = chosen[0]
+if not levels[label[first]].empty:  # the report is built when the button is pressed
+    st.download_button("Download report", lambda: load_sweep_report(store, int(first)), mime="text/html",
+                       file_name=f"tokenpath-load-sweep-{first}.html", on_click="ignore",
+                       help=f"One HTML file of sweep #{first} (also `python -m engine report --load-sweep {first} "
+                            "--out FILE.html`).")
 
 st.subheader("Per level")
 table = levels[label[first]]

@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from engine.advisor import advise
+from engine.sweep_report import sweep_report, sweep_tag
 from engine.distances import BUCKETS
 from engine.models import pick_device, workloads
 from engine.quant import available_levels
@@ -52,12 +53,13 @@ if go_button and store is not None:
         st.stop()
     bar = st.progress(0.0, text="Starting...")
     results, started = [], time.monotonic()
+    sweep_id = time.strftime("%Y%m%d-%H%M%S")  # its runs are tagged sweep:<id>, for its report
     for i, (lv, k, sp, sd) in enumerate(grid):
         name = label(lv, k, sp, sd)
         cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on", ignore_eos=True,
                         **SPEC[sd])
         spec = RunSpec(gen=cfg, model=default_model_id(), device=device, weights=lv, sparsity=SPARSITY[sp][0],
-                       sparsity_mode=SPARSITY[sp][1])
+                       sparsity_mode=SPARSITY[sp][1], tag=sweep_tag(sweep_id))
         try:
             result = run_in_worker(worker_request(spec, store), on_wait=lambda pos: bar.progress(
                 i / len(grid), text=f"Waiting: {pos} generation(s) ahead."))["result"]
@@ -72,6 +74,7 @@ if go_button and store is not None:
         left = elapsed / (i + 1) * (len(grid) - i - 1)
         bar.progress((i + 1) / len(grid), text=f"{i + 1} of {len(grid)} done; about {left:.0f} s left")
     st.session_state["sweep_results"] = results
+    st.session_state["sweep_id"] = sweep_id
 
 results = st.session_state.get("sweep_results")
 if results:
@@ -89,3 +92,9 @@ if results:
     st.subheader("Advisor")
     for line in advise(results, results[0]):
         st.markdown(f"- {line}")
+    sweep_id = st.session_state.get("sweep_id")
+    if sweep_id and store is not None:
+        st.download_button("Download report", lambda: sweep_report(store, sweep_id), mime="text/html",
+                           file_name=f"tokenpath-sweep-{sweep_id}.html", on_click="ignore",
+                           help=f"One HTML file of this sweep's runs (sweep {sweep_id}; also "
+                                f"`python -m engine report --sweep {sweep_id} --out FILE.html`).")

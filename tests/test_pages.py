@@ -109,7 +109,8 @@ def test_sweep_runs_the_grid_and_advises(page_db):
     at.number_input[0].set_value(4)
     at.button[0].click().run()
     assert not at.exception and not at.error
-    assert len(Store(page_db).runs()) == 2
+    runs = Store(page_db).runs()
+    assert len(runs) == 2 and runs["tag"].nunique() == 1 and runs["tag"].iloc[0].startswith("sweep:")
     assert any("bound by" in m.value for m in at.markdown)
 
 

@@ -1,0 +1,53 @@
+"""Reports of a sweep (runs tagged sweep:ID) and of a load sweep against a real local streaming server."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.generate import Generation, GenConfig
+from engine.load import Sweep, SweepConfig, load_prompts
+from engine.quant import variant
+from engine.report import ReportError
+from engine.store import Store
+from engine.sweep_report import load_sweep_report, sweep_report, sweep_tag
+from engine.vllm_server import free_port
+
+from test_served import wait_for_port
+
+SERVER = Path(__file__).with_name("stream_server.py")
+
+
+def test_a_sweep_report_holds_its_tagged_runs_and_the_advisor(tiny_lm, calibration, store):
+    ids = []
+    for level in ("fp32", "bf16"):
+        gen = Generation(variant(tiny_lm, level), GenConfig("Hello there", raw=True, max_new_tokens=4, ignore_eos=True),
+                         store=store, calibration=calibration, telemetry=False, tag=sweep_tag("20261201-101500"))
+        ids.append(gen.run()["run_id"])
+    Generation(tiny_lm, GenConfig("not in the sweep", raw=True, max_new_tokens=2), store=store,
+               calibration=calibration, telemetry=False).run()
+    page = sweep_report(store, "20261201-101500")
+    assert all(f"#{i}" in page for i in ids) and "not in the sweep" not in page
+    assert "Advisor" in page and "bound by" in page and "<script src=" not in page
+    with pytest.raises(ReportError, match="No finished runs of sweep"):
+        sweep_report(store, "19990101-000000")
+
+
+def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.02"])
+    try:
+        wait_for_port(port, proc)
+        summary = Sweep(SweepConfig(f"http://127.0.0.1:{port}", [1, 2], 2, 4, load_prompts("summary")), store).run()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    page = load_sweep_report(store, summary["sweep_id"])
+    assert f"load sweep #{summary['sweep_id']}" in page and "Per-user latency against total throughput" in page
+    assert "<td>1</td>" in page.replace(' class="num"', "") and "<td>2</td>" in page.replace(' class="num"', "")
+    out = tmp_path / "load.html"
+    assert main(["report", "--load-sweep", str(summary["sweep_id"]), "--out", str(out), "--db", str(store.path)]) == 0
+    assert "<html" in out.read_text()[:300]
+    assert main(["report", "--load-sweep", "999", "--out", str(tmp_path / "x.html"), "--db", str(store.path)]) == 2
+    assert not (tmp_path / "x.html").exists()
