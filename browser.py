@@ -61,3 +61,22 @@ def browser_page(width=1400, height=1000, args=()):
             yield page
         finally:
             browser.close()
+
+
+def open_offline(page, path: Path, figures: int, timeout_ms: int = 120_000) -> tuple[list, list]:
+    """Open a file with every request but the file itself refused; wait for `figures` Plotly figures.
+    Returns (the refused request URLs, the page's script errors)."""
+    attempted, errors = [], []
+
+    def refuse_the_network(route):
+        if route.request.url.startswith("file://"):
+            return route.continue_()
+        attempted.append(route.request.url)
+        return route.abort()
+
+    page.route("**/*", refuse_the_network)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(path.as_uri())
+    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {figures}",
+                           timeout=timeout_ms)
+    return attempted, errors

@@ -27,6 +27,16 @@ def hf_lm():
     return load_model(lean_forward=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as a model folder, so command-line and page runs load in a second."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    lm = tiny_model(lean_forward=False)
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def store(tmp_path):
     return Store(tmp_path / "runs.duckdb")

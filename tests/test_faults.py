@@ -12,20 +12,9 @@ import duckdb
 import pytest
 
 from engine import journal
-from engine.models import tiny_model
 from engine.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama saved as a model folder, so command-line runs load in a second."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    lm = tiny_model(lean_forward=False)
-    lm.model.save_pretrained(folder)
-    lm.tokenizer.save_pretrained(folder)
-    return folder
 
 
 def start(db: Path, model: Path, tokens: int = 400, **env) -> subprocess.Popen:

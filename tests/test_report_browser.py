@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from browser import CHROMIUM, REPO, browser_page, serve_app
+from browser import CHROMIUM, REPO, browser_page, open_offline, serve_app
 from engine.report import runs_report
 from engine.store import Store
 from test_report import make_runs, plotly_divs
@@ -20,19 +20,8 @@ def test_the_report_renders_offline_in_chromium(tmp_path, tiny_lm, calibration):
     path = tmp_path / "report.html"
     path.write_text(runs_report(store, ids), encoding="utf-8")
     figures = plotly_divs(path.read_text())
-    attempted, errors = [], []
     with browser_page(width=1400, height=1000) as page:
-        def refuse_the_network(route):
-            if route.request.url.startswith("file://"):
-                return route.continue_()
-            attempted.append(route.request.url)
-            return route.abort()
-
-        page.route("**/*", refuse_the_network)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(path.as_uri())
-        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {figures}",
-                               timeout=60_000)
+        attempted, errors = open_offline(page, path, figures)
         bars = page.locator(".js-plotly-plot .trace.bars path").count()
         assert page.locator("h2", has_text="Comparison").count() == 1
         for run_id in ids:

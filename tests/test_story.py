@@ -10,23 +10,12 @@ from streamlit.testing.v1 import AppTest
 
 from engine import story
 from engine.generate import Generation
-from engine.models import tiny_model
 from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.store import Store
 from browser import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).with_name("stream_server.py")
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama saved as a model folder, so the page's runs load in a second."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    lm = tiny_model(lean_forward=False)
-    lm.model.save_pretrained(folder)
-    lm.tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

@@ -9,23 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from browser import CHROMIUM, REPO, browser_page, free_port, serve_app
+from browser import CHROMIUM, REPO, browser_page, free_port, open_offline, serve_app
 from engine import story
-from engine.models import tiny_model
 from engine.store import Store
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")]
 ARTIFACTS = REPO / "test-artifacts"
 SERVER = Path(__file__).with_name("stream_server.py")
-
-
-@pytest.fixture
-def tiny_folder(tmp_path):
-    lm = tiny_model(lean_forward=False)
-    lm.model.save_pretrained(tmp_path / "tiny")
-    lm.tokenizer.save_pretrained(tmp_path / "tiny")
-    return tmp_path / "tiny"
 
 
 @pytest.fixture
@@ -46,22 +37,6 @@ def chapter_shot(page, number: int, chapter) -> Path:
     path = ARTIFACTS / f"story-{number}-{chapter.key}.png"
     page.screenshot(path=str(path))
     return path
-
-
-def open_report_offline(page, path: Path) -> tuple[list, list]:
-    attempted, errors = [], []
-
-    def refuse_the_network(route):
-        if route.request.url.startswith("file://"):
-            return route.continue_()
-        attempted.append(route.request.url)
-        return route.abort()
-
-    page.route("**/*", refuse_the_network)
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(path.as_uri())
-    page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8", timeout=120_000)
-    return attempted, errors
 
 
 def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_path, tiny_folder, server_url):
@@ -93,7 +68,7 @@ def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_p
     expected = {s.tag for c in story.CHAPTERS for s in story.chapter_specs(c)} | {"story:physical:served"}
     assert set(runs["tag"]) == expected
     with browser_page(width=1400, height=1000) as page:
-        attempted, errors = open_report_offline(page, report)
+        attempted, errors = open_offline(page, report, 8)
         for chapter in story.CHAPTERS:
             assert page.locator("h2", has_text=f"Story: {chapter.title}").count() == 1
         text = page.inner_text("body")
