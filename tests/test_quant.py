@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from engine import quant
+from engine import qlinear
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
 from engine.quant import (LEVELS, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
@@ -63,7 +63,7 @@ def test_int8_dynamic_kernel_gives_the_integer_products_exactly():
 
 
 def test_int8_dynamic_falls_back_to_fbgemm_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(quant, "vnni_kernel", lambda: None)
+    monkeypatch.setattr(qlinear, "vnni_kernel", lambda: None)
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32, bias=True)
     layer = Int8DynamicLinear(linear)
