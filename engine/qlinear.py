@@ -74,13 +74,15 @@ class Int8DynamicLinear(torch.nn.Module):
             x2 = x2 * self.inv_smooth
         if self.vnni:
             y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
+        # reduce_range (7-bit activations): on CPUs without VNNI, fbgemm's AVX2 path sums byte pairs into
+        # saturating 16-bit lanes, which full-range activations overflow
         elif x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
-            y = torch.ops.quantized.linear_dynamic(x2, self._packed)
+            y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)
         else:
             # fbgemm picks one activation scale per call; scaling every row to the same range first
             # makes it per token (the layer is linear, so the row scale comes back out after)
             row_scale = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
-            y = torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed) * row_scale
+            y = torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed, True) * row_scale
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
 
