@@ -120,6 +120,7 @@ class Sweep:
         self.stopping = threading.Event()
         self._streams: set = set()
         self._lock = threading.Lock()
+        self._progress_lock = threading.Lock()  # request threads share one progress file
         self.levels: list[dict] = []
         self.done = 0
         self.sweep_id: int | None = None
@@ -219,14 +220,15 @@ class Sweep:
         return record
 
     def _progress(self, status: str, level: int | None = None) -> None:
-        elapsed = time.monotonic() - self.t0
-        left = self.total - self.done
-        state = {"sweep_id": self.sweep_id, "status": status, "done": self.done, "total": self.total,
-                 "concurrency": level, "elapsed_s": elapsed,
-                 "eta_s": elapsed / self.done * left if self.done and status == "running" else None}
-        if self.on_progress:
-            self.on_progress(state)
-        if self.progress_path:
-            tmp = self.progress_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(self.progress_path)
+        with self._progress_lock:
+            elapsed = time.monotonic() - self.t0
+            left = self.total - self.done
+            state = {"sweep_id": self.sweep_id, "status": status, "done": self.done, "total": self.total,
+                     "concurrency": level, "elapsed_s": elapsed,
+                     "eta_s": elapsed / self.done * left if self.done and status == "running" else None}
+            if self.on_progress:
+                self.on_progress(state)
+            if self.progress_path:
+                tmp = self.progress_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(state))
+                tmp.replace(self.progress_path)
