@@ -15,7 +15,8 @@ def _linear_input(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 
 
 class Int8WeightOnlyLinear(torch.nn.Module):
-    """Symmetric per-output-channel int8 weights."""
+    """Symmetric per-output-channel int8 weights. On the CPU the project's kernel reads them with
+    float32 activations where the extension is built, else PyTorch's int8 kernel (bf16 activations)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -28,7 +29,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = _linear_input(x)
-        if x.device.type == "cpu":
+        kernel = optional_kernel() if x.device.type == "cpu" else None
+        if kernel is not None:
+            y = kernel.int8_wo_linear(x2.float(), self.weight_int8, self.scales)
+        elif x.device.type == "cpu":
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight_int8, self.scales)
         else:
             y = F.linear(x2, self.weight_int8.to(x.dtype) * self.scales.to(x.dtype)[:, None])

@@ -104,6 +104,9 @@ class Int8WeightOnly(IntegerLevel):
     help = "1 byte per weight plus one scale per output channel, read directly by the kernel"
 
     def info(self, device):
+        if device.type == "cpu" and has_small_rows_kernel():
+            return LevelInfo(self.name, "Tokenpath's int8 kernel (int8 weights, float32 activations; engine/kernels)",
+                             True, self.help)
         if device.type == "cpu":
             return LevelInfo(self.name, "torch._weight_int8pack_mm (int8 weights, bf16 activations)", True, self.help)
         return LevelInfo(self.name, "dequantize to the compute dtype, then dense matmul", False,

@@ -89,7 +89,7 @@ def test_cpu_kernels_compute_the_pytorch_expressions():
     torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("n, k", [(64, 48), (67, 37), (3, 16)])
+@pytest.mark.parametrize("n, k", [(64, 48), (67, 37), (3, 16), (1030, 300)])  # the last is split over threads
 def test_small_linear_gives_each_row_the_same_result_whatever_the_rows_beside_it(n, k):
     if not has_small_rows_kernel():
         pytest.skip("small_linear needs the C++ extension, which cannot be built here")
@@ -97,7 +97,7 @@ def test_small_linear_gives_each_row_the_same_result_whatever_the_rows_beside_it
     torch.manual_seed(0)
     x, w, b = torch.randn(1, 11, k), torch.randn(n, k), torch.randn(n)
     y = kernel.small_linear(x, w, b)
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)  # sums of up to 300 float32 products
     assert y.shape == (1, 11, n)
     for rows in [slice(0, 1), slice(3, 8), slice(10, 11)]:  # a decode step's row equals the same row verified with others
         assert torch.equal(kernel.small_linear(x[:, rows], w, b), y[:, rows])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import qlinear
+from engine.cpu_kernels import optional_kernel
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
 from engine.quant import (LEVELS, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
@@ -24,6 +25,22 @@ def test_int8_weight_only_matches_its_dequantized_weights():
     reference = x @ (q.weight_int8.float() * q.scales.float()[:, None]).T
     assert relative_error(q(x), reference) < 1e-2
     assert relative_error(q(x), linear(x)) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 7, 30])  # a decode step, a verification, a prefill (expanded, then MKL)
+def test_int8_weight_only_kernel_computes_the_dequantized_product(rows):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the int8 kernel needs the C++ extension, which cannot be built here")
+    torch.manual_seed(0)
+    w = torch.randint(-127, 128, (1030, 301), dtype=torch.int8)  # split over threads; a width of no round size
+    scales = torch.rand(1030).to(torch.bfloat16)
+    x = torch.randn(rows, 301)
+    y = kernel.int8_wo_linear(x, w, scales)
+    reference = x.double() @ (w.double() * scales.double()[:, None]).T
+    assert relative_error(y.double(), reference) < 1e-6
+    if rows <= 24:  # a row's result does not depend on the rows beside it
+        assert torch.equal(kernel.int8_wo_linear(x[2:3] if rows > 1 else x, w, scales)[0], y[2 if rows > 1 else 0])
 
 
 def test_int4_cpu_kernel_matches_the_portable_dequantized_path():

@@ -12,8 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
-#if defined(__AVX512F__) || defined(__AVX512VNNI__)
+#if defined(__AVX512F__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -166,56 +167,75 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   return y;
 }
 
-// Dot products of R weight rows with MC rows of x, each y[m][n] summed in the same order whatever
-// M is (16 lanes, then the lanes added in a fixed order): a row's result does not depend on how
-// many rows share the call, so verifying drafts gives the logits a one-row step gives.
-#ifdef __AVX512F__
-template <int R, int MC>
-static inline void dot_block(const float* const* w, const float* x, int64_t K, float* y, int64_t N) {
-  __m512 acc[R][MC];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w[r] + k);
-    for (int m = 0; m < MC; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w[r] + k);
-    for (int m = 0; m < MC; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+#if defined(__AVX2__)
+// The eight lanes of an AVX register added in a fixed order.
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
-
-template <int R>
-static inline void dot_rows(const float* const* w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_block<R, 4>(w, x + m * K, K, y + m * N, N);
-  switch (M - m) {
-    case 3: dot_block<R, 3>(w, x + m * K, K, y + m * N, N); break;
-    case 2: dot_block<R, 2>(w, x + m * K, K, y + m * N, N); break;
-    case 1: dot_block<R, 1>(w, x + m * K, K, y + m * N, N); break;
-  }
-}
-
 #endif
 
+// One vector register of float lanes and the few operations the dot products need: AVX-512's
+// sixteen lanes or AVX2's eight (with FMA). Either sum adds the lanes in a fixed order.
+#if defined(__AVX512F__)
+#define HAVE_LANES 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_LANES 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float sum(V v) { return hsum8(v); }
+};
+#endif
+
+// Sum of a[k] * b[k] over four registers of lanes side by side (several loads in flight on a row of
+// weights streaming in from memory), the registers and then the lanes added in a fixed order, and
+// the last few products one by one: the same order wherever the call comes from.
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#ifdef HAVE_LANES
+  using V = Lanes::V;
+  constexpr int W = Lanes::W;
+  V acc0 = Lanes::zero(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  int64_t k = 0;
+  for (; k + 4 * W <= n; k += 4 * W) {
+    acc0 = Lanes::fma(Lanes::load(a + k), Lanes::load(b + k), acc0);
+    acc1 = Lanes::fma(Lanes::load(a + k + W), Lanes::load(b + k + W), acc1);
+    acc2 = Lanes::fma(Lanes::load(a + k + 2 * W), Lanes::load(b + k + 2 * W), acc2);
+    acc3 = Lanes::fma(Lanes::load(a + k + 3 * W), Lanes::load(b + k + 3 * W), acc3);
+  }
+  for (; k + W <= n; k += W) acc0 = Lanes::fma(Lanes::load(a + k), Lanes::load(b + k), acc0);
+  float sum = Lanes::sum(Lanes::add(Lanes::add(acc0, acc1), Lanes::add(acc2, acc3)));
+  for (; k < n; ++k) sum += a[k] * b[k];
+  return sum;
+#else
+  return dot_lanes(a, b, n);
+#endif
+}
+
+// Below this many bytes of weights a product runs on the calling thread: waking a sleeping thread
+// costs more than the second core saves on so few bytes.
+constexpr int64_t kParallelBytes = int64_t{1} << 19;
+
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
-// Threads take shares of the weight rows and each weight row is read from memory once for all M rows
-// of x. With AVX-512 the rows go four at a time (on a 2-core AVX-512 machine, 5 rows took 1.5x the
-// one-row time, MKL 1.8x; 9 rows 1.6x, MKL 2.4x); elsewhere one at a time through dot_lanes, which
-// the compiler vectorizes for the CPU at hand. Either way a row's sums run in an order that does not
-// depend on M.
+// Threads take shares of the weight rows. The weights are read in their memory order, one row after
+// the next (a single stream that the hardware prefetcher follows; taking rows four at a time, four
+// streams, read short rows slower), and each row, read from memory once, serves all M rows of x from
+// the nearest cache. A row's sums run in an order that does not depend on M (MKL's few-row kernels
+// pack the weights first and sum in another order).
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "small_linear takes float32");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous 2-D tensor");
@@ -229,30 +249,82 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#ifdef __AVX512F__
-  constexpr int R = 4;
-  const int64_t blocks = (N + R - 1) / R;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * R;
-      if (n + R <= N) {
-        const float* rows[R] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K, wp + (n + 3) * K};
-        dot_rows<R>(rows, xp, M, K, yp + n, N);
-      } else {
-        for (int64_t j = n; j < N; ++j) {
-          const float* rows[1] = {wp + j * K};
-          dot_rows<1>(rows, xp, M, K, yp + j, N);
-        }
+  const bool parallel = w.numel() * 4 >= kParallelBytes;
+  at::parallel_for(0, N, parallel ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// Up to this many rows of x the int8 weight-only product reads the weights row by row (a decode or
+// verification step); more rows (a prefill) expand the weights once and multiply in MKL.
+constexpr int64_t kFewRows = 24;
+
+static inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// Sum of w[k] * x[k] for int8 w, widened eight at a time into four registers of float lanes that
+// are added in a fixed order, then the last few one by one.
+static inline float dot_int8(const int8_t* __restrict w, const float* __restrict x, int64_t n) {
+  int64_t k = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  auto widened = [&](int64_t at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + at))));
+  };
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (; k + 32 <= n; k += 32) {
+    acc0 = _mm256_fmadd_ps(widened(k), _mm256_loadu_ps(x + k), acc0);
+    acc1 = _mm256_fmadd_ps(widened(k + 8), _mm256_loadu_ps(x + k + 8), acc1);
+    acc2 = _mm256_fmadd_ps(widened(k + 16), _mm256_loadu_ps(x + k + 16), acc2);
+    acc3 = _mm256_fmadd_ps(widened(k + 24), _mm256_loadu_ps(x + k + 24), acc3);
+  }
+  for (; k + 8 <= n; k += 8) acc0 = _mm256_fmadd_ps(widened(k), _mm256_loadu_ps(x + k), acc0);
+  sum = hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+#endif
+  for (; k < n; ++k) sum += static_cast<float>(w[k]) * x[k];
+  return sum;
+}
+
+// int8 weight-only product: x [M, K] float32, w [N, K] int8, one bfloat16 scale per output row
+// (w = q * scale). Few rows: each output alone (dot_int8), so a row's result does not depend on M.
+torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.dim() == 2 && w.is_contiguous(), "w must be contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.numel() == w.size(0), "scales: one bfloat16 per row");
+  x = x.contiguous();
+  scales = scales.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x and w disagree on the input width");
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int64_t grain = N * K * 4 >= kParallelBytes ? 16 : N;
+  if (M > kFewRows) {
+    auto expanded = torch::empty({N, K}, x.options());
+    float* ep = expanded.data_ptr<float>();
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const float scale = bf16_to_float(sp[n]);
+        for (int64_t k = 0; k < K; ++k) ep[n * K + k] = static_cast<float>(wp[n * K + k]) * scale;
       }
+    });
+    return at::matmul(x, expanded.t());
+  }
+  const float* xp = x.data_ptr<float>();
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float scale = bf16_to_float(sp[n]);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_int8(wp + n * K, xp + m * K, K) * scale;
     }
   });
-#else
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_lanes(xp + m * K, wp + n * K, K);
-  });
-#endif
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
 
@@ -371,7 +443,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       const float* vh = vp + (b * KV + h / group) * T * D;
       float top = -INFINITY;
       for (int64_t t = 0; t < T; ++t) {
-        w[t] = dot_lanes(qh, kh + t * D, D) * s;
+        w[t] = dot(qh, kh + t * D, D) * s;
         top = std::max(top, w[t]);
       }
       float total = 0.f;
@@ -406,6 +478,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
+  m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("has_avx512", &has_avx512, "whether small_linear was built with AVX-512 instructions");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
