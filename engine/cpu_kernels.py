@@ -30,12 +30,21 @@ class KernelBuildError(Exception):
     """The extension could not be built here; the message is one sentence."""
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux
+        return set()
+
+
 def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the build uses -march=native, so the kernel then uses it)."""
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux
-        return False
+    return "avx512_vnni" in _cpu_flags()
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU has AVX2 (the int8 kernels' vector path where VNNI is missing)."""
+    return "avx2" in _cpu_flags()
 
 
 def _cpu_model() -> str:

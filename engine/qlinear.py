@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import cpu_has_vnni, optional_kernel
+from .cpu_kernels import optional_kernel
 
 
 def _linear_input(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -41,9 +41,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
 
 class Int8DynamicLinear(torch.nn.Module):
-    """int8 weights (per channel) and int8 activations (per token, chosen at run time). On CPUs with
-    AVX-512 VNNI the project's kernel (engine/kernels/cpu_kernels.cpp) runs it; elsewhere fbgemm's
-    quantized::linear_dynamic."""
+    """int8 weights (per channel) and int8 activations (per token, chosen at run time). The project's
+    kernel (engine/kernels/cpu_kernels.cpp) runs it where the extension is built, with exact integer
+    sums; elsewhere fbgemm's quantized::linear_dynamic."""
 
     def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None, folded: bool = False):
         """smooth: per-input-channel factors multiplied into the weights (SmoothQuant); the inputs must
@@ -57,8 +57,8 @@ class Int8DynamicLinear(torch.nn.Module):
         self.bias = linear.bias
         scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127
         # a flag, not the extension itself: a module object would stop the layer being deep-copied
-        self.vnni = w.device.type == "cpu" and vnni_kernel() is not None
-        if self.vnni:
+        self.own_kernel = w.device.type == "cpu" and optional_kernel() is not None
+        if self.own_kernel:
             self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
             self.register_buffer("scales", scales)
             self.register_buffer("row_sums", self.weight_int8.sum(dim=1, dtype=torch.int32))
@@ -76,10 +76,10 @@ class Int8DynamicLinear(torch.nn.Module):
         x2, lead = _linear_input(x.float())
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        if self.vnni:
+        if self.own_kernel:
             y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
-        # reduce_range (7-bit activations): on CPUs without VNNI, fbgemm's AVX2 path sums byte pairs into
-        # saturating 16-bit lanes, which full-range activations overflow
+        # reduce_range (7-bit activations): fbgemm's AVX2 path sums byte pairs into saturating 16-bit
+        # lanes, which full-range activations overflow
         elif x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
             y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)
         else:
@@ -89,14 +89,6 @@ class Int8DynamicLinear(torch.nn.Module):
             y = torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed, True) * row_scale
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
-
-
-def vnni_kernel():
-    """The project's int8 kernel when this CPU has AVX-512 VNNI and the extension builds, else None."""
-    if not cpu_has_vnni():
-        return None
-    kernel = optional_kernel()
-    return kernel if kernel is not None and kernel.has_vnni() else None
 
 
 class Int4WeightOnlyLinear(torch.nn.Module):

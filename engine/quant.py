@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cpu_kernels import cpu_has_vnni, has_small_rows_kernel
+from .cpu_kernels import cpu_has_avx2, cpu_has_vnni, has_small_rows_kernel
 from .dtypes import torch_dtype
 from .errors import UserError
 from .models import LoadedModel
@@ -122,10 +122,10 @@ class Int8Dynamic(IntegerLevel):
     help = "int8 weights and activations quantized per token; int32 accumulation"
 
     def info(self, device):
-        if device.type == "cpu" and cpu_has_vnni():
-            return LevelInfo(self.name, "Tokenpath's AVX-512 VNNI kernel (int8 x int8, engine/kernels)", True,
-                             "int8 weights and activations quantized per token; 64 byte pairs multiplied and "
-                             "summed per instruction, int32 accumulation")
+        if device.type == "cpu" and has_small_rows_kernel():
+            vector = "AVX-512 VNNI" if cpu_has_vnni() else "AVX2" if cpu_has_avx2() else "plain loops"
+            return LevelInfo(self.name, f"Tokenpath's int8 x int8 kernel ({vector}; engine/kernels)", True,
+                             self.help)
         return LevelInfo(self.name, "torch.ops.quantized.linear_dynamic (fbgemm int8 x int8)", True, self.help)
 
     def runs_on(self, device):

@@ -1,8 +1,8 @@
 // Tokenpath's CPU kernels, built by engine/cpu_kernels.py.
 //
 // int8_linear: int8 weights times int8 activations with int32 accumulation (the int8-dyn level). On
-// CPUs with AVX-512 VNNI one instruction multiplies and sums 64 byte pairs; elsewhere a plain loop
-// gives the same integers.
+// CPUs with AVX-512 VNNI one instruction multiplies and sums 64 byte pairs, with AVX2 a few multiply
+// 32; elsewhere a plain loop gives the same integers.
 //
 // sparse_gemv: activation-sparse matrix-vector product that reads only the weight rows of active
 // inputs. w_t is the weight stored transposed, [in_features, out_features], so each input channel's
@@ -17,6 +17,10 @@
 #if defined(__AVX512F__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+// Below this many bytes of weights a product runs on the calling thread: waking a sleeping thread
+// costs more than the second core saves on so few bytes.
+constexpr int64_t kParallelBytes = int64_t{1} << 19;
 
 // Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
 // order: vectorized without reassociating a single running sum.
@@ -109,15 +113,39 @@ std::tuple<torch::Tensor, int64_t> mask_small(torch::Tensor x, double threshold)
   return {out, zeroed};
 }
 
-// Sum of a[k] * b[k] for unsigned a and signed b, exact in int32 for the widths used here.
+#ifdef __AVX512VNNI__
+// Sum of a[k] * b[k] for unsigned a and signed b, exact in int32 for the widths used here: one
+// instruction multiplies and sums 64 byte pairs.
 static inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
   int64_t k = 0;
-  int32_t sum = 0;
-#ifdef __AVX512VNNI__
   __m512i acc = _mm512_setzero_si512();
   for (; k + 64 <= n; k += 64)
     acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(a + k), _mm512_loadu_si512(b + k));
-  sum = _mm512_reduce_add_epi32(acc);
+  int32_t sum = _mm512_reduce_add_epi32(acc);
+  for (; k < n; ++k) sum += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
+  return sum;
+}
+#endif
+
+// Sum of a[k] * b[k] for signed a and b in [-127, 127], exact in int32 for the widths used here. With
+// AVX2, 32 byte pairs at a time: |b| times a with b's sign (maddubs takes an unsigned and a signed
+// byte), so each pair sum is at most 2 * 127 * 127 and nothing saturates.
+static inline int32_t dot_s8s8(const int8_t* a, const int8_t* b, int64_t n) {
+  int64_t k = 0;
+  int32_t sum = 0;
+#if defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (; k + 32 <= n; k += 32) {
+    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k));
+    const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(bv), _mm256_sign_epi8(av, bv));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+  }
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  sum = _mm_cvtsi128_si32(s);
 #endif
   for (; k < n; ++k) sum += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
   return sum;
@@ -125,9 +153,10 @@ static inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
 
 // y = x w^T for x [M, K] float32 and w [N, K] int8 with one scale per output row (w_scale) and the
 // sum of each row's integers (w_sum). Each row of x is quantized here, symmetric:
-// s = max|x| / 127, q = round(x / s) in [-127, 127], stored as q + 128 so that it is unsigned; the
-// 128 * w_sum[n] this adds to every dot product is taken back out. Output threads take shares of
-// the weight rows, so every weight row is read once whatever M is.
+// s = max|x| / 127, q = round(x / s) in [-127, 127]. With AVX-512 VNNI the products take q + 128,
+// unsigned, and the 128 * w_sum[n] this adds to every dot product is taken back out; elsewhere
+// dot_s8s8 multiplies the signed bytes. Either way the integers are exact. Output threads take
+// shares of the weight rows, so every weight row is read once whatever M is.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor w_sum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kChar, "w must be contiguous int8");
@@ -137,7 +166,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && w_scale.numel() == N && w_sum.numel() == N, "shapes disagree");
   const float* xp = x.data_ptr<float>();
-  std::vector<uint8_t> xq(static_cast<size_t>(M * K));
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
   std::vector<float> xs(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xp + m * K;
@@ -145,21 +174,27 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
     const float s = amax > 0.f ? amax / 127.f : 1.f;
     xs[m] = s;
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = std::min(std::max(std::nearbyint(row[k] / s), -127.f), 127.f);
-      xq[m * K + k] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
-    }
+    for (int64_t k = 0; k < K; ++k)
+      xq[m * K + k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(row[k] / s), -127.f), 127.f));
   }
+#ifdef __AVX512VNNI__
+  std::vector<uint8_t> xu(xq.size());
+  for (size_t i = 0; i < xq.size(); ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+#endif
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* cp = w_sum.data_ptr<int32_t>();
-  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, N * K >= kParallelBytes ? 256 : N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* wr = wp + n * K;
       for (int64_t m = 0; m < M; ++m) {
-        const int32_t acc = dot_u8s8(xq.data() + m * K, wr, K) - 128 * cp[n];
+#ifdef __AVX512VNNI__
+        const int32_t acc = dot_u8s8(xu.data() + m * K, wr, K) - 128 * cp[n];
+#else
+        const int32_t acc = dot_s8s8(xq.data() + m * K, wr, K);
+#endif
         yp[m * N + n] = static_cast<float>(acc) * xs[m] * sp[n];
       }
     }
@@ -225,10 +260,6 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
   return dot_lanes(a, b, n);
 #endif
 }
-
-// Below this many bytes of weights a product runs on the calling thread: waking a sleeping thread
-// costs more than the second core saves on so few bytes.
-constexpr int64_t kParallelBytes = int64_t{1} << 19;
 
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
 // Threads take shares of the weight rows. The weights are read in their memory order, one row after
