@@ -51,7 +51,8 @@ def local_runs(n: int) -> list[dict]:
         result = json.loads(out.stdout)
         planned = plan.plan_for_run(Store(db).run(result["run_id"]), result["calibration"])
         rows.append({"measured": result["tpot_ms"], "planned": planned["decode_ms_per_token"],
-                     "memory_gbps": result["calibration"]["memory_gbps"], "load": load,
+                     "memory_gbps": plan.decode_bandwidth_gbps(result["calibration"]),
+                     "matvec_us": result["calibration"].get("matvec_call_us", 0.0), "load": load,
                      "load_after": os.getloadavg()[0], "buckets": planned["distances_ms"]})
     return rows
 
@@ -61,10 +62,12 @@ def render_local(rows: list[dict]) -> str:
              "Command per run: `python -m engine calibrate`, then `python -m engine generate --prompt \"Why is the "
              "sky blue?\" --max-new-tokens 64 --json`; planned = `plan.plan_for_run` with the calibration the run "
              "was attributed with.", "",
-             "| run | load average before / after | calibrated GB/s | measured TPOT ms | planned ms | planned / measured |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| run | load average before / after | decode kernel GB/s | us per product | measured TPOT ms | planned ms "
+             "| planned / measured |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r['load']:.1f} / {r['load_after']:.1f} | {r['memory_gbps']:.1f} | {r['measured']:.1f} | "
+        lines.append(f"| {i} | {r['load']:.1f} / {r['load_after']:.1f} | {r['memory_gbps']:.1f} | {r['matvec_us']:.0f} | "
+                     f"{r['measured']:.1f} | "
                      f"{r['planned']:.1f} | {r['planned'] / r['measured']:.3f} |")
     ratios = [r["planned"] / r["measured"] for r in rows]
     loads = [x for r in rows for x in (r["load"], r["load_after"])]

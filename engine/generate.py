@@ -188,8 +188,8 @@ class Generation:
             "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
                                       / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,
             "calibration": {k: self.calibration.get(k) for k in
-                            ("device_key", "memory_gbps", "memory_method", "matmul_gflops", "dispatch_us",
-                             "created_at")},
+                            ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
+                             "dispatch_us", "matvec_call_us", "created_at")},
             # the decode's bytes per second against the calibrated peak, flagged when it beats it
             "peak_check": hardware.peak_check(
                 sum(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"] for s in decode_steps),

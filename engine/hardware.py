@@ -14,7 +14,8 @@ import psutil
 import torch
 
 # 2: the memory and matmul peaks are the best of several methods and shapes
-CALIBRATION_VERSION = 2
+# 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
+CALIBRATION_VERSION = 3
 
 
 def _cpu_model() -> str:
@@ -247,6 +248,22 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, f
     return figures
 
 
+def measure_matvec_call_us(device: torch.device, large_gbps: float) -> float:
+    """Microseconds a decode-sized matrix-vector product (1024 x 1024, 4 MB of float32 weights, in the
+    kernel fp32 decode steps run) takes beyond its bytes at the bandwidth large ones reach: waking the
+    other threads and ramping the read up, paid once per product. 0 when it is not above noise."""
+    from .cpu_kernels import has_small_rows_kernel, optional_kernel
+
+    mats = _cold_weights(device, torch.float32, rows=1024, cols=1024)
+    if device.type == "cpu" and has_small_rows_kernel():
+        kernel = optional_kernel()
+        gbps = _pass_gbps(mats, lambda x, w: kernel.small_linear(x, w, None), device)
+    else:
+        gbps = _pass_gbps(mats, torch.nn.functional.linear, device)
+    nbytes = mats[0].nbytes
+    return max(nbytes / (gbps * 1e9) - nbytes / (large_gbps * 1e9), 0.0) * 1e6
+
+
 def measure_dispatch_us(device: torch.device) -> float:
     """Microseconds per tiny op: the fixed cost every kernel launch or dispatch pays."""
     x = torch.ones(8, device=device)
@@ -294,6 +311,7 @@ def calibrate(device: torch.device) -> dict:
         "matmul_shape": {d: best_method(shapes)[0] for d, shapes in matmuls.items()},
         "matmul_shapes_gflops": matmuls,
         "dispatch_us": measure_dispatch_us(device),
+        "matvec_call_us": measure_matvec_call_us(device, reads.get("small_rows_kernel") or reads["gemv"]),
     }
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)

@@ -50,6 +50,8 @@ class Efficiency:
     step_fixed_us: float = 150.0
     launch_us: float = 0.0
     kernels_per_layer: int = 16
+    matvec_us: float = 0.0
+    matvecs_per_layer: int = 4
     host_sync_us: float = 10.0
     dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0})
 
@@ -67,6 +69,10 @@ ORIGIN = {
                  "dispatch cost per operation",
     "kernels_per_layer": "counts only where launch_us is above 0; on this machine the dispatches of one layer of "
                          "Tokenpath's own forward, counted with torch.profiler",
+    "matvec_us": "0 on GPUs (inside launch_us); on this machine the calibrated time a decode-sized matrix-vector "
+                 "product takes beyond its bytes (waking the other threads, ramping the read up)",
+    "matvecs_per_layer": "counts only where matvec_us is above 0: the fused q/k/v, output, fused gate/up and down "
+                         "projections of one layer (the output head adds one per step)",
     "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
     "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
                    "are few beside its bandwidth), in fp32 vector operations per weight",
@@ -292,8 +298,9 @@ def step_buckets(setup: Setup, tokens: int, context: int) -> dict:
     physical_us = (2 * m.spec.layers * all_reduce_us(setup, message) + pipeline_send_us(setup, message)
                    + eff.host_sync_us)
     kernels = m.spec.layers * eff.kernels_per_layer + 4
+    matvecs = m.spec.layers * eff.matvecs_per_layer + 1
     return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
-            "time": (eff.step_fixed_us + kernels * eff.launch_us) / 1e3, "decision": 0.0,
+            "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us) / 1e3, "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_flops": flops, "_roofline_ms": max(memory, compute)}
 
 
@@ -453,7 +460,9 @@ def formulas(setup: Setup) -> dict:
         "physical": f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
                     f"{setup.pp - 1} pipeline sends + {eff.host_sync_us:g} us host round trip = {step['physical']:.3f} ms",
         "time": f"{eff.step_fixed_us:g} us per step + {m.spec.layers * eff.kernels_per_layer + 4} kernels x "
-                f"{eff.launch_us:g} us = {step['time']:.3f} ms",
+                f"{eff.launch_us:g} us" + (f" + {m.spec.layers * eff.matvecs_per_layer + 1} matrix-vector products x "
+                                          f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
+                + f" = {step['time']:.3f} ms",
         "decision": "speculative drafts the target rejects and their share of the verification (0 without "
                     "speculative decoding)",
         **speculative_formula(setup, context),
@@ -494,22 +503,35 @@ LOCAL_OPS_PER_LAYER = 92
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def decode_bandwidth_gbps(calibration: dict) -> float:
+    """The read bandwidth a decode step's matrix-vector products reach here: the calibration's figure
+    for the project's small-rows kernel (what fp32 decode steps run), else PyTorch's GEMV, else the
+    peak. The peak is the best of several ways to stream memory, a limit no run may beat; a prediction
+    needs what the decode's own kernel achieves on cold weights, which can be less."""
+    methods = calibration.get("memory_methods_gbps") or {}
+    return methods.get("small_rows_kernel") or methods.get("gemv") or calibration["memory_gbps"]
+
+
 def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
-    """This machine as a planner GPU: its calibrated gemv bandwidth, matmul peaks and no links."""
+    """This machine as a planner GPU: the bandwidth its decode kernel reaches, its calibrated matmul
+    peaks and no links."""
     gflops = calibration["matmul_gflops"]
     peaks = {ENGINE_LEVELS.get(k, k): v / 1e3 for k, v in gflops.items()}
     peaks.setdefault("fp32", gflops.get("float32", 1.0) / 1e3)
     return {"id": "local", "name": calibration.get("device_key", "this machine"),
-            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": calibration["memory_gbps"], "peak_tflops": peaks,
+            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": decode_bandwidth_gbps(calibration),
+            "peak_tflops": peaks,
             "gpu_link": {"name": "none", "gbps_per_direction": None}, "host_link": {"name": "none",
                                                                                   "gbps_per_direction": None}}
 
 
 def local_efficiency(calibration: dict) -> Efficiency:
-    """The calibration already measures achieved figures (gemv bandwidth, matmul peak, one dispatch), so the
-    factors are 1 and the fixed cost is the calibrated dispatch per operation plus the loop's host work."""
+    """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
+    dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
+    calibrated dispatch per operation and cost per product plus the loop's host work."""
     return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
-                      kernels_per_layer=LOCAL_OPS_PER_LAYER, step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
+                      kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
+                      step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,

@@ -201,13 +201,14 @@ def planned_vs_measured(store) -> pd.DataFrame:
                      "measured ms per token (TPOT)": round(run["tpot_ms"], 2),
                      "planned ms per token (estimate)": round(predicted["decode_ms_per_token"], 2),
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
-                     "bandwidth used (GB/s, calibrated)": round(calibration["memory_gbps"], 1)})
+                     "decode bandwidth used (GB/s, calibrated)": round(plan.decode_bandwidth_gbps(calibration), 1)})
     return pd.DataFrame(rows)
 
 
 st.subheader("On this machine: planned against measured")
-st.markdown("The planner with the calibration each run was attributed with (bandwidth, matmul peak, dispatch cost) "
-            "and the run's own model, precision and lengths, beside the run's measured time per output token.")
+st.markdown("The planner with the calibration each run was attributed with (the bandwidth the decode's own "
+            "matrix-vector kernel reached on cold weights, matmul peak, dispatch cost) and the run's own model, "
+            "precision and lengths, beside the run's measured time per output token.")
 store = open_store()
 if store is not None:
     table = planned_vs_measured(store)

@@ -139,6 +139,12 @@ def test_the_local_prediction_uses_the_calibration_as_measured():
     assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 20e9 * 1e3)
     assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0) / 1e3)
     assert r["distances_ms"]["physical"] == 0
+    # with every read method calibrated, the decode kernel's own figure, not the best of them
+    methods = {"gemv": 12.0, "small_rows_kernel": 15.0, "stream_sum": 20.0}
+    r = plan.plan_for_run(run, {**calibration, "memory_methods_gbps": methods, "matvec_call_us": 30.0})
+    assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 15e9 * 1e3)
+    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0
+                                                       + (30 * 4 + 1) * 30.0) / 1e3)
 
 
 def test_every_gpu_has_the_figures_and_a_source_for_each():
