@@ -90,6 +90,7 @@ def recorded(name: str):
              f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {cpu['model']}, {cpu['physical_cores']} physical / {cpu['logical_cores']} logical cores, "
              f"{cpu['ram_bytes'] / 2**30:.0f} GiB; load average {os.getloadavg()[0]:.1f} at the end",
+             f"- OpenMP threads between regions: {cpu['openmp_wait']}",
              f"- command: `python {' '.join(sys.argv)}`",
              f"- commit: {_commit()}", "", "```"]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,36 @@
 """Tokenpath's engine: models, the instrumented decode loop, attribution, the store.
 
-OpenMP's threads, by default, spin after each parallel region; a decode step runs a hundred small
-regions, and on a machine whose cores other work shares the spinning threads take the cores the
-next region needs. Waiting passively (read once, when PyTorch loads OpenMP: before `import torch`)
-costs a wake-up per region instead. An OMP_WAIT_POLICY set by the user is kept."""
+OpenMP's threads wait for the next parallel region spinning or asleep, as chosen once when PyTorch
+loads OpenMP (before `import torch`). A decode step runs about a hundred small regions. On cores
+nothing else needs, a short spin keeps the other thread ready for the next region, where waking a
+sleeping one costs tens of microseconds each time; on cores that other work holds, spinning threads
+take the time the next region needs, and a step can take several times as long. So the engine spins
+briefly (GOMP_SPINCOUNT) when the machine is quiet as it starts (1-minute load average below the
+core count) and sleeps between regions otherwise. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user
+are kept. OPENMP_WAIT says which, and why; runs and benchmarks record it."""
 import os
+import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+SPIN_COUNT = "30000"  # tens of microseconds: the gaps between a step's regions, not the gaps between steps
+
+
+def _choose_openmp_wait() -> str:
+    if "TOKENPATH_OPENMP_WAIT" in os.environ:  # chosen by the process that started this one
+        return os.environ["TOKENPATH_OPENMP_WAIT"]
+    if "torch" in sys.modules:  # OpenMP has read its settings already
+        return "OpenMP's own default (torch was imported before the engine)"
+    chosen = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+    if chosen:
+        why = "as set: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
+    elif load < cores:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        why = f"spin briefly (GOMP_SPINCOUNT={SPIN_COUNT}): load average {load:.1f} at start, {cores} cores"
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        why = f"sleep (OMP_WAIT_POLICY=PASSIVE): load average {load:.1f} at start, {cores} cores"
+    os.environ["TOKENPATH_OPENMP_WAIT"] = why
+    return why
+
+
+OPENMP_WAIT = _choose_openmp_wait()

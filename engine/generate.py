@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from . import hardware, speculative
+from . import OPENMP_WAIT, hardware, speculative
 from .accounting import cache_nbytes, model_shape
 from .distances import BUCKETS, Roofline, sum_buckets
 from .dtypes import name_of, torch_dtype
@@ -184,6 +184,7 @@ class Generation:
             "kv_cache_bytes": cache_nbytes(cache) if cache is not None else 0,
             "kv_bytes_per_token": self.shape.kv_bytes_per_token,
             "kv_dtype": name_of(self.kv_dtype or self.lm.dtype),
+            "openmp_wait": OPENMP_WAIT,
             "weight_bytes_per_forward": self.shape.weight_bytes,
             "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
                                       / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,

@@ -13,6 +13,8 @@ import time
 import psutil
 import torch
 
+from . import OPENMP_WAIT
+
 # 2: the memory and matmul peaks are the best of several methods and shapes
 # 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
 CALIBRATION_VERSION = 3
@@ -35,6 +37,7 @@ def cpu_facts() -> dict:
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "torch_threads": torch.get_num_threads(),
+        "openmp_wait": OPENMP_WAIT,
         "ram_bytes": psutil.virtual_memory().total,
     }
 

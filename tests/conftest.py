@@ -1,3 +1,4 @@
+import engine  # noqa: F401  (first: it chooses how OpenMP threads wait, before torch loads OpenMP)
 import pytest
 import torch
 
