@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from . import sparse24
 from .cpu_kernels import kernel
 from .errors import UserError
+from .lean import SMALL_ROWS
 from .models import LoadedModel
 from .paths import CALIBRATION_TEXT
 
@@ -66,7 +67,10 @@ class SparseLinear(torch.nn.Module):
         else:
             masked, zeroed = kernel().mask_small(x, self.threshold)
             counts[1] += zeroed
-            y = F.linear(masked, self.dense_weight())
+            if self.mode == "mask" and x.dtype == torch.float32 and n <= SMALL_ROWS * self.in_features:
+                y = kernel().small_linear(masked, self.weight, None)  # the dense decode's kernel, zeros and all
+            else:
+                y = F.linear(masked, self.dense_weight())
         return y + self.bias if self.bias is not None else y
 
     @property
