@@ -18,8 +18,10 @@
 #include <immintrin.h>
 #endif
 
-// Below this many bytes of weights a product runs on the calling thread: waking a sleeping thread
-// costs more than the second core saves on so few bytes.
+// Below this many bytes of float32 weights a product runs on the calling thread: waking a sleeping
+// thread costs more than the second core saves on so few bytes. Products that widen int8 weights to
+// floats do as much work per weight as a float32 one and count their weights at four bytes; the
+// integer product counts its actual bytes.
 constexpr int64_t kParallelBytes = int64_t{1} << 19;
 
 // Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
@@ -359,14 +361,6 @@ torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sca
   return y;
 }
 
-bool has_avx512() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}
-
 // RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
 // the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
 // PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
@@ -510,7 +504,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
-  m.def("has_avx512", &has_avx512, "whether small_linear was built with AVX-512 instructions");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
