@@ -51,17 +51,21 @@ with c[1]:
                        f"{md_escape(recent[0]['suspect'])}" if recent[0] is not stored else
                        f"The calibration in use is flagged: {md_escape(stored['suspect'])} Calibrate again on a "
                        "quiet machine.")
+        methods = stored.get("memory_methods_gbps") or {"streaming sum": stored["stream_read_gbps"]}
         rows = [(f"memory read peak (best method: {stored.get('memory_method', 'gemv')})", f"{stored['memory_gbps']:.1f} GB/s"),
-                ("memory read, streaming sum", f"{stored['stream_read_gbps']:.1f} GB/s"),
+                *[(f"memory read, {name.replace('_', ' ')}", f"{gbps:.1f} GB/s") for name, gbps in methods.items()],
                 *[(f"matmul peak, {dtype}", f"{v:.0f} GFLOP/s") for dtype, v in stored["matmul_gflops"].items()],
                 ("dispatch cost per operation", f"{stored['dispatch_us']:.1f} µs")]
+        if "matvec_call_us" in stored:
+            rows.append(("a 4 MB matrix-vector product, beyond its bytes", f"{stored['matvec_call_us']:.1f} µs"))
         if "host_link" in stored:
             link = stored["host_link"]
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),
                      ("device to host", f"{link['d2h_gbps']:.1f} GB/s, {link['d2h_latency_us']:.0f} µs")]
         st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch")
         st.caption(f"In use: measured {stored['created_at']} UTC on {md_escape(key)}. The attribution divides each "
-                   "forward's bytes and FLOPs by these figures. Runs use the newest calibration that is within "
+                   "forward's bytes and FLOPs by the peaks; the planner's estimate for this machine reads weights at "
+                   "the small-rows kernel's figure (the one fp32 decode steps run) and adds the product cost. Runs use the newest calibration that is within "
                    f"{1 - hardware.DISAGREEMENT:.0%} of the best recent figures; one taken while other work shared "
                    "the machine reads low and is flagged.")
         with st.expander(f"The last {len(recent)} calibration(s) of this device"):
@@ -73,8 +77,8 @@ with c[1]:
 st.subheader("Links and bandwidths")
 links = []
 if stored:
-    links.append({"path": "DRAM -> CPU cores (measured GEMV read)", "bandwidth GB/s": round(stored["memory_gbps"], 1),
-                  "source": "calibration"})
+    links.append({"path": f"DRAM -> CPU cores (read peak, {stored.get('memory_method', 'gemv').replace('_', ' ')})",
+                  "bandwidth GB/s": round(stored["memory_gbps"], 1), "source": "calibration"})
 for g in facts["gpu"]["gpus"]:
     links.append({"path": f"host <-> {g['name']} over PCIe (current link)", "bandwidth GB/s": g["pcie_bandwidth_gbps"],
                   "source": "NVML generation x width"})

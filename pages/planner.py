@@ -198,17 +198,19 @@ def planned_vs_measured(store) -> pd.DataFrame:
         except ShapeError:
             continue
         rows.append({"run": run["run_id"], "model": run["model"], "weights": run["quant"] or run["dtype"],
-                     "measured ms per token (TPOT)": round(run["tpot_ms"], 2),
-                     "planned ms per token (estimate)": round(predicted["decode_ms_per_token"], 2),
+                     "measured TPOT ms": round(run["tpot_ms"], 2),
+                     "planned ms (estimate)": round(predicted["decode_ms_per_token"], 2),
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
-                     "decode bandwidth used (GB/s, calibrated)": round(plan.decode_bandwidth_gbps(calibration), 1)})
+                     "decode kernel GB/s": round(plan.decode_bandwidth_gbps(calibration), 1),
+                     "µs per product": round(calibration.get("matvec_call_us", 0.0), 1)})
     return pd.DataFrame(rows)
 
 
 st.subheader("On this machine: planned against measured")
 st.markdown("The planner with the calibration each run was attributed with (the bandwidth the decode's own "
-            "matrix-vector kernel reached on cold weights, matmul peak, dispatch cost) and the run's own model, "
-            "precision and lengths, beside the run's measured time per output token.")
+            "matrix-vector kernel reached on cold weights, the time each such product takes beyond its bytes, matmul "
+            "peak, dispatch cost) and the run's own model, precision and lengths, beside the run's measured time "
+            "per output token.")
 store = open_store()
 if store is not None:
     table = planned_vs_measured(store)
