@@ -156,7 +156,7 @@ class Generation:
                                       [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
                                       len(self.token_ids) - len(events), t_request, t_end)
             self.steps.append(asdict(row))
-            self.tokens.extend(asdict(r) for r in token_rows)
+            self.tokens.extend([asdict(r) for r in token_rows])
             if self.recorder is not None:
                 self.recorder.add(row, token_rows, text)
             self.stop_reason = done
@@ -200,7 +200,18 @@ class Generation:
             metrics["speculative"] = speculative.summary(self.steps, len(self.token_ids))
         return metrics
 
+    def _keep_recorded(self) -> None:
+        """A stop (Ctrl-C, SIGTERM) can land between taking a step's tokens and recording its rows:
+        the run then ends as its rows say, without that step."""
+        if self.steps and sum(t["step"] == self.steps[-1]["step"] for t in self.tokens) != self.steps[-1]["n_emitted"]:
+            last = self.steps.pop()["step"]
+            self.tokens = [t for t in self.tokens if t["step"] != last]
+        if len(self.tokens) < len(self.token_ids):
+            self.output.rewind([t["token_id"] for t in self.tokens], "".join(t["piece"] for t in self.tokens))
+
     def _finish(self) -> None:
+        if self.status != "ok":
+            self._keep_recorded()
         metrics = self._summary()
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": list(self.token_ids), **metrics}

@@ -76,6 +76,11 @@ class Output:
             done = "max_new_tokens"
         return events, added, done
 
+    def rewind(self, token_ids: list[int], text: str) -> None:
+        """Keep only these tokens and their text (a run stopped before it recorded its last step)."""
+        self.token_ids[:] = token_ids
+        self.text = text
+
     def _stop_check(self, token: int, piece: str) -> str | None:
         if token in self.eos:
             return "eos"

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from engine import generate
 from engine.generate import Generation, GenConfig, GenerationError
 from engine.step import select_token
 from engine.text import TextStream, prompt_ids
@@ -154,3 +155,33 @@ def test_a_separate_kv_precision_needs_the_lean_forward(calibration):
         Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, kv_dtype="bf16"), calibration=calibration)
     with pytest.raises(GenerationError, match="KV-cache precision 'int3'"):
         Generation(tiny_model(), GenConfig("hi", raw=True, kv_dtype="int3"), calibration=calibration)
+
+
+@pytest.mark.parametrize("where", ["before its rows", "between its step row and its token rows"])
+def test_a_stop_while_a_step_is_being_recorded_leaves_a_consistent_run(tiny_lm, store, calibration, monkeypatch, where):
+    """Ctrl-C or SIGTERM (raised as KeyboardInterrupt) may land after a step took its tokens and before
+    its rows exist: the run keeps what its rows say, tokens and text alike."""
+    real_account, real_asdict, calls = generate.account, generate.asdict, []
+
+    def account(*args, **kwargs):
+        calls.append(1)
+        if where == "before its rows" and len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_account(*args, **kwargs)
+
+    def asdict(row):
+        if where != "before its rows" and len(calls) == 5 and type(row).__name__ == "TokenRow":
+            raise KeyboardInterrupt
+        return real_asdict(row)
+
+    monkeypatch.setattr(generate, "account", account)
+    monkeypatch.setattr(generate, "asdict", asdict)
+    gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=12, ignore_eos=True), store=store,
+                     calibration=calibration, telemetry=False)
+    with pytest.raises(KeyboardInterrupt):
+        gen.run()
+    run = store.run(gen.run_id)
+    tokens, steps = store.tokens(gen.run_id), store.steps(gen.run_id)
+    assert run["status"] == "cancelled" and run["n_new_tokens"] == len(tokens) == steps["n_emitted"].sum() == 4
+    assert list(run["token_ids"]) == list(tokens["token_id"]) == gen.token_ids
+    assert run["output"] == "".join(tokens["piece"]) == gen.text
