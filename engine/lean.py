@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from .cpu_kernels import has_small_rows_kernel, optional_kernel
 
@@ -45,6 +46,10 @@ class LeanRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+# whether a decode step's layers run as one kernel call each (LeanLayer.decode_in_one_call); the
+# module-by-module path computes the same and stays for everything that call does not cover
+FUSED_DECODE = True
+
 SMALL_ROWS = 24  # up to this many rows (a decode step, a verification of drafts) go to the project's kernel
 
 
@@ -62,6 +67,13 @@ class LeanLinear(nn.Linear):
             if kernel is not None:
                 return kernel.small_linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
+
+    def decode_form(self) -> tuple | None:
+        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        weight = self.weight
+        if weight.dtype == torch.float32 and type(weight) is nn.Parameter and weight.is_cpu and has_small_rows_kernel():
+            return (0, weight, None, None, None, 0, self.bias)
+        return None
 
 
 def _lean_layer(weight: nn.Parameter, bias: nn.Parameter | None) -> LeanLinear:
@@ -161,10 +173,58 @@ class LeanLayer(nn.Module):
         self.self_attn = LeanAttention(hf_layer.self_attn, config, layer_idx)
         self.post_attention_layernorm = LeanRMSNorm(hf_layer.post_attention_layernorm.weight, eps)
         self.mlp = LeanMLP(hf_layer.mlp)
+        self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
+        if x.shape[1] == 1 and mask is None and kv_dtype is None and cache is not None:
+            fused = self.decode_in_one_call(x, cos, sin, cache)
+            if fused is not None:
+                return fused
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, kv_dtype)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
+        """The layer for one new token through the kernels' decode_layer, which computes what the
+        modules compute, to the bit, in one call instead of a dozen; None where it does not apply: no
+        built extension, a layer kind it does not read (sparse, 16-bit), an empty or non-float32
+        cache, hooks on a module (they would not run)."""
+        kernel = cpu_kernel(x) if FUSED_DECODE else None
+        # the modules straight from their dictionaries: nn.Module's attribute lookup costs about two
+        # microseconds a name, which thirty layers pay on every step
+        top = self._modules
+        attn, mlp = top["self_attn"]._modules, top["mlp"]._modules
+        layer = cache.layers[self.layer_idx]
+        if (kernel is None or cos.dtype != torch.float32 or type(layer) is not DynamicLayer
+                or not layer.is_initialized or layer.keys.dtype != torch.float32):
+            return None
+        parts = (top["input_layernorm"], top["post_attention_layernorm"], attn["qkv_proj"], attn["o_proj"],
+                 mlp["gate_up_proj"], mlp["down_proj"])
+        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
+            return None
+        args = self._decode_args(parts)
+        if args is None:
+            return None
+        x, layer.keys, layer.values = kernel.decode_layer(x, *args[:7], cos, sin, layer.keys, layer.values,
+                                                          *args[7:])
+        return x
+
+    def _decode_args(self, parts: tuple) -> tuple | None:
+        """decode_layer's arguments for these modules, worked out once and kept while the layer holds
+        the same modules (a conversion that replaces one gets new ones): reading a module's buffers
+        through nn.Module costs about a microsecond each, which on every step adds up."""
+        kept = self.__dict__.get("_decode_kept")
+        if kept is not None and all(a is b for a, b in zip(kept[0], parts)):
+            return kept[1]
+        norms, linears = parts[:2], parts[2:]
+        forms = [getattr(m, "decode_form", lambda: None)() for m in linears]
+        if None in forms or any(type(n) is not LeanRMSNorm or n.weight.dtype != torch.float32 for n in norms):
+            args = None
+        else:
+            attn = self.self_attn
+            args = (norms[0].weight, norms[1].weight, norms[0].eps, *forms,
+                    attn.heads, attn.kv_heads, attn.head_dim, attn.scaling)
+        self.__dict__["_decode_kept"] = (parts, args)
+        return args
 
 
 class LeanBody(nn.Module):

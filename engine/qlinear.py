@@ -39,6 +39,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
 
+    def decode_form(self) -> tuple | None:
+        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        return (1, self.weight_int8, self.scales, None, None, 0, self.bias) if optional_kernel() else None
+
 
 class Int8DynamicLinear(torch.nn.Module):
     """int8 weights (per channel) and int8 activations (per token, chosen at run time). The project's
@@ -90,6 +94,11 @@ class Int8DynamicLinear(torch.nn.Module):
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
 
+    def decode_form(self) -> tuple | None:
+        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        return (2, self.weight_int8, self.scales, self.row_sums, self.inv_smooth, 0, self.bias) \
+            if self.own_kernel else None
+
 
 class Int4WeightOnlyLinear(torch.nn.Module):
     """Asymmetric int4 weights in groups along the input dimension: w = (q - 8) * scale + zero."""
@@ -131,6 +140,45 @@ class Int4WeightOnlyLinear(torch.nn.Module):
             y = F.linear(x2, self.dequantized(x.dtype))
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
+
+    def decode_form(self) -> tuple | None:
+        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        return (3, self.weight_int4, self.scales_and_zeros, None, None, self.group_size, self.bias) \
+            if self.cpu_kernel else None
+
+
+class Int4DynamicLinear(torch.nn.Module):
+    """4-bit weights in blocks of 32 along the input dimension, each block with an fp16 scale d and
+    minimum m (w = q * d + m, q in 0..15: the layout of llama.cpp's Q4_1), times activations quantized
+    to int8 per block of 32 when the layer runs; the project's kernel sums the products in integers
+    (engine/kernels/cpu_kernels.cpp). The level that uses it runs only where the extension is built."""
+
+    block = 32
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_f, in_f = w.shape
+        blocks = w.reshape(out_f, in_f // self.block, self.block)
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((blocks - lo) / d).clamp(0, 15).to(torch.uint8)
+        half = self.block // 2
+        self.in_features, self.out_features = in_f, out_f
+        self.register_buffer("weight_q4", (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2))
+        self.register_buffer("d", d[..., 0].to(torch.float16))
+        self.register_buffer("m", lo[..., 0].to(torch.float16))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _linear_input(x.float())
+        y = optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m)
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def decode_form(self) -> tuple:
+        """This layer as the kernels' decode_layer reads it."""
+        return (4, self.weight_q4, self.d, self.m, None, 0, self.bias)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:

@@ -23,7 +23,8 @@ from .dtypes import torch_dtype
 from .errors import UserError
 from .models import LoadedModel
 from .paths import CALIBRATION_TEXT
-from .qlinear import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, smoothing_plan
+from .qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear,
+                      smoothing_plan)
 
 INT4_GROUPS = (32, 64, 128, 256)
 MAX_VARIANTS = 2
@@ -176,6 +177,31 @@ class Int4WeightOnly(IntegerLevel):
                                         else Int4WeightOnlyLinear(linear, group_size))
 
 
+class Int4Dynamic(IntegerLevel):
+    name = "int4-dyn"
+    help = ("half a byte per weight plus an fp16 scale and minimum per block of 32 (llama.cpp's Q4_1 layout), "
+            "activations quantized to int8 per block of 32; integer sums; output head at int8")
+
+    def info(self, device):
+        vector = "AVX2" if cpu_has_avx2() else "plain loops"
+        return LevelInfo(self.name, f"Tokenpath's int4 x int8 kernel ({vector}; engine/kernels)", True, self.help)
+
+    def runs_on(self, device):
+        return device.type == "cpu" and has_small_rows_kernel()
+
+    def check(self, device, model, group_size):
+        if not self.runs_on(device):
+            raise QuantError(f"int4-dyn runs on Tokenpath's C++ CPU kernel, which is not available on this "
+                             f"{device.type}; levels that work here: {', '.join(available_levels(device))}.")
+        widths = sorted({lin.in_features for _, _, lin in body_linears(model)})
+        if any(w % Int4DynamicLinear.block for w in widths):
+            raise QuantError(f"int4-dyn quantizes in blocks of {Int4DynamicLinear.block}, which do not divide every "
+                             f"layer's input width ({', '.join(map(str, widths))}); use int4-wo or int8.")
+
+    def layer_maker(self, lm, model, group_size):
+        return lambda linear, is_head: Int8WeightOnlyLinear(linear) if is_head else Int4DynamicLinear(linear)
+
+
 LEVELS: dict[str, WeightLevel] = {}
 
 
@@ -191,6 +217,7 @@ for _name in ("bf16", "fp16"):
 register(Int8WeightOnly())
 register(Int8Dynamic())
 register(Int4WeightOnly())
+register(Int4Dynamic())
 
 
 def level(name: str) -> WeightLevel:

@@ -148,3 +148,62 @@ def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch,
     out = kernel.decode_attention(q, k, v, dim ** -0.5)
     assert out.shape == (batch, 1, heads * dim)
     torch.testing.assert_close(out, plain.transpose(1, 2).reshape(batch, 1, heads * dim), rtol=1e-5, atol=1e-6)
+
+
+class _CountingKernel:
+    """The real extension, counting its decode_layer calls."""
+
+    def __init__(self, real):
+        self.real, self.decode_layers = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def decode_layer(self, *args):
+        self.decode_layers += 1
+        return self.real.decode_layer(*args)
+
+
+@torch.inference_mode()
+def _prefill_and_steps(model) -> tuple[torch.Tensor, DynamicCache]:
+    cache = DynamicCache(config=model.config)
+    rows = [model(input_ids=IDS[:, :6], cache=cache, use_cache=True).logits[:, -1]]
+    rows += [model(input_ids=IDS[:, i:i + 1], cache=cache, use_cache=True).logits[:, -1] for i in range(6, 10)]
+    return torch.cat(rows), cache
+
+
+@pytest.mark.parametrize("level", ["fp32", "int8-wo", "int8-dyn", "int4-wo", "int4-dyn"])
+def test_a_decode_step_in_one_call_per_layer_equals_the_modules_to_the_bit(level, monkeypatch):
+    from engine.quant import quantize
+
+    real = optional_kernel()
+    if real is None:
+        pytest.skip("the C++ extension cannot be built here")
+    tiny = tiny_model(seed=5, layers=3)
+    model = tiny.model if level == "fp32" else quantize(tiny, level).model
+    monkeypatch.setattr(lean, "FUSED_DECODE", False)
+    modules, modules_cache = _prefill_and_steps(model)
+    counting = _CountingKernel(real)
+    monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
+    monkeypatch.setattr(lean, "FUSED_DECODE", True)
+    fused, fused_cache = _prefill_and_steps(model)
+    assert counting.decode_layers == 4 * 3  # every decode step, every layer; the prefill never
+    assert torch.equal(fused, modules)
+    for a, b in zip(fused_cache.layers, modules_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_hooked_module_keeps_its_layer_on_the_module_path(pair, monkeypatch):
+    real = optional_kernel()
+    if real is None:
+        pytest.skip("the C++ extension cannot be built here")
+    counting = _CountingKernel(real)
+    monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
+    seen = []
+    handle = pair[0].model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(1))
+    try:
+        _prefill_and_steps(pair[0])
+    finally:
+        handle.remove()
+    assert len(seen) == 1 + 4  # the prefill and every decode step ran the hooked layer's modules
+    assert counting.decode_layers == 4  # the other layer still ran in one call

@@ -8,7 +8,7 @@ from engine import qlinear
 from engine.cpu_kernels import optional_kernel
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
-from engine.quant import (LEVELS, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
+from engine.quant import (LEVELS, Int4DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
                           available_levels, level_info, quantize, variant)
 
 
@@ -52,6 +52,48 @@ def test_int4_cpu_kernel_matches_the_portable_dequantized_path():
     x = torch.randn(2, 128)
     assert relative_error(kernel(x), portable(x)) < 2e-2
     assert relative_error(portable(x), linear(x)) < 0.1
+
+
+def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor) -> torch.Tensor:
+    """What int4-dyn computes, in float64 from its stored parts: x quantized per block of 32 to int8,
+    times w = q * d + m per block."""
+    packed = layer.weight_q4.reshape(layer.out_features, -1, 16)
+    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).double()
+    w = q * layer.d.double()[..., None] + layer.m.double()[..., None]
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    dx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(blocks / dx).clamp(-127, 127)
+    return torch.einsum("rbk,nbk->rn", xq.double() * dx.double(), w)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536)])  # 18, 2 and 48 blocks a row
+def test_int4_dynamic_kernel_computes_its_reference(rows, width):
+    if optional_kernel() is None:
+        pytest.skip("int4-dyn needs the C++ extension, which cannot be built here")
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(width, 1030, bias=True)  # split over threads
+    layer = Int4DynamicLinear(linear)
+    assert layer.weight_q4.dtype == torch.uint8 and layer.weight_q4.numel() == 1030 * width // 2
+    assert layer.d.dtype == layer.m.dtype == torch.float16 and layer.d.numel() == 1030 * width // 32
+    x = torch.randn(rows, width)
+    x[0, :32] = 0  # a block of zeros
+    y = layer(x)
+    torch.testing.assert_close(y.double(), _int4_dynamic_reference(layer, x) + linear.bias.double(), rtol=1e-5,
+                               atol=1e-5)
+    assert relative_error(y, linear(x)) < 0.1
+    assert torch.equal(layer(x[-1:]), y[-1:])  # a row's result does not depend on the rows beside it
+
+
+def test_int4_dynamic_weights_are_within_half_a_step_of_the_originals():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 8, bias=False)
+    layer = Int4DynamicLinear(linear)
+    packed = layer.weight_q4.reshape(8, -1, 16)
+    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
+    w = (q * layer.d.float()[..., None] + layer.m.float()[..., None]).reshape(8, 64)
+    step = layer.d.float().repeat_interleave(32, dim=1)
+    assert ((w - linear.weight).abs() <= step / 2 + 1e-3).all()
 
 
 def test_int8_dynamic_smoothing_is_exact_before_rounding():

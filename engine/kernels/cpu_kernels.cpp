@@ -361,6 +361,126 @@ torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sca
   return y;
 }
 
+// The int4-dyn level: 4-bit weights in blocks of 32 along the input, each block with an fp16 scale d
+// and minimum m (w = q * d + m, q in 0..15: the format of llama.cpp's Q4_1), times activations
+// quantized to int8 per block of 32 at run time (x = xq * dx). Per block the product is
+// d * dx * sum(q * xq) + m * dx * sum(xq): the first sum is exact in integers, the second is the
+// activations' own. The weights of a block are 16 bytes, byte j holding q[j] in its low half and
+// q[j + 16] in its high half.
+constexpr int64_t kBlock = 32;
+
+static inline float half_to_float(const at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
+// (1 where the block is all zero), and each block's dx * sum(q).
+static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int32_t v = static_cast<int32_t>(std::min(std::max(std::nearbyint(xb[k] / d), -127.f), 127.f));
+      q[b * kBlock + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    dx[b] = d;
+    dsum[b] = d * static_cast<float>(sum);
+  }
+}
+
+// One row of packed weights (wr, with its blocks' d and m) against one row of activations quantized
+// per block (xq, dx, dx * sum): sum over blocks of d * dx * sum(q * xq) + m * dx * sum(xq).
+static inline float int4_row_dot(const uint8_t* wr, const at::Half* d, const at::Half* m, const int8_t* xq,
+                                 const float* dx, const float* dsum, int64_t blocks) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // A block's 16 bytes go to both halves of a register, the upper half shifted down by four bits:
+  // masked, that is q[0..15] then q[16..31], in the order of the activations. maddubs multiplies
+  // those unsigned bytes by the signed activations (a pair sums to at most 2 * 15 * 127, so nothing
+  // saturates); the scales of eight blocks are multiplied in one go, two accumulators alternate.
+  const __m256i low = _mm256_set1_epi8(0xF);
+  const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
+  alignas(32) float scale[8];
+  int64_t b = 0;
+  for (; b < blocks; b += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - b);
+    if (n == 8) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)));
+      mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b))),
+                             _mm256_loadu_ps(dsum + b), mins);
+    } else {
+      for (int64_t j = 0; j < n; ++j) scale[j] = _cvtsh_ss(d[b + j].x) * dx[b + j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* raw = reinterpret_cast<const __m128i*>(wr + (b + j) * kBlock / 2);
+      const __m256i q = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+      if (j & 1)
+        acc1 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc1);
+      else
+        acc0 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc0);
+    }
+  }
+  float total = hsum8(mins);
+  for (b = blocks - blocks % 8; b < blocks; ++b) total += _cvtsh_ss(m[b].x) * dsum[b];
+  return hsum8(_mm256_add_ps(acc0, acc1)) + total;
+#else
+  float acc = 0.f, total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = wr + b * kBlock / 2;
+    const int8_t* x = xq + b * kBlock;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock / 2; ++j)
+      sum += static_cast<int32_t>(w[j] & 0xF) * x[j] + static_cast<int32_t>(w[j] >> 4) * x[j + kBlock / 2];
+    acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[b]);
+    total += half_to_float(m[b]) * dsum[b];
+  }
+  return acc + total;
+#endif
+}
+
+// y = x w^T for x [M, K] float32 and the packed weights w [N, K / 2] uint8 with d and m [N, K / 32]
+// fp16. Threads take shares of the weight rows; each row of y is computed on its own, so a row's
+// result does not depend on M.
+torch::Tensor int4_dyn_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KB = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.dim() == 2 && w.size(1) * 2 == K,
+              "w must be contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf && d.is_contiguous() &&
+              m.is_contiguous() && d.numel() == N * KB && m.numel() == N * KB, "d and m: fp16 [N, K / 32]");
+  x = x.contiguous();
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
+  for (int64_t r = 0; r < M; ++r)
+    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, xq.data() + r * K,
+                                     xd.data() + r * KB, xs.data() + r * KB, KB);
+  });
+  return y;
+}
+
 // RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
 // the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
 // PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
@@ -488,6 +608,56 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// One linear layer as decode_layer takes it from Python (each layer class's decode_form()):
+// (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
+// which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
+// 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
+// (scales holding d, sums m). The arithmetic is the layer's own forward.
+using LinearForm = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                              c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
+
+static torch::Tensor apply_linear(const LinearForm& form, const torch::Tensor& x) {
+  const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
+  const auto x2 = x.reshape({-1, x.size(-1)});
+  torch::Tensor y;
+  switch (kind) {
+    case 0: return small_linear(x, w, bias);
+    case 1: y = int8_wo_linear(x2, w, *scales); break;
+    case 2: y = int8_linear(inv_smooth.has_value() ? x2 * *inv_smooth : x2, w, *scales, *sums); break;
+    case 4: y = int4_dyn_linear(x2, w, *scales, *sums); break;
+    case 3: y = at::_weight_int4pack_mm_for_cpu(x2.to(torch::kBFloat16), w, group, *scales).to(torch::kFloat); break;
+    default: TORCH_CHECK(false, "unknown linear kind ", kind);
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = y.size(-1);
+  y = y.reshape(sizes);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// One Llama decoder layer for one new token (a decode step of batch 1) in a single call: the same
+// kernels, in the same order, as the lean forward's modules run one by one, so the result is the
+// same to the bit. The new key and value are appended to the layer's cache, and the grown cache
+// returned: (x, keys, values), x [1, 1, hidden], keys and values [1, kv_heads, T + 1, head_dim]. A
+// decode step otherwise makes about a dozen calls per layer from Python, each paying dispatch and
+// cold caches after the weights streamed through; this makes one.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decode_layer(
+    torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const LinearForm& qkv,
+    const LinearForm& o, const LinearForm& gate_up, const LinearForm& down, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor keys, torch::Tensor values, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "decode_layer takes x [1, 1, hidden]");
+  const auto fused = apply_linear(qkv, rms_norm(x, norm1, eps));
+  const auto rotated = rotary(fused, cos, sin, heads + kv_heads, head_dim);
+  const auto q = rotated.narrow(1, 0, heads);
+  const auto k = rotated.narrow(1, heads, kv_heads);
+  const auto v = fused.narrow(2, (heads + kv_heads) * head_dim, kv_heads * head_dim)
+                     .view({1, 1, kv_heads, head_dim}).transpose(1, 2);
+  keys = at::cat({keys, k}, 2);
+  values = at::cat({values, v}, 2);
+  x = x + apply_linear(o, decode_attention(q, keys, values, scaling));
+  x = x + apply_linear(down, silu_mul(apply_linear(gate_up, rms_norm(x, norm2, eps))));
+  return {x, keys, values};
+}
+
 bool has_vnni() {
 #ifdef __AVX512VNNI__
   return true;
@@ -504,6 +674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
+  m.def("decode_layer", &decode_layer, "one Llama decoder layer for one new token, appending to its KV cache");
+  m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
