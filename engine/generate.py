@@ -22,7 +22,7 @@ from .lean import LeanLlama
 from .metrics import run_metrics
 from .models import LoadedModel, load_model
 from .record import Recorder
-from .rows import Attribution, account
+from .rows import Attribution, account, columns
 from .sparsity import sparse_layers
 from .drafters import MAX_K, SpeculativeError
 from .spec import GenConfig, GenerationError
@@ -155,8 +155,8 @@ class Generation:
             row, token_rows = account(self.attribution, step, out,
                                       [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
                                       len(self.token_ids) - len(events), t_request, t_end)
-            self.steps.append(asdict(row))
-            self.tokens.extend([asdict(r) for r in token_rows])
+            self.steps.append(columns(row))
+            self.tokens.extend([columns(r) for r in token_rows])
             if self.recorder is not None:
                 self.recorder.add(row, token_rows, text)
             self.stop_reason = done

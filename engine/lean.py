@@ -46,8 +46,8 @@ class LeanRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-# whether a decode step's layers run as one kernel call each (LeanLayer.decode_in_one_call); the
-# module-by-module path computes the same and stays for everything that call does not cover
+# whether a decode step's layers run in one kernel call (LeanLlama.decode_in_one_call); the module
+# by module path computes the same and stays for everything that call does not cover
 FUSED_DECODE = True
 
 SMALL_ROWS = 24  # up to this many rows (a decode step, a verification of drafts) go to the project's kernel
@@ -176,55 +176,27 @@ class LeanLayer(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
-        if x.shape[1] == 1 and mask is None and kv_dtype is None and cache is not None:
-            fused = self.decode_in_one_call(x, cos, sin, cache)
-            if fused is not None:
-                return fused
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, kv_dtype)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
-        """The layer for one new token through the kernels' decode_layer, which computes what the
-        modules compute, to the bit, in one call instead of a dozen; None where it does not apply: no
-        built extension, a layer kind it does not read (sparse, 16-bit), an empty or non-float32
-        cache, hooks on a module (they would not run)."""
-        kernel = cpu_kernel(x) if FUSED_DECODE else None
-        # the modules straight from their dictionaries: nn.Module's attribute lookup costs about two
-        # microseconds a name, which thirty layers pay on every step
-        top = self._modules
-        attn, mlp = top["self_attn"]._modules, top["mlp"]._modules
-        layer = cache.layers[self.layer_idx]
-        if (kernel is None or cos.dtype != torch.float32 or type(layer) is not DynamicLayer
-                or not layer.is_initialized or layer.keys.dtype != torch.float32):
-            return None
-        parts = (top["input_layernorm"], top["post_attention_layernorm"], attn["qkv_proj"], attn["o_proj"],
-                 mlp["gate_up_proj"], mlp["down_proj"])
-        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
-            return None
-        args = self._decode_args(parts)
-        if args is None:
-            return None
-        x, layer.keys, layer.values = kernel.decode_layer(x, *args[:7], cos, sin, layer.keys, layer.values,
-                                                          *args[7:])
-        return x
 
-    def _decode_args(self, parts: tuple) -> tuple | None:
-        """decode_layer's arguments for these modules, worked out once and kept while the layer holds
-        the same modules (a conversion that replaces one gets new ones): reading a module's buffers
-        through nn.Module costs about a microsecond each, which on every step adds up."""
-        kept = self.__dict__.get("_decode_kept")
-        if kept is not None and all(a is b for a, b in zip(kept[0], parts)):
-            return kept[1]
-        norms, linears = parts[:2], parts[2:]
-        forms = [getattr(m, "decode_form", lambda: None)() for m in linears]
-        if None in forms or any(type(n) is not LeanRMSNorm or n.weight.dtype != torch.float32 for n in norms):
-            args = None
-        else:
-            attn = self.self_attn
-            args = (norms[0].weight, norms[1].weight, norms[0].eps, *forms,
-                    attn.heads, attn.kv_heads, attn.head_dim, attn.scaling)
-        self.__dict__["_decode_kept"] = (parts, args)
-        return args
+def _layer_parts(layer: LeanLayer) -> tuple:
+    """A layer's modules straight from their dictionaries: nn.Module's attribute lookup costs about two
+    microseconds a name, which every layer would pay on every step."""
+    top = layer._modules
+    attn, mlp = top["self_attn"], top["mlp"]
+    return (layer, attn, mlp, top["input_layernorm"], top["post_attention_layernorm"], attn._modules["qkv_proj"],
+            attn._modules["o_proj"], mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
+
+
+def _layer_form(parts: tuple) -> tuple | None:
+    """One layer as the kernels' decode_layers reads it: (norm weights, eps, its four linear layers), or
+    None where a part is of a kind it does not read (a sparse or 16-bit linear, another norm)."""
+    norms, linears = parts[3:5], parts[5:]
+    if any(type(n) is not LeanRMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        return None
+    forms = [getattr(m, "decode_form", lambda: None)() for m in linears]
+    return None if None in forms else (norms[0].weight, norms[1].weight, norms[0].eps, *forms)
 
 
 class LeanBody(nn.Module):
@@ -263,16 +235,79 @@ class LeanLlama(nn.Module):
         cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(past, past + length, device=input_ids.device)[None]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(x, position_ids)
+        cos, sin = self.rotary(x, position_ids, past, length)
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
                                                                        (past and length > 1)) else None
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, mask, kv_dtype)
+        fused = (self.decode_in_one_call(x, cos, sin, cache) if length == 1 and mask is None and kv_dtype is None
+                 and cache is not None else None)
+        if fused is not None:
+            x = fused
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, cache, mask, kv_dtype)
         x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
         return LeanOutput(logits=self.lm_head(x))
+
+
+    def rotary(self, x, position_ids, past: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [batch, length, head_dim] for the given positions (past .. past + length when
+        None): rows of a table the model's rotary embedding fills once, the same numbers it gives per
+        call (each is one product of a position and a frequency, then its cosine or sine), at a fraction
+        of its cost on every step. Embeddings whose frequencies change with the length are asked each
+        time."""
+        rotary_emb = self.model.rotary_emb
+        rope_type = getattr(rotary_emb, "rope_type", "default")
+        if "dynamic" in rope_type or rope_type == "longrope":
+            if position_ids is None:
+                position_ids = torch.arange(past, past + length, device=x.device)[None]
+            return rotary_emb(x, position_ids)
+        need = past + length if position_ids is None else int(position_ids.max()) + 1
+        table = self.__dict__.get("_rope")
+        if table is None or table[0].dtype != x.dtype or table[0].device != x.device or table[0].shape[1] < need:
+            size = max(need, 1024, 2 * table[0].shape[1] if table is not None else 0)
+            table = self.__dict__["_rope"] = rotary_emb(x, torch.arange(size, device=x.device)[None])
+        if position_ids is None:
+            return table[0][:, past:past + length], table[1][:, past:past + length]
+        return table[0][0, position_ids], table[1][0, position_ids]
+
+    def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
+        """Every layer for one new token through the kernels' decode_layers, which computes what the
+        modules compute, to the bit, in one call instead of a dozen per layer; None where it does not
+        apply: no built extension, a part it does not read, an empty or non-float32 cache, hooks on a
+        module (they would not run)."""
+        kernel = cpu_kernel(x) if FUSED_DECODE else None
+        if kernel is None or cos.dtype != torch.float32:
+            return None
+        layers = list(self.model._modules["layers"]._modules.values())
+        caches = [cache.layers[layer.layer_idx] for layer in layers]
+        if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
+            return None
+        parts = tuple(p for layer in layers for p in _layer_parts(layer))
+        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
+            return None
+        forms = self._decode_forms(parts, len(layers))
+        if forms is None:
+            return None
+        attn = parts[1]
+        x, keys, values = kernel.decode_layers(x, forms, cos, sin, [c.keys for c in caches], [c.values for c in caches],
+                                               attn.heads, attn.kv_heads, attn.head_dim, attn.scaling)
+        for c, k, v in zip(caches, keys, values):
+            c.keys, c.values = k, v
+        return x
+
+    def _decode_forms(self, parts: tuple, n_layers: int) -> list | None:
+        """The layers' forms, worked out once and kept while the model holds the same modules (a
+        conversion that replaces a module makes new ones): reading buffers through nn.Module costs
+        about a microsecond each, which on every step adds up."""
+        kept = self.__dict__.get("_decode_kept")
+        if kept is not None and kept[0] == parts:
+            return kept[1]
+        size = len(parts) // n_layers
+        forms = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(n_layers)]
+        forms = None if None in forms else forms
+        self.__dict__["_decode_kept"] = (parts, forms)
+        return forms
 
 
 def _visibility(new: torch.Tensor | None, past: int, length: int, device) -> torch.Tensor:

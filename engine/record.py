@@ -5,9 +5,8 @@ database that another process holds loses them; the database is written once, at
 token waits for it."""
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from .journal import Journal, journal_path
+from .rows import columns
 from .store import Store, StoreError
 
 
@@ -30,9 +29,9 @@ class Recorder:
 
     def add(self, step_row, token_rows, text: str) -> None:
         """One step's rows and the text it added, handed to the operating system at once."""
-        self.journal.write("step", {**asdict(step_row), "text": text})
+        self.journal.write("step", {**columns(step_row), "text": text})
         for row in token_rows:
-            self.journal.write("token", asdict(row))
+            self.journal.write("token", columns(row))
         self.journal.flush()
 
     def finish(self, *, status: str, output: str, token_ids: list[int], metrics: dict, error: str | None,

@@ -58,6 +58,13 @@ class TokenRow(BucketRow):
     gap_ms: float  # the step's wall time for its first token, 0 for the others it emitted
 
 
+def columns(row: BucketRow) -> dict:
+    """A row's columns by name. Its fields are plain numbers and strings, so this is a copy of its
+    attributes: dataclasses.asdict walks and deep-copies each value, which costs a decode step
+    about a tenth of a millisecond."""
+    return dict(vars(row))
+
+
 @dataclass
 class Outcome:
     """What one step did: its inputs, its guesses, what it emitted, and when each phase began

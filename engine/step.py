@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hardware, speculative
+from .cpu_kernels import optional_kernel
 from .drafters import Drafter, Tree, crop_cache
 from .rows import Outcome
 from .spec import GenConfig
@@ -41,7 +42,8 @@ def sampling_probs(logits: torch.Tensor, cfg: GenConfig) -> torch.Tensor:
 def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generator | None) -> int:
     """Greedy argmax, or a sample after temperature, top-k and top-p filtering."""
     if cfg.temperature == 0:
-        return int(torch.argmax(logits))
+        kernel = optional_kernel() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 1 else None
+        return kernel.argmax(logits) if kernel is not None else int(torch.argmax(logits))
     return int(torch.multinomial(sampling_probs(logits, cfg), 1, generator=generator))
 
 

@@ -161,7 +161,7 @@ def test_a_separate_kv_precision_needs_the_lean_forward(calibration):
 def test_a_stop_while_a_step_is_being_recorded_leaves_a_consistent_run(tiny_lm, store, calibration, monkeypatch, where):
     """Ctrl-C or SIGTERM (raised as KeyboardInterrupt) may land after a step took its tokens and before
     its rows exist: the run keeps what its rows say, tokens and text alike."""
-    real_account, real_asdict, calls = generate.account, generate.asdict, []
+    real_account, real_columns, calls = generate.account, generate.columns, []
 
     def account(*args, **kwargs):
         calls.append(1)
@@ -169,13 +169,13 @@ def test_a_stop_while_a_step_is_being_recorded_leaves_a_consistent_run(tiny_lm, 
             raise KeyboardInterrupt
         return real_account(*args, **kwargs)
 
-    def asdict(row):
+    def columns(row):
         if where != "before its rows" and len(calls) == 5 and type(row).__name__ == "TokenRow":
             raise KeyboardInterrupt
-        return real_asdict(row)
+        return real_columns(row)
 
     monkeypatch.setattr(generate, "account", account)
-    monkeypatch.setattr(generate, "asdict", asdict)
+    monkeypatch.setattr(generate, "columns", columns)
     gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=12, ignore_eos=True), store=store,
                      calibration=calibration, telemetry=False)
     with pytest.raises(KeyboardInterrupt):

@@ -151,17 +151,17 @@ def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch,
 
 
 class _CountingKernel:
-    """The real extension, counting its decode_layer calls."""
+    """The real extension, counting its decode_layers calls."""
 
     def __init__(self, real):
-        self.real, self.decode_layers = real, 0
+        self.real, self.calls = real, 0
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def decode_layer(self, *args):
-        self.decode_layers += 1
-        return self.real.decode_layer(*args)
+    def decode_layers(self, *args):
+        self.calls += 1
+        return self.real.decode_layers(*args)
 
 
 @torch.inference_mode()
@@ -173,7 +173,7 @@ def _prefill_and_steps(model) -> tuple[torch.Tensor, DynamicCache]:
 
 
 @pytest.mark.parametrize("level", ["fp32", "int8-wo", "int8-dyn", "int4-wo", "int4-dyn"])
-def test_a_decode_step_in_one_call_per_layer_equals_the_modules_to_the_bit(level, monkeypatch):
+def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypatch):
     from engine.quant import quantize
 
     real = optional_kernel()
@@ -187,13 +187,13 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_modules_to_the_bit(level
     monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
     monkeypatch.setattr(lean, "FUSED_DECODE", True)
     fused, fused_cache = _prefill_and_steps(model)
-    assert counting.decode_layers == 4 * 3  # every decode step, every layer; the prefill never
+    assert counting.calls == 4  # every decode step; the prefill never
     assert torch.equal(fused, modules)
     for a, b in zip(fused_cache.layers, modules_cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_a_hooked_module_keeps_its_layer_on_the_module_path(pair, monkeypatch):
+def test_a_hooked_module_keeps_the_step_on_the_module_path(pair, monkeypatch):
     real = optional_kernel()
     if real is None:
         pytest.skip("the C++ extension cannot be built here")
@@ -206,4 +206,29 @@ def test_a_hooked_module_keeps_its_layer_on_the_module_path(pair, monkeypatch):
     finally:
         handle.remove()
     assert len(seen) == 1 + 4  # the prefill and every decode step ran the hooked layer's modules
-    assert counting.decode_layers == 4  # the other layer still ran in one call
+    assert counting.calls == 0
+
+
+@torch.inference_mode()
+def test_the_rotary_table_gives_the_embeddings_own_numbers(pair):
+    model = pair[0]
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    for past, length in [(0, 10), (37, 1), (1500, 3)]:  # the last one grows the table
+        positions = torch.arange(past, past + length)[None]
+        for got, own in zip(model.rotary(x, None, past, length), model.model.rotary_emb(x, positions)):
+            assert torch.equal(got, own)
+    tree = torch.tensor([[5, 6, 6, 7, 9]])  # a tree of guesses: positions repeat and skip
+    for got, own in zip(model.rotary(x, tree, 5, 5), model.model.rotary_emb(x, tree)):
+        assert torch.equal(got, own)
+
+
+@pytest.mark.parametrize("values", [
+    torch.randn(49152), torch.randn(13), torch.tensor([1., 3., 3., 2.]), torch.full((20,), -float("inf")),
+    torch.tensor([1., float("nan"), 5., float("nan")]), torch.tensor([0.] * 9 + [5., float("nan")]),
+    torch.cat([torch.randn(40), torch.tensor([9., 9.])]),
+], ids=["logits", "short", "tie", "all -inf", "nan", "nan in the tail", "tie in the tail"])
+def test_the_argmax_kernel_returns_what_torch_argmax_does(values):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    assert kernel.argmax(values) == int(torch.argmax(values))

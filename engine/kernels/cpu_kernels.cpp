@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -159,15 +160,8 @@ static inline int32_t dot_s8s8(const int8_t* a, const int8_t* b, int64_t n) {
 // unsigned, and the 128 * w_sum[n] this adds to every dot product is taken back out; elsewhere
 // dot_s8s8 multiplies the signed bytes. Either way the integers are exact. Output threads take
 // shares of the weight rows, so every weight row is read once whatever M is.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor w_sum) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kChar, "w must be contiguous int8");
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_sum.scalar_type() == torch::kInt,
-              "w_scale must be float32 and w_sum int32");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && w_scale.numel() == N && w_sum.numel() == N, "shapes disagree");
-  const float* xp = x.data_ptr<float>();
+static void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp,
+                          int64_t N, int64_t K, float* yp) {
   std::vector<int8_t> xq(static_cast<size_t>(M * K));
   std::vector<float> xs(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
@@ -183,11 +177,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   std::vector<uint8_t> xu(xq.size());
   for (size_t i = 0; i < xq.size(); ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
 #endif
-  auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = w_scale.data_ptr<float>();
-  const int32_t* cp = w_sum.data_ptr<int32_t>();
   at::parallel_for(0, N, N * K >= kParallelBytes ? 256 : N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* wr = wp + n * K;
@@ -201,6 +190,19 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
       }
     }
   });
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor w_sum) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kChar, "w must be contiguous int8");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_sum.scalar_type() == torch::kInt,
+              "w_scale must be float32 and w_sum int32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && w_scale.numel() == N && w_sum.numel() == N, "shapes disagree");
+  auto y = torch::empty({M, N}, x.options());
+  int8_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
+                N, K, y.data_ptr<float>());
   return y;
 }
 
@@ -269,24 +271,24 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
 // streams, read short rows slower), and each row, read from memory once, serves all M rows of x from
 // the nearest cache. A row's sums run in an order that does not depend on M (MKL's few-row kernels
 // pack the weights first and sum in another order).
+static void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp) {
+  const bool parallel = N * K * 4 >= kParallelBytes;
+  at::parallel_for(0, N, parallel ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
+  });
+}
+
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "small_linear takes float32");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be a contiguous 2-D tensor");
   const int64_t K = w.size(1), N = w.size(0);
   TORCH_CHECK(x.size(-1) == K, "x and w disagree on the input width");
   x = x.contiguous();
-  const int64_t M = x.numel() / K;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const bool parallel = w.numel() * 4 >= kParallelBytes;
-  at::parallel_for(0, N, parallel ? 16 : N, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
-  });
+  small_linear_rows(x.data_ptr<float>(), x.numel() / K, w.data_ptr<float>(), N, K, y.data_ptr<float>());
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -327,6 +329,16 @@ static inline float dot_int8(const int8_t* __restrict w, const float* __restrict
 
 // int8 weight-only product: x [M, K] float32, w [N, K] int8, one bfloat16 scale per output row
 // (w = q * scale). Few rows: each output alone (dot_int8), so a row's result does not depend on M.
+static void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K,
+                         float* yp) {
+  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float scale = bf16_to_float(sp[n]);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_int8(wp + n * K, xp + m * K, K) * scale;
+    }
+  });
+}
+
 torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(w.scalar_type() == torch::kChar && w.dim() == 2 && w.is_contiguous(), "w must be contiguous int8");
@@ -337,11 +349,10 @@ torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sca
   TORCH_CHECK(w.size(1) == K, "x and w disagree on the input width");
   const int8_t* wp = w.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  const int64_t grain = N * K * 4 >= kParallelBytes ? 16 : N;
   if (M > kFewRows) {
     auto expanded = torch::empty({N, K}, x.options());
     float* ep = expanded.data_ptr<float>();
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const float scale = bf16_to_float(sp[n]);
         for (int64_t k = 0; k < K; ++k) ep[n * K + k] = static_cast<float>(wp[n * K + k]) * scale;
@@ -349,15 +360,8 @@ torch::Tensor int8_wo_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sca
     });
     return at::matmul(x, expanded.t());
   }
-  const float* xp = x.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float scale = bf16_to_float(sp[n]);
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_int8(wp + n * K, xp + m * K, K) * scale;
-    }
-  });
+  int8_wo_rows(x.data_ptr<float>(), M, wp, sp, N, K, y.data_ptr<float>());
   return y;
 }
 
@@ -453,6 +457,21 @@ static inline float int4_row_dot(const uint8_t* wr, const at::Half* d, const at:
 // y = x w^T for x [M, K] float32 and the packed weights w [N, K / 2] uint8 with d and m [N, K / 32]
 // fp16. Threads take shares of the weight rows; each row of y is computed on its own, so a row's
 // result does not depend on M.
+static void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
+                          int64_t N, int64_t K, float* yp) {
+  const int64_t KB = K / kBlock;
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
+  for (int64_t r = 0; r < M; ++r)
+    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
+  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, xq.data() + r * K,
+                                     xd.data() + r * KB, xs.data() + r * KB, KB);
+  });
+}
+
 torch::Tensor int4_dyn_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KB = K / kBlock;
@@ -462,22 +481,9 @@ torch::Tensor int4_dyn_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d,
   TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf && d.is_contiguous() &&
               m.is_contiguous() && d.numel() == N * KB && m.numel() == N * KB, "d and m: fp16 [N, K / 32]");
   x = x.contiguous();
-  const float* xp = x.data_ptr<float>();
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
-  for (int64_t r = 0; r < M; ++r)
-    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
   auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
-  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, xq.data() + r * K,
-                                     xd.data() + r * KB, xs.data() + r * KB, KB);
-  });
+  int4_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), N, K,
+                y.data_ptr<float>());
   return y;
 }
 
@@ -485,15 +491,7 @@ torch::Tensor int4_dyn_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d,
 // the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
 // PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
 // weight stream has just flushed.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm takes float32");
-  x = x.contiguous();
-  const int64_t H = x.size(-1), rows = x.numel() / H;
-  TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
-  auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.contiguous().data_ptr<float>();
-  float* op = out.data_ptr<float>();
+static void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = xp + r * H;
     double squares = 0.0;
@@ -501,7 +499,31 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     const float scale = 1.f / std::sqrt(static_cast<float>(squares / H) + static_cast<float>(eps));
     for (int64_t k = 0; k < H; ++k) op[r * H + k] = wp[k] * (row[k] * scale);
   }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rms_norm takes float32");
+  x = x.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
+  auto out = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), eps, rows, H, out.data_ptr<float>());
   return out;
+}
+
+// The first `heads` heads of one row v rotated: head h goes to out + h * stride.
+static void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out,
+                       int64_t stride) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* vh = v + h * D;
+    float* o = out + h * stride;
+    for (int64_t d = 0; d < half; ++d) {
+      const float rotated = -vh[d + half];
+      o[d] = vh[d] * c[d] + rotated * s[d];
+    }
+    for (int64_t d = half; d < D; ++d) o[d] = vh[d] * c[d] + vh[d - half] * s[d];
+  }
 }
 
 // Rotary embedding of the first `heads` heads of each row of x [B, L, >= heads * D] (e.g. a fused
@@ -513,7 +535,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t B = x.size(0), L = x.size(1), width = x.size(2), half = D / 2;
+  const int64_t B = x.size(0), L = x.size(1), width = x.size(2);
   TORCH_CHECK(width >= heads * D && cos.size(-1) == D && cos.numel() == B * L * D, "rotary: shapes disagree");
   auto out = torch::empty({B, heads, L, D}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -521,20 +543,18 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l) {
-      const float* c = cp + (b * L + l) * D;
-      const float* s = sp + (b * L + l) * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* v = xp + (b * L + l) * width + h * D;
-        float* o = op + ((b * heads + h) * L + l) * D;
-        for (int64_t d = 0; d < half; ++d) {
-          const float rotated = -v[d + half];
-          o[d] = v[d] * c[d] + rotated * s[d];
-        }
-        for (int64_t d = half; d < D; ++d) o[d] = v[d] * c[d] + v[d - half] * s[d];
-      }
-    }
+    for (int64_t l = 0; l < L; ++l)
+      rotary_row(xp + (b * L + l) * width, cp + (b * L + l) * D, sp + (b * L + l) * D, heads, D,
+                 op + (b * heads * L + l) * D, L * D);
   return out;
+}
+
+static void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = xp + r * 2 * I;
+    const float* up = gate + I;
+    for (int64_t k = 0; k < I; ++k) op[r * I + k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
+  }
 }
 
 // silu(gate) * up for x [..., 2 * I] holding gate then up (a fused gate/up projection's output).
@@ -545,39 +565,13 @@ torch::Tensor silu_mul(torch::Tensor x) {
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = xp + r * 2 * I;
-    const float* up = gate + I;
-    for (int64_t k = 0; k < I; ++k) op[r * I + k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
-  }
+  silu_mul_rows(x.data_ptr<float>(), rows, I, out.data_ptr<float>());
   return out;
 }
 
-// Attention of one new token per sequence over all cached positions (a decode step: every key is
-// visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
-// a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
-// takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every call, which
-// for one query row costs far more than the arithmetic; this is one plain pass per head, split over
-// threads only when there is enough work to pay for them.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "decode_attention takes float32");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == 1,
-              "decode_attention: q [B, H, 1, D], k and v [B, KV, T, D]");
-  q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
-  auto out = torch::empty({B, 1, H * D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+static void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T,
+                   int64_t D, float s, float* op) {
   const int64_t group = H / KV;
-  const float s = static_cast<float>(scale);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (T * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(static_cast<size_t>(T));
@@ -605,10 +599,31 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       }
     }
   });
+}
+
+// Attention of one new token per sequence over all cached positions (a decode step: every key is
+// visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
+// a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
+// takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every call, which
+// for one query row costs far more than the arithmetic; this is one plain pass per head, split over
+// threads only when there is enough work to pay for them.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+              v.scalar_type() == torch::kFloat, "decode_attention takes float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == 1,
+              "decode_attention: q [B, H, 1, D], k and v [B, KV, T, D]");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
+  auto out = torch::empty({B, 1, H * D}, q.options());
+  attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, H, KV, T, D, static_cast<float>(scale),
+         out.data_ptr<float>());
   return out;
 }
 
-// One linear layer as decode_layer takes it from Python (each layer class's decode_form()):
+// One linear layer as decode_layers takes it from Python (each layer class's decode_form()):
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
 // 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
@@ -616,46 +631,138 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 using LinearForm = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                               c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
 
-static torch::Tensor apply_linear(const LinearForm& form, const torch::Tensor& x) {
+static int64_t linear_outputs(const LinearForm& form) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
-  const auto x2 = x.reshape({-1, x.size(-1)});
-  torch::Tensor y;
-  switch (kind) {
-    case 0: return small_linear(x, w, bias);
-    case 1: y = int8_wo_linear(x2, w, *scales); break;
-    case 2: y = int8_linear(inv_smooth.has_value() ? x2 * *inv_smooth : x2, w, *scales, *sums); break;
-    case 4: y = int4_dyn_linear(x2, w, *scales, *sums); break;
-    case 3: y = at::_weight_int4pack_mm_for_cpu(x2.to(torch::kBFloat16), w, group, *scales).to(torch::kFloat); break;
-    default: TORCH_CHECK(false, "unknown linear kind ", kind);
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = y.size(-1);
-  y = y.reshape(sizes);
-  return bias.has_value() ? y + *bias : y;
+  return kind == 3 ? scales->size(1) : w.size(0);  // PyTorch's int4 packing keeps N in its scales' shape
 }
 
-// One Llama decoder layer for one new token (a decode step of batch 1) in a single call: the same
-// kernels, in the same order, as the lean forward's modules run one by one, so the result is the
-// same to the bit. The new key and value are appended to the layer's cache, and the grown cache
-// returned: (x, keys, values), x [1, 1, hidden], keys and values [1, kv_heads, T + 1, head_dim]. A
-// decode step otherwise makes about a dozen calls per layer from Python, each paying dispatch and
-// cold caches after the weights streamed through; this makes one.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decode_layer(
-    torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const LinearForm& qkv,
-    const LinearForm& o, const LinearForm& gate_up, const LinearForm& down, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor keys, torch::Tensor values, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "decode_layer takes x [1, 1, hidden]");
-  const auto fused = apply_linear(qkv, rms_norm(x, norm1, eps));
-  const auto rotated = rotary(fused, cos, sin, heads + kv_heads, head_dim);
-  const auto q = rotated.narrow(1, 0, heads);
-  const auto k = rotated.narrow(1, heads, kv_heads);
-  const auto v = fused.narrow(2, (heads + kv_heads) * head_dim, kv_heads * head_dim)
-                     .view({1, 1, kv_heads, head_dim}).transpose(1, 2);
-  keys = at::cat({keys, k}, 2);
-  values = at::cat({values, v}, 2);
-  x = x + apply_linear(o, decode_attention(q, keys, values, scaling));
-  x = x + apply_linear(down, silu_mul(apply_linear(gate_up, rms_norm(x, norm2, eps))));
-  return {x, keys, values};
+// y = the layer applied to one row x of K values: the row functions above, no tensors in between.
+static void apply_linear(const LinearForm& form, const float* x, int64_t K, float* y) {
+  const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
+  const int64_t N = linear_outputs(form);
+  std::vector<float> smoothed;
+  switch (kind) {
+    case 0: small_linear_rows(x, 1, w.data_ptr<float>(), N, K, y); break;
+    case 1:
+      int8_wo_rows(x, 1, w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr<at::BFloat16>()), N,
+                   K, y);
+      break;
+    case 2:
+      if (inv_smooth.has_value()) {
+        const float* f = inv_smooth->data_ptr<float>();
+        smoothed.resize(static_cast<size_t>(K));
+        for (int64_t k = 0; k < K; ++k) smoothed[k] = x[k] * f[k];
+        x = smoothed.data();
+      }
+      int8_dyn_rows(x, 1, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y);
+      break;
+    case 3: {
+      const auto row = torch::from_blob(const_cast<float*>(x), {1, K}, torch::kFloat);
+      const auto out = at::_weight_int4pack_mm_for_cpu(row.to(torch::kBFloat16), w, group, *scales).to(torch::kFloat);
+      std::memcpy(y, out.data_ptr<float>(), sizeof(float) * N);
+      break;
+    }
+    case 4: int4_dyn_rows(x, 1, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
+    default: TORCH_CHECK(false, "unknown linear kind ", kind);
+  }
+  if (bias.has_value()) {
+    const float* b = bias->data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n) y[n] += b[n];
+  }
+}
+
+// cache [1, KV, T, D] with one more position: each head's rows, then its new row from `row`.
+static torch::Tensor grown(const torch::Tensor& cache, const float* row, int64_t KV, int64_t D) {
+  const auto old = cache.contiguous();
+  const int64_t T = old.size(2);
+  auto out = torch::empty({1, KV, T + 1, D}, old.options());
+  const float* src = old.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t g = 0; g < KV; ++g) {
+    std::memcpy(dst + g * (T + 1) * D, src + g * T * D, sizeof(float) * T * D);
+    std::memcpy(dst + (g * (T + 1) + T) * D, row + g * D, sizeof(float) * D);
+  }
+  return out;
+}
+
+// A layer as decode_layers takes it: its two norms' weights, their eps, qkv, o, gate_up and down.
+using LayerForm = std::tuple<torch::Tensor, torch::Tensor, double, LinearForm, LinearForm, LinearForm, LinearForm>;
+
+// Every Llama decoder layer for one new token (a decode step of batch 1) in one call from Python:
+// the same row functions, in the same order, as the lean forward's modules run one by one, so the
+// result is the same to the bit, but with no tensor made between them but the grown caches. Returns
+// (x, keys, values), x [1, 1, hidden] and each layer's cache [1, kv_heads, T + 1, head_dim].
+std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
+    torch::Tensor x, const std::vector<LayerForm>& layers, torch::Tensor cos, torch::Tensor sin,
+    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double scaling) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.numel() == x.size(-1), "decode_layers takes one float32 row");
+  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
+  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin: one position");
+  const int64_t H = x.size(-1), D = head_dim, KV = kv_heads, rotated_heads = heads + kv_heads;
+  auto out = x.contiguous().clone();
+  float* residual = out.data_ptr<float>();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  std::vector<float> normed(H), delta(H), rotated(rotated_heads * D), attended(heads * D), fused, gate_up, act;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
+    TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(1) == KV && keys[i].size(3) == D && values[i].sizes() == keys[i].sizes(),
+                "a cache is not [1, kv_heads, T, head_dim]");
+    rms_norm_rows(residual, norm1.data_ptr<float>(), eps, 1, H, normed.data());
+    fused.resize(static_cast<size_t>(linear_outputs(qkv)));
+    apply_linear(qkv, normed.data(), H, fused.data());
+    rotary_row(fused.data(), cos.data_ptr<float>(), sin.data_ptr<float>(), rotated_heads, D, rotated.data(), D);
+    keys[i] = grown(keys[i], rotated.data() + heads * D, KV, D);
+    values[i] = grown(values[i], fused.data() + rotated_heads * D, KV, D);
+    attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, keys[i].size(2), D,
+           static_cast<float>(scaling), attended.data());
+    apply_linear(o, attended.data(), heads * D, delta.data());
+    for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
+    rms_norm_rows(residual, norm2.data_ptr<float>(), eps, 1, H, normed.data());
+    const int64_t inner = linear_outputs(up) / 2;
+    gate_up.resize(static_cast<size_t>(2 * inner));
+    act.resize(static_cast<size_t>(inner));
+    apply_linear(up, normed.data(), H, gate_up.data());
+    silu_mul_rows(gate_up.data(), 1, inner, act.data());
+    apply_linear(down, act.data(), inner, delta.data());
+    for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
+  }
+  return {out, keys, values};
+}
+
+// The index of the largest of n floats, the first one where several are equal, and the first NaN
+// where there is one: what torch.argmax returns, which on a decode step's 49152 logits costs tens of
+// microseconds in a scalar loop.
+int64_t argmax(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 1 && x.numel() > 0, "argmax takes a 1-D float32 tensor");
+  x = x.contiguous();
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  float top = p[0];
+  int64_t k = 0;
+#if defined(__AVX2__)
+  __m256 best = _mm256_set1_ps(p[0]);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(p + k);
+    best = _mm256_max_ps(best, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(unordered)) k = 0;  // a NaN: the plain loop below finds the first
+  else {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, best);
+    for (float lane : lanes) top = std::max(top, lane);
+  }
+#endif
+  for (; k < n; ++k) {
+    if (std::isnan(p[k])) return k;
+    top = std::max(top, p[k]);
+  }
+  for (k = 0; k < n; ++k)
+    if (p[k] == top) return k;
+  return 0;
 }
 
 bool has_vnni() {
@@ -674,8 +781,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
-  m.def("decode_layer", &decode_layer, "one Llama decoder layer for one new token, appending to its KV cache");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
+  m.def("decode_layers", &decode_layers, "every Llama decoder layer for one new token, appending to their KV caches");
+  m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
