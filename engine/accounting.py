@@ -109,7 +109,8 @@ def forward_work(shape: ModelShape, n_new: int, past_len: int, logits_kept: int 
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes held by the real key and value tensors of a transformers cache."""
+    """Bytes of the keys and values a transformers cache holds (a cache the fused decode grows keeps
+    room for up to 127 more positions a layer beyond them, which this does not count)."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 

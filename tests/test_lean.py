@@ -232,3 +232,29 @@ def test_the_argmax_kernel_returns_what_torch_argmax_does(values):
     if kernel is None:
         pytest.skip("the C++ extension cannot be built here")
     assert kernel.argmax(values) == int(torch.argmax(values))
+
+
+@torch.inference_mode()
+def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(monkeypatch):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    model = tiny_model(seed=7, layers=2).model
+
+    def run(fused: bool):
+        monkeypatch.setattr(lean, "FUSED_DECODE", fused)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=IDS[:, :4], cache=cache, use_cache=True)
+        rows, storages = [], []
+        for i in [4, 5, 6, 7]:
+            rows.append(model(input_ids=IDS[:, i:i + 1], cache=cache, use_cache=True).logits)
+            storages.append(cache.layers[1].keys.data_ptr())
+        cache.crop(-2)  # as after rejected guesses
+        rows += [model(input_ids=IDS[:, i:i + 1], cache=cache, use_cache=True).logits for i in [8, 9]]
+        return torch.cat(rows), cache, storages
+
+    fused, fused_cache, storages = run(True)
+    modules, modules_cache, _ = run(False)
+    assert len(set(storages)) == 1  # one storage from the first decode step on: no copy per token
+    assert torch.equal(fused, modules)
+    assert torch.equal(fused_cache.layers[1].keys, modules_cache.layers[1].keys)
+    assert fused_cache.get_seq_length() == 8

@@ -569,8 +569,9 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
+// k_stride, v_stride: floats from one key (value) head to the next, T * D when they are contiguous.
 static void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T,
-                   int64_t D, float s, float* op) {
+                   int64_t D, int64_t k_stride, int64_t v_stride, float s, float* op) {
   const int64_t group = H / KV;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (T * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
@@ -578,8 +579,8 @@ static void attend(const float* qp, const float* kp, const float* vp, int64_t B,
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float* qh = qp + bh * D;
-      const float* kh = kp + (b * KV + h / group) * T * D;
-      const float* vh = vp + (b * KV + h / group) * T * D;
+      const float* kh = kp + (b * KV + h / group) * k_stride;
+      const float* vh = vp + (b * KV + h / group) * v_stride;
       float top = -INFINITY;
       for (int64_t t = 0; t < T; ++t) {
         w[t] = dot(qh, kh + t * D, D) * s;
@@ -618,8 +619,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
   auto out = torch::empty({B, 1, H * D}, q.options());
-  attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, H, KV, T, D, static_cast<float>(scale),
-         out.data_ptr<float>());
+  attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, H, KV, T, D, T * D, T * D,
+         static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
@@ -671,17 +672,31 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t K, floa
   }
 }
 
-// cache [1, KV, T, D] with one more position: each head's rows, then its new row from `row`.
+// Positions a growing cache reserves at a time: copying a layer's keys and values to add each token
+// would move the whole cache on every step.
+constexpr int64_t kCacheRoom = 128;
+
+// cache [1, KV, T, D] with one more position, its head h's new row from row + h * D: written in place
+// where the cache is a view into storage with room after its last position (the caches this function
+// returns; a crop keeps the room), else copied into new storage with room for kCacheRoom more.
 static torch::Tensor grown(const torch::Tensor& cache, const float* row, int64_t KV, int64_t D) {
-  const auto old = cache.contiguous();
-  const int64_t T = old.size(2);
-  auto out = torch::empty({1, KV, T + 1, D}, old.options());
-  const float* src = old.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t g = 0; g < KV; ++g) {
-    std::memcpy(dst + g * (T + 1) * D, src + g * T * D, sizeof(float) * T * D);
-    std::memcpy(dst + (g * (T + 1) + T) * D, row + g * D, sizeof(float) * D);
+  const int64_t T = cache.size(2), head = cache.stride(1);
+  const bool room = cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
+                    cache.stride(0) == KV * head && cache.storage_offset() == 0 &&
+                    cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
+  torch::Tensor out;
+  if (room) {
+    out = cache.as_strided({1, KV, T + 1, D}, cache.strides());
+  } else {
+    const int64_t capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
+    out = torch::empty({1, KV, capacity, D}, cache.options()).narrow(2, 0, T + 1);
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
+                    cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
   }
+  float* dst = out.data_ptr<float>();
+  for (int64_t g = 0; g < KV; ++g) std::memcpy(dst + g * out.stride(1) + T * D, row + g * D, sizeof(float) * D);
   return out;
 }
 
@@ -716,7 +731,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
     keys[i] = grown(keys[i], rotated.data() + heads * D, KV, D);
     values[i] = grown(values[i], fused.data() + rotated_heads * D, KV, D);
     attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, keys[i].size(2), D,
-           static_cast<float>(scaling), attended.data());
+           keys[i].stride(1), values[i].stride(1), static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), heads * D, delta.data());
     for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
     rms_norm_rows(residual, norm2.data_ptr<float>(), eps, 1, H, normed.data());
