@@ -573,7 +573,7 @@ torch::Tensor silu_mul(torch::Tensor x) {
 static void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T,
                    int64_t D, int64_t k_stride, int64_t v_stride, float s, float* op) {
   const int64_t group = H / KV;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (T * D));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (T * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(static_cast<size_t>(T));
     for (int64_t bh = begin; bh < end; ++bh) {
