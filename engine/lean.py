@@ -5,9 +5,14 @@ operations around the matrix products (separate q, k and v projections, gate and
 building, dispatch layers). This module runs the same arithmetic with fewer, larger operations:
 q, k and v come from one fused projection, gate and up from another, attention is one call to
 PyTorch's scaled_dot_product_attention. Everything else stays the model's own: its weights, its
-rotary embedding, and transformers' DynamicCache (so cache cropping and the KV accounting are the
-same). Quantized and sparse layers replace the fused nn.Linear modules exactly as they would
-replace transformers' ones.
+rotary embedding (read from a table it fills once), and transformers' DynamicCache (so cache
+cropping and the KV accounting are the same). Quantized and sparse layers replace the fused
+nn.Linear modules exactly as they would replace transformers' ones.
+
+A decode step of one token goes further where the C++ kernels are built: every layer runs in one
+call (the kernels' decode_layers), on the same row functions the modules call, so the logits are the
+same to the bit; the modules run it wherever that call does not apply (see
+LeanLlama.decode_in_one_call).
 
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""
