@@ -181,6 +181,35 @@ class Int4DynamicLinear(torch.nn.Module):
         return (4, self.weight_q4, self.d, self.m, None, 0, self.bias)
 
 
+class Int8BlockLinear(torch.nn.Module):
+    """int8 weights in blocks of 32 along the input dimension with an fp16 scale each (w = q * d: the
+    layout of llama.cpp's Q8_0), times activations quantized to int8 per block of 32 when the layer
+    runs; the project's kernel sums each block in integers. int4-dyn's output head."""
+
+    block = 32
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_f, in_f = w.shape
+        blocks = w.reshape(out_f, in_f // self.block, self.block)
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+        self.in_features, self.out_features = in_f, out_f
+        self.register_buffer("weight_int8", torch.round(blocks / d).clamp(-127, 127).to(torch.int8).reshape(out_f, in_f))
+        self.register_buffer("d", d[..., 0].to(torch.float16))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _linear_input(x.float())
+        y = optional_kernel().int8_block_linear(x2, self.weight_int8, self.d)
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def decode_form(self) -> tuple:
+        """This layer as the kernels' decode_layers reads it."""
+        return (5, self.weight_int8, self.d, None, None, 0, self.bias)
+
+
 def _is_norm(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return type(module).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.dim() == 1

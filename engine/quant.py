@@ -23,8 +23,8 @@ from .dtypes import torch_dtype
 from .errors import UserError
 from .models import LoadedModel
 from .paths import CALIBRATION_TEXT
-from .qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear,
-                      smoothing_plan)
+from .qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear,
+                      Int8WeightOnlyLinear, smoothing_plan)
 
 INT4_GROUPS = (32, 64, 128, 256)
 MAX_VARIANTS = 2
@@ -180,7 +180,8 @@ class Int4WeightOnly(IntegerLevel):
 class Int4Dynamic(IntegerLevel):
     name = "int4-dyn"
     help = ("half a byte per weight plus an fp16 scale and minimum per block of 32 (llama.cpp's Q4_1 layout), "
-            "activations quantized to int8 per block of 32; integer sums; output head at int8")
+            "activations quantized to int8 per block of 32; integer sums; output head at int8 in blocks of 32 with an "
+            "fp16 scale each (Q8_0's layout)")
 
     def info(self, device):
         vector = "AVX2" if cpu_has_avx2() else "plain loops"
@@ -193,13 +194,13 @@ class Int4Dynamic(IntegerLevel):
         if not self.runs_on(device):
             raise QuantError(f"int4-dyn runs on Tokenpath's C++ CPU kernel, which is not available on this "
                              f"{device.type}; levels that work here: {', '.join(available_levels(device))}.")
-        widths = sorted({lin.in_features for _, _, lin in body_linears(model)})
+        widths = sorted({lin.in_features for _, _, lin in body_linears(model, with_head=True)})
         if any(w % Int4DynamicLinear.block for w in widths):
             raise QuantError(f"int4-dyn quantizes in blocks of {Int4DynamicLinear.block}, which do not divide every "
                              f"layer's input width ({', '.join(map(str, widths))}); use int4-wo or int8.")
 
     def layer_maker(self, lm, model, group_size):
-        return lambda linear, is_head: Int8WeightOnlyLinear(linear) if is_head else Int4DynamicLinear(linear)
+        return lambda linear, is_head: Int8BlockLinear(linear) if is_head else Int4DynamicLinear(linear)
 
 
 LEVELS: dict[str, WeightLevel] = {}

@@ -8,7 +8,7 @@ from engine import qlinear
 from engine.cpu_kernels import optional_kernel
 from engine.accounting import model_shape
 from engine.generate import Generation, GenConfig
-from engine.quant import (LEVELS, Int4DynamicLinear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
+from engine.quant import (LEVELS, Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
                           available_levels, level_info, quantize, variant)
 
 
@@ -94,6 +94,41 @@ def test_int4_dynamic_weights_are_within_half_a_step_of_the_originals():
     w = (q * layer.d.float()[..., None] + layer.m.float()[..., None]).reshape(8, 64)
     step = layer.d.float().repeat_interleave(32, dim=1)
     assert ((w - linear.weight).abs() <= step / 2 + 1e-3).all()
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536)])
+def test_int8_block_kernel_computes_its_reference(rows, width):
+    if optional_kernel() is None:
+        pytest.skip("int4-dyn's head needs the C++ extension, which cannot be built here")
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(width, 1030, bias=False)
+    layer = Int8BlockLinear(linear)
+    assert layer.weight_int8.dtype == torch.int8 and layer.d.dtype == torch.float16
+    x = torch.randn(rows, width)
+    x[0, :32] = 0
+    w = layer.weight_int8.reshape(1030, -1, 32).double() * layer.d.double()[..., None]
+    blocks = x.reshape(rows, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    dx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(blocks / dx).clamp(-127, 127)
+    reference = torch.einsum("rbk,nbk->rn", xq.double() * dx.double(), w)
+    y = layer(x)
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
+    assert relative_error(y, linear(x)) < 3e-2
+    assert torch.equal(layer(x[-1:]), y[-1:])
+
+
+def test_int8_blocks_recover_weights_already_on_their_grid():
+    """Weights that are q * d per block already (a Q8_0 file's, dequantized) come back as the same q and d."""
+    torch.manual_seed(0)
+    d = (torch.rand(8, 2, 1) * 0.01 + 0.001).to(torch.float16).float()
+    q = torch.randint(-127, 128, (8, 2, 32)).float()
+    q[:, :, 0] = 127  # the largest magnitude of each block, as the file's quantizer makes it
+    linear = torch.nn.Linear(64, 8, bias=False)
+    linear.weight.data = (q * d).reshape(8, 64)
+    layer = Int8BlockLinear(linear)
+    assert torch.equal(layer.weight_int8.reshape(8, 2, 32).float(), q)
+    assert torch.equal(layer.d.float(), d[..., 0])
 
 
 def test_int8_dynamic_smoothing_is_exact_before_rounding():

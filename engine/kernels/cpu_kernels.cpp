@@ -487,6 +487,75 @@ torch::Tensor int4_dyn_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d,
   return y;
 }
 
+// int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in
+// [-127, 127]: the layout of llama.cpp's Q8_0), times activations quantized per block as above:
+// sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers.
+static inline float int8_block_row_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
+                                       int64_t blocks) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < blocks; b += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - b);
+    if (n == 8)
+      _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))),
+                                           _mm256_loadu_ps(dx + b)));
+    else
+      for (int64_t j = 0; j < n; ++j) scale[j] = _cvtsh_ss(d[b + j].x) * dx[b + j];
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (b + j) * kBlock));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      if (j & 1)
+        acc1 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc1);
+      else
+        acc0 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc0);
+    }
+  }
+  return hsum8(_mm256_add_ps(acc0, acc1));
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(wr[b * kBlock + k]) * xq[b * kBlock + k];
+    acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[b]);
+  }
+  return acc;
+#endif
+}
+
+static void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
+                            float* yp) {
+  const int64_t KB = K / kBlock;
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
+  for (int64_t r = 0; r < M; ++r)
+    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
+  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * N + n] = int8_block_row_dot(wp + n * K, dp + n * KB, xq.data() + r * K, xd.data() + r * KB, KB);
+  });
+}
+
+// y = x w^T for x [M, K] float32, w [N, K] int8 and d [N, K / 32] fp16; each row of y on its own.
+torch::Tensor int8_block_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
+              "w must be contiguous int8 [N, K]");
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == N * (K / kBlock),
+              "d: fp16 [N, K / 32]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  int8_block_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), d.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
+  return y;
+}
+
 // RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
 // the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
 // PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
@@ -628,7 +697,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
 // 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
-// (scales holding d, sums m). The arithmetic is the layer's own forward.
+// (scales holding d, sums m), 5 int8 weights in blocks and int8 activations (scales holding d). The arithmetic is the layer's own forward.
 using LinearForm = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                               c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
 
@@ -663,6 +732,7 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t K, floa
       std::memcpy(y, out.data_ptr<float>(), sizeof(float) * N);
       break;
     }
+    case 5: int8_block_rows(x, 1, w.data_ptr<int8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
     case 4: int4_dyn_rows(x, 1, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
@@ -799,6 +869,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
   m.def("decode_layers", &decode_layers, "every Llama decoder layer for one new token, appending to their KV caches");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
+  m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_gemv", &sparse_gemv, "y = W x reading only the rows of W^T whose input is active");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
