@@ -229,6 +229,13 @@ class LeanLlama(nn.Module):
         self.model = LeanBody(hf_model.model, hf_model.config)
         self.lm_head = lean_linear(hf_model.lm_head)
 
+    def __getstate__(self):
+        # a copy (a quantized variant, a draft's twin) works out its own forms: the kept ones hold the
+        # original's layers, which a conversion is about to replace, and would keep their memory alive
+        state = super().__getstate__()
+        state.pop("_decode_kept", None)
+        return state
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 

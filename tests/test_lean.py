@@ -258,3 +258,16 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
     assert torch.equal(fused, modules)
     assert torch.equal(fused_cache.layers[1].keys, modules_cache.layers[1].keys)
     assert fused_cache.get_seq_length() == 8
+
+
+def test_a_copy_of_the_model_does_not_keep_the_originals_decode_forms(monkeypatch):
+    import copy
+
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    model = tiny_model(seed=2, layers=2).model
+    _prefill_and_steps(model)
+    assert "_decode_kept" in model.__dict__
+    twin = copy.deepcopy(model)
+    assert "_decode_kept" not in twin.__dict__ and "_decode_kept" in model.__dict__
+    assert torch.equal(_prefill_and_steps(twin)[0], _prefill_and_steps(model)[0])
