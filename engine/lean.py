@@ -74,7 +74,7 @@ class LeanLinear(nn.Linear):
         return F.linear(x, weight, self.bias)
 
     def decode_form(self) -> tuple | None:
-        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""
         weight = self.weight
         if weight.dtype == torch.float32 and type(weight) is nn.Parameter and weight.is_cpu and has_small_rows_kernel():
             return (0, weight, None, None, None, 0, self.bias)

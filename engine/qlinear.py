@@ -40,7 +40,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def decode_form(self) -> tuple | None:
-        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""
         return (1, self.weight_int8, self.scales, None, None, 0, self.bias) if optional_kernel() else None
 
 
@@ -95,7 +95,7 @@ class Int8DynamicLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def decode_form(self) -> tuple | None:
-        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""
         return (2, self.weight_int8, self.scales, self.row_sums, self.inv_smooth, 0, self.bias) \
             if self.own_kernel else None
 
@@ -142,68 +142,75 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def decode_form(self) -> tuple | None:
-        """This layer as the kernels' decode_layer reads it (None: it runs its forward instead)."""
+        """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""
         return (3, self.weight_int4, self.scales_and_zeros, None, None, self.group_size, self.bias) \
             if self.cpu_kernel else None
 
 
-class Int4DynamicLinear(torch.nn.Module):
-    """4-bit weights in blocks of 32 along the input dimension, each block with an fp16 scale d and
-    minimum m (w = q * d + m, q in 0..15: the layout of llama.cpp's Q4_1), times activations quantized
-    to int8 per block of 32 when the layer runs; the project's kernel sums the products in integers
-    (engine/kernels/cpu_kernels.cpp). The level that uses it runs only where the extension is built."""
+class _BlockLinear(torch.nn.Module):
+    """A layer whose weights are quantized in blocks of 32 along the input dimension and whose
+    activations the project's kernel quantizes to int8 per block of 32 when it runs (the levels that
+    use these run only where the extension is built). Subclasses store the weights and say which
+    kernel multiplies them."""
 
     block = 32
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        out_f, in_f = w.shape
-        blocks = w.reshape(out_f, in_f // self.block, self.block)
+        self.out_features, self.in_features = linear.weight.shape
+        self.bias = linear.bias
+
+    def weight_blocks(self, linear: torch.nn.Linear) -> torch.Tensor:
+        """The float32 weights as [out, in / 32, 32]."""
+        return linear.weight.detach().float().reshape(self.out_features, self.in_features // self.block, self.block)
+
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _linear_input(x.float())
+        y = self.product(x2).to(x.dtype).reshape(*lead, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+class Int4DynamicLinear(_BlockLinear):
+    """4-bit weights, each block with an fp16 scale d and minimum m (w = q * d + m, q in 0..15: the
+    layout of llama.cpp's Q4_1); the kernel sums the products with the int8 activations in integers
+    (engine/kernels/cpu_kernels.cpp)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear)
+        blocks = self.weight_blocks(linear)
         lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         d = ((hi - lo) / 15).clamp(min=1e-8)
         q = torch.round((blocks - lo) / d).clamp(0, 15).to(torch.uint8)
         half = self.block // 2
-        self.in_features, self.out_features = in_f, out_f
-        self.register_buffer("weight_q4", (q[..., :half] | (q[..., half:] << 4)).reshape(out_f, in_f // 2))
+        self.register_buffer("weight_q4", (q[..., :half] | (q[..., half:] << 4)).reshape(self.out_features, -1))
         self.register_buffer("d", d[..., 0].to(torch.float16))
         self.register_buffer("m", lo[..., 0].to(torch.float16))
-        self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2, lead = _linear_input(x.float())
-        y = optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m)
-        y = y.to(x.dtype).reshape(*lead, self.out_features)
-        return y + self.bias if self.bias is not None else y
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        return optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m)
 
     def decode_form(self) -> tuple:
-        """This layer as the kernels' decode_layer reads it."""
+        """This layer as the kernels' decode_layers reads it."""
         return (4, self.weight_q4, self.d, self.m, None, 0, self.bias)
 
 
-class Int8BlockLinear(torch.nn.Module):
-    """int8 weights in blocks of 32 along the input dimension with an fp16 scale each (w = q * d: the
-    layout of llama.cpp's Q8_0), times activations quantized to int8 per block of 32 when the layer
-    runs; the project's kernel sums each block in integers. int4-dyn's output head."""
-
-    block = 32
+class Int8BlockLinear(_BlockLinear):
+    """int8 weights with an fp16 scale per block (w = q * d: the layout of llama.cpp's Q8_0); the kernel
+    sums each block with the int8 activations in integers. int4-dyn's output head."""
 
     def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        w = linear.weight.detach().float()
-        out_f, in_f = w.shape
-        blocks = w.reshape(out_f, in_f // self.block, self.block)
+        super().__init__(linear)
+        blocks = self.weight_blocks(linear)
         d = (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-        self.in_features, self.out_features = in_f, out_f
-        self.register_buffer("weight_int8", torch.round(blocks / d).clamp(-127, 127).to(torch.int8).reshape(out_f, in_f))
+        q = torch.round(blocks / d).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", q.reshape(self.out_features, self.in_features))
         self.register_buffer("d", d[..., 0].to(torch.float16))
-        self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2, lead = _linear_input(x.float())
-        y = optional_kernel().int8_block_linear(x2, self.weight_int8, self.d)
-        y = y.to(x.dtype).reshape(*lead, self.out_features)
-        return y + self.bias if self.bias is not None else y
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        return optional_kernel().int8_block_linear(x2, self.weight_int8, self.d)
 
     def decode_form(self) -> tuple:
         """This layer as the kernels' decode_layers reads it."""

@@ -400,6 +400,17 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
   }
 }
 
+// M rows of K activations quantized per block, as the block kernels take them.
+struct BlockActivations {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  BlockActivations(const float* x, int64_t M, int64_t K)
+      : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), dsum(d.size()) {
+    for (int64_t r = 0; r < M; ++r)
+      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + r * K / kBlock, dsum.data() + r * K / kBlock);
+  }
+};
+
 // One row of packed weights (wr, with its blocks' d and m) against one row of activations quantized
 // per block (xq, dx, dx * sum): sum over blocks of d * dx * sum(q * xq) + m * dx * sum(xq).
 static inline float int4_row_dot(const uint8_t* wr, const at::Half* d, const at::Half* m, const int8_t* xq,
@@ -460,15 +471,12 @@ static inline float int4_row_dot(const uint8_t* wr, const at::Half* d, const at:
 static void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
                           int64_t N, int64_t K, float* yp) {
   const int64_t KB = K / kBlock;
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
-  for (int64_t r = 0; r < M; ++r)
-    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
+  const BlockActivations a(xp, M, K);
   at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, xq.data() + r * K,
-                                     xd.data() + r * KB, xs.data() + r * KB, KB);
+        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, a.q.data() + r * K,
+                                     a.d.data() + r * KB, a.dsum.data() + r * KB, KB);
   });
 }
 
@@ -530,14 +538,11 @@ static inline float int8_block_row_dot(const int8_t* wr, const at::Half* d, cons
 static void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
                             float* yp) {
   const int64_t KB = K / kBlock;
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xd(static_cast<size_t>(M * KB)), xs(static_cast<size_t>(M * KB));
-  for (int64_t r = 0; r < M; ++r)
-    quantize_blocks(xp + r * K, K, xq.data() + r * K, xd.data() + r * KB, xs.data() + r * KB);
+  const BlockActivations a(xp, M, K);
   at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = int8_block_row_dot(wp + n * K, dp + n * KB, xq.data() + r * K, xd.data() + r * KB, KB);
+        yp[r * N + n] = int8_block_row_dot(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB);
   });
 }
 
