@@ -185,3 +185,23 @@ def test_a_stop_while_a_step_is_being_recorded_leaves_a_consistent_run(tiny_lm, 
     assert run["status"] == "cancelled" and run["n_new_tokens"] == len(tokens) == steps["n_emitted"].sum() == 4
     assert list(run["token_ids"]) == list(tokens["token_id"]) == gen.token_ids
     assert run["output"] == "".join(tokens["piece"]) == gen.text
+
+
+def test_objects_alive_before_a_run_are_spared_the_collector_until_the_last_run_ends(tiny_lm, calibration):
+    import gc
+
+    def gen():
+        return Generation(tiny_lm, GenConfig("Once upon", raw=True, max_new_tokens=6, ignore_eos=True),
+                          calibration=calibration, telemetry=False)
+
+    assert gc.get_freeze_count() == 0
+    first, second = iter(gen()), iter(gen())
+    next(first)
+    assert gc.get_freeze_count() > 1000  # the model's modules and tensors, the libraries
+    next(second)
+    list(first)  # the first run ends while the second still decodes: the freeze stays
+    assert gc.get_freeze_count() > 1000
+    second.close()  # a cancelled run lifts it like a finished one
+    assert gc.get_freeze_count() == 0
+    gen().run()
+    assert gc.get_freeze_count() == 0
