@@ -9,10 +9,10 @@ rotary embedding (read from a table it fills once), and transformers' DynamicCac
 cropping and the KV accounting are the same). Quantized and sparse layers replace the fused
 nn.Linear modules exactly as they would replace transformers' ones.
 
-A decode step of one token goes further where the C++ kernels are built: every layer runs in one
-call (the kernels' decode_layers), on the same row functions the modules call, so the logits are the
-same to the bit; the modules run it wherever that call does not apply (see
-LeanLlama.decode_in_one_call).
+A decode step of one token goes further where the C++ kernels are built: every layer, the last norm
+and the output head run in one call (the kernels' decode_layers), on the same row functions the
+modules call, so the logits are the same to the bit; the modules run it wherever that call does not
+apply (see LeanLlama.decode_in_one_call).
 
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""
@@ -198,10 +198,24 @@ def _layer_form(parts: tuple) -> tuple | None:
     """One layer as the kernels' decode_layers reads it: (norm weights, eps, its four linear layers), or
     None where a part is of a kind it does not read (a sparse or 16-bit linear, another norm)."""
     norms, linears = parts[3:5], parts[5:]
-    if any(type(n) is not LeanRMSNorm or n.weight.dtype != torch.float32 for n in norms):
+    if not all(map(_plain_norm, norms)):
         return None
-    forms = [getattr(m, "decode_form", lambda: None)() for m in linears]
+    forms = [_linear_form(m) for m in linears]
     return None if None in forms else (norms[0].weight, norms[1].weight, norms[0].eps, *forms)
+
+
+def _head_form(norm, head) -> tuple | None:
+    """The last norm and the output head as decode_layers reads them: (norm weight, eps, head), or None."""
+    form = _linear_form(head)
+    return (norm.weight, norm.eps, form) if _plain_norm(norm) and form is not None else None
+
+
+def _plain_norm(norm) -> bool:
+    return type(norm) is LeanRMSNorm and norm.weight.dtype == torch.float32
+
+
+def _linear_form(linear) -> tuple | None:
+    return getattr(linear, "decode_form", lambda: None)()
 
 
 class LeanBody(nn.Module):
@@ -251,13 +265,12 @@ class LeanLlama(nn.Module):
         cos, sin = self.rotary(x, position_ids, past, length)
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
                                                                        (past and length > 1)) else None
-        fused = (self.decode_in_one_call(x, cos, sin, cache) if length == 1 and mask is None and kv_dtype is None
-                 and cache is not None else None)
-        if fused is not None:
-            x = fused
-        else:
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, cache, mask, kv_dtype)
+        if length == 1 and mask is None and kv_dtype is None and cache is not None:
+            logits = self.decode_in_one_call(x, cos, sin, cache)
+            if logits is not None:
+                return LeanOutput(logits=logits)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, mask, kv_dtype)
         x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
         return LeanOutput(logits=self.lm_head(x))
 
@@ -284,8 +297,9 @@ class LeanLlama(nn.Module):
         return table[0][0, position_ids], table[1][0, position_ids]
 
     def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
-        """Every layer for one new token through the kernels' decode_layers, which computes what the
-        modules compute, to the bit, in one call instead of a dozen per layer; None where it does not
+        """The logits of one new token through the kernels' decode_layers, which computes what the
+        modules compute (every layer, the last norm, the head), to the bit, in one call instead of a
+        dozen per layer; None where it does not
         apply: no built extension, a part it does not read, an empty or non-float32 cache, hooks on a
         module (they would not run)."""
         kernel = cpu_kernel(x) if FUSED_DECODE else None
@@ -295,29 +309,32 @@ class LeanLlama(nn.Module):
         caches = [cache.layers[layer.layer_idx] for layer in layers]
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
-        parts = tuple(p for layer in layers for p in _layer_parts(layer))
+        parts = (*(p for layer in layers for p in _layer_parts(layer)), self.model._modules["norm"],
+                 self._modules["lm_head"])
         if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
             return None
         forms = self._decode_forms(parts, len(layers))
         if forms is None:
             return None
         attn = parts[1]
-        x, keys, values = kernel.decode_layers(x, forms, cos, sin, [c.keys for c in caches], [c.values for c in caches],
-                                               attn.heads, attn.kv_heads, attn.head_dim, attn.scaling)
+        logits, keys, values = kernel.decode_layers(x, *forms, cos, sin, [c.keys for c in caches],
+                                                    [c.values for c in caches], attn.heads, attn.kv_heads,
+                                                    attn.head_dim, attn.scaling)
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values = k, v
-        return x
+        return logits
 
-    def _decode_forms(self, parts: tuple, n_layers: int) -> list | None:
-        """The layers' forms, worked out once and kept while the model holds the same modules (a
-        conversion that replaces a module makes new ones): reading buffers through nn.Module costs
-        about a microsecond each, which on every step adds up."""
+    def _decode_forms(self, parts: tuple, n_layers: int) -> tuple | None:
+        """(the layers' forms, the head's form), worked out once and kept while the model holds the
+        same modules (a conversion that replaces a module makes new ones): reading buffers through
+        nn.Module costs about a microsecond each, which on every step adds up."""
         kept = self.__dict__.get("_decode_kept")
         if kept is not None and kept[0] == parts:
             return kept[1]
-        size = len(parts) // n_layers
-        forms = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(n_layers)]
-        forms = None if None in forms else forms
+        size = (len(parts) - 2) // n_layers
+        layers = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(n_layers)]
+        head = _head_form(*parts[-2:])
+        forms = None if None in layers or head is None else (layers, head)
         self.__dict__["_decode_kept"] = (parts, forms)
         return forms
 

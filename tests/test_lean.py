@@ -193,14 +193,15 @@ def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypa
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_a_hooked_module_keeps_the_step_on_the_module_path(pair, monkeypatch):
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj", "model.norm", "lm_head"])
+def test_a_hooked_module_keeps_the_step_on_the_module_path(pair, monkeypatch, name):
     real = optional_kernel()
     if real is None:
         pytest.skip("the C++ extension cannot be built here")
     counting = _CountingKernel(real)
     monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
     seen = []
-    handle = pair[0].model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(1))
+    handle = pair[0].get_submodule(name).register_forward_pre_hook(lambda m, args: seen.append(1))
     try:
         _prefill_and_steps(pair[0])
     finally:

@@ -118,6 +118,30 @@ def test_int8_block_kernel_computes_its_reference(rows, width):
     assert torch.equal(layer(x[-1:]), y[-1:])
 
 
+@pytest.mark.parametrize("make", [lambda lin: (lambda x: optional_kernel().small_linear(x, lin.weight, None)),
+                                  Int8WeightOnlyLinear, Int8DynamicLinear, Int4DynamicLinear, Int8BlockLinear],
+                         ids=["fp32", "int8-wo", "int8-dyn", "int4-dyn", "int8-block"])
+def test_row_kernels_give_the_same_rows_on_any_number_of_threads(make):
+    """Threads share a product's rows and take more from each other as they finish: whichever thread
+    computes a row, and whatever share it came from, the row comes out the same."""
+    if optional_kernel() is None:
+        pytest.skip("the row kernels need the C++ extension, which cannot be built here")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 4001, bias=False)  # megabytes of weights: shared by every thread
+    product = make(linear)
+    x = torch.randn(1, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = product(x)
+        for n in (2, 3, 8):  # more threads than cores: shares left behind are taken by the others
+            torch.set_num_threads(n)
+            for _ in range(3):
+                assert torch.equal(product(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_int8_blocks_recover_weights_already_on_their_grid():
     """Weights that are q * d per block already (a Q8_0 file's, dequantized) come back as the same q and d."""
     torch.manual_seed(0)

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,85 @@
 // floats do as much work per weight as a float32 one and count their weights at four bytes; the
 // integer product counts its actual bytes.
 constexpr int64_t kParallelBytes = int64_t{1} << 19;
+
+// A thread's share of rows [lo, hi), both in one word so that its owner taking rows from the front
+// and another thread taking rows from the back never take the same rows.
+struct alignas(64) RowShare {
+  std::atomic<uint64_t> span;
+  void set(int64_t lo, int64_t hi) { span.store(static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(lo)); }
+  // up to n rows from the front (front) or the back, as [begin, end); false once the share is empty
+  bool take(int64_t n, bool front, int64_t& begin, int64_t& end) {
+    uint64_t word = span.load();
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(word & 0xffffffffu), hi = static_cast<int64_t>(word >> 32);
+      if (lo >= hi) return false;
+      begin = front ? lo : std::max(lo, hi - n);
+      end = front ? std::min(hi, lo + n) : hi;
+      const uint64_t rest = front ? (static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(end))
+                                  : (static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(lo));
+      if (span.compare_exchange_weak(word, rest)) return true;
+    }
+  }
+};
+
+// Rows a thread takes at a time: a few tens of KB of weights, so taking them costs nothing beside
+// reading them, and a thread that runs out of its own share waits for no more than that.
+constexpr int64_t kChunkBytes = int64_t{1} << 15;
+
+// f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
+// weights (counted as kParallelBytes counts them), in groups of up to S ranges [begin[j], end[j]) that
+// f reads side by side: S streams from far-apart places keep more of memory's bandwidth busy than one
+// (the loads of several misses are in flight at once), where one range after another would not.
+// Threads share the rows when there are enough: each starts with S equal contiguous shares of its
+// own and walks them from the front, chunk after adjacent chunk; a thread done with its own takes
+// chunks from the back of the others'. Equal shares alone leave a core idle while the other, slowed by
+// a late start or a neighbour on the machine, finishes its part. Which thread computes a row, and
+// beside which others, never changes the row's result.
+template <int S, typename F>
+static void shared_streams(int64_t N, int64_t row_bytes, const F& f) {
+  const int64_t T = at::get_num_threads(), chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(row_bytes, 1));
+  if (T == 1 || N * row_bytes < kParallelBytes || N <= chunk || at::in_parallel_region()) {
+    int64_t begin[S], end[S];
+    for (int j = 0; j < S; ++j) begin[j] = N * j / S, end[j] = N * (j + 1) / S;
+    f(begin, end, S);
+    return;
+  }
+  std::vector<RowShare> shares(static_cast<size_t>(T * S));
+  for (int64_t i = 0; i < T * S; ++i) shares[i].set(N * i / (T * S), N * (i + 1) / (T * S));
+  at::parallel_for(0, T, 1, [&](int64_t first, int64_t last) {
+    int64_t begin[S], end[S];
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t k = 0; k < T; ++k) {
+        RowShare* own = shares.data() + (t + k) % T * S;
+        for (;;) {
+          int count = 0;
+          for (int j = 0; j < S; ++j) count += own[j].take(chunk, k == 0, begin[count], end[count]);
+          if (count == 0) break;
+          f(begin, end, count);
+        }
+      }
+  });
+}
+
+// f(begin, end) over rows [0, N), one range after another (shared_streams with one stream).
+template <typename F>
+static void shared_rows(int64_t N, int64_t row_bytes, const F& f) {
+  shared_streams<1>(N, row_bytes, [&](const int64_t* begin, const int64_t* end, int) { f(begin[0], end[0]); });
+}
+
+// g(rows, count) for the rows of up to S ranges side by side: the first row of each range that has
+// one, then the second, and so on.
+template <int S, typename G>
+static void side_by_side(const int64_t* begin, const int64_t* end, int ranges, const G& g) {
+  for (int64_t i = 0;; ++i) {
+    int64_t rows[S];
+    int count = 0;
+    for (int j = 0; j < ranges; ++j)
+      if (begin[j] + i < end[j]) rows[count++] = begin[j] + i;
+    if (count == 0) return;
+    g(rows, count);
+  }
+}
 
 // Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
 // order: vectorized without reassociating a single running sum.
@@ -177,7 +257,7 @@ static void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const fl
   std::vector<uint8_t> xu(xq.size());
   for (size_t i = 0; i < xq.size(); ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
 #endif
-  at::parallel_for(0, N, N * K >= kParallelBytes ? 256 : N, [&](int64_t begin, int64_t end) {
+  shared_rows(N, K, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* wr = wp + n * K;
       for (int64_t m = 0; m < M; ++m) {
@@ -241,41 +321,69 @@ struct Lanes {
 };
 #endif
 
-// Sum of a[k] * b[k] over four registers of lanes side by side (several loads in flight on a row of
-// weights streaming in from memory), the registers and then the lanes added in a fixed order, and
-// the last few products one by one: the same order wherever the call comes from.
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// Sum of a[k] * b[r][k] for each of R rows b[r], all read side by side: per row two registers of lanes,
+// then the registers and the lanes added in a fixed order, and the last few products one by one, so a
+// row's sum does not depend on the rows read beside it or on where the call comes from.
+template <int R>
+static inline void dot_rows(const float* __restrict a, const float* const* b, int64_t n, float* out) {
 #ifdef HAVE_LANES
   using V = Lanes::V;
   constexpr int W = Lanes::W;
-  V acc0 = Lanes::zero(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  V acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Lanes::zero();
   int64_t k = 0;
-  for (; k + 4 * W <= n; k += 4 * W) {
-    acc0 = Lanes::fma(Lanes::load(a + k), Lanes::load(b + k), acc0);
-    acc1 = Lanes::fma(Lanes::load(a + k + W), Lanes::load(b + k + W), acc1);
-    acc2 = Lanes::fma(Lanes::load(a + k + 2 * W), Lanes::load(b + k + 2 * W), acc2);
-    acc3 = Lanes::fma(Lanes::load(a + k + 3 * W), Lanes::load(b + k + 3 * W), acc3);
+  for (; k + 2 * W <= n; k += 2 * W) {
+    const V x0 = Lanes::load(a + k), x1 = Lanes::load(a + k + W);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
+      acc1[r] = Lanes::fma(x1, Lanes::load(b[r] + k + W), acc1[r]);
+    }
   }
-  for (; k + W <= n; k += W) acc0 = Lanes::fma(Lanes::load(a + k), Lanes::load(b + k), acc0);
-  float sum = Lanes::sum(Lanes::add(Lanes::add(acc0, acc1), Lanes::add(acc2, acc3)));
-  for (; k < n; ++k) sum += a[k] * b[k];
-  return sum;
+  if (k + W <= n) {
+    const V x0 = Lanes::load(a + k);
+    for (int r = 0; r < R; ++r) acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
+    k += W;
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = Lanes::sum(Lanes::add(acc0[r], acc1[r]));
+    for (int64_t j = k; j < n; ++j) sum += a[j] * b[r][j];
+    out[r] = sum;
+  }
 #else
-  return dot_lanes(a, b, n);
+  for (int r = 0; r < R; ++r) out[r] = dot_lanes(a, b[r], n);
 #endif
 }
 
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float out;
+  dot_rows<1>(a, &b, n, &out);
+  return out;
+}
+
+// Rows of float32 weights small_linear reads side by side.
+constexpr int kStreams = 4;  // small_linear_rows reads groups of 1 to 4 rows
+
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
-// Threads take shares of the weight rows. The weights are read in their memory order, one row after
-// the next (a single stream that the hardware prefetcher follows; taking rows four at a time, four
-// streams, read short rows slower), and each row, read from memory once, serves all M rows of x from
-// the nearest cache. A row's sums run in an order that does not depend on M (MKL's few-row kernels
-// pack the weights first and sum in another order).
+// Threads take shares of the weight rows and read kStreams rows from far-apart parts of their shares
+// side by side (adjacent rows would be one stream), and each row, read from memory once, serves all M
+// rows of x from the nearest cache. A row's sums run in an order that does not depend on M (MKL's
+// few-row kernels pack the weights first and sum in another order).
 static void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp) {
-  const bool parallel = N * K * 4 >= kParallelBytes;
-  at::parallel_for(0, N, parallel ? 16 : N, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, wp + n * K, K);
+  shared_streams<kStreams>(N, K * 4, [&](const int64_t* begin, const int64_t* end, int ranges) {
+    side_by_side<kStreams>(begin, end, ranges, [&](const int64_t* rows, int count) {
+      const float* w[kStreams];
+      float y[kStreams];
+      for (int r = 0; r < count; ++r) w[r] = wp + rows[r] * K;
+      for (int64_t m = 0; m < M; ++m) {
+        switch (count) {
+          case 4: dot_rows<4>(xp + m * K, w, K, y); break;
+          case 3: dot_rows<3>(xp + m * K, w, K, y); break;
+          case 2: dot_rows<2>(xp + m * K, w, K, y); break;
+          default: dot_rows<1>(xp + m * K, w, K, y);
+        }
+        for (int r = 0; r < count; ++r) yp[m * N + rows[r]] = y[r];
+      }
+    });
   });
 }
 
@@ -331,7 +439,7 @@ static inline float dot_int8(const int8_t* __restrict w, const float* __restrict
 // (w = q * scale). Few rows: each output alone (dot_int8), so a row's result does not depend on M.
 static void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K,
                          float* yp) {
-  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float scale = bf16_to_float(sp[n]);
       for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_int8(wp + n * K, xp + m * K, K) * scale;
@@ -472,7 +580,7 @@ static void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const a
                           int64_t N, int64_t K, float* yp) {
   const int64_t KB = K / kBlock;
   const BlockActivations a(xp, M, K);
-  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t r = 0; r < M; ++r)
         yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, a.q.data() + r * K,
@@ -539,7 +647,7 @@ static void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const 
                             float* yp) {
   const int64_t KB = K / kBlock;
   const BlockActivations a(xp, M, K);
-  at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
+  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t r = 0; r < M; ++r)
         yp[r * N + n] = int8_block_row_dot(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB);
@@ -778,14 +886,18 @@ static torch::Tensor grown(const torch::Tensor& cache, const float* row, int64_t
 // A layer as decode_layers takes it: its two norms' weights, their eps, qkv, o, gate_up and down.
 using LayerForm = std::tuple<torch::Tensor, torch::Tensor, double, LinearForm, LinearForm, LinearForm, LinearForm>;
 
-// Every Llama decoder layer for one new token (a decode step of batch 1) in one call from Python:
-// the same row functions, in the same order, as the lean forward's modules run one by one, so the
-// result is the same to the bit, but with no tensor made between them but the grown caches. Returns
-// (x, keys, values), x [1, 1, hidden] and each layer's cache [1, kv_heads, T + 1, head_dim].
+// The model's last norm and its output head: (norm weight, eps, head).
+using HeadForm = std::tuple<torch::Tensor, double, LinearForm>;
+
+// A decode step of batch 1 in one call from Python: every Llama decoder layer for one new token, then
+// the last norm and the output head. The same row functions, in the same order, as the lean forward's
+// modules run one by one, so the result is the same to the bit, but with no tensor made between them
+// but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary] and each layer's
+// cache [1, kv_heads, T + 1, head_dim].
 std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
-    torch::Tensor x, const std::vector<LayerForm>& layers, torch::Tensor cos, torch::Tensor sin,
-    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scaling) {
+    torch::Tensor x, const std::vector<LayerForm>& layers, const HeadForm& head, torch::Tensor cos,
+    torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, double scaling) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.numel() == x.size(-1), "decode_layers takes one float32 row");
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin: one position");
@@ -818,7 +930,11 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
     apply_linear(down, act.data(), inner, delta.data());
     for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
   }
-  return {out, keys, values};
+  const auto& [norm, eps, linear] = head;
+  rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
+  auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
+  apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
+  return {logits, keys, values};
 }
 
 // The index of the largest of n floats, the first one where several are equal, and the first NaN
@@ -872,7 +988,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
-  m.def("decode_layers", &decode_layers, "every Llama decoder layer for one new token, appending to their KV caches");
+  m.def("decode_layers", &decode_layers, "the logits of one new token: every Llama decoder layer, appending to their KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
