@@ -37,8 +37,9 @@ struct alignas(64) RowShare {
     for (;;) {
       const int64_t lo = static_cast<int64_t>(word & 0xffffffffu), hi = static_cast<int64_t>(word >> 32);
       if (lo >= hi) return false;
-      begin = front ? lo : std::max(lo, hi - n);
-      end = front ? std::min(hi, lo + n) : hi;
+      const int64_t take = front ? std::max(n, (hi - lo) / 4) : n;
+      begin = front ? lo : std::max(lo, hi - take);
+      end = front ? std::min(hi, lo + take) : hi;
       const uint64_t rest = front ? (static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(end))
                                   : (static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(lo));
       if (span.compare_exchange_weak(word, rest)) return true;
@@ -48,7 +49,7 @@ struct alignas(64) RowShare {
 
 // Rows a thread takes at a time: a few tens of KB of weights, so taking them costs nothing beside
 // reading them, and a thread that runs out of its own share waits for no more than that.
-constexpr int64_t kChunkBytes = int64_t{1} << 15;
+constexpr int64_t kChunkBytes = int64_t{1} << 13;
 
 // f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
 // weights (counted as kParallelBytes counts them), in groups of up to S ranges [begin[j], end[j]) that
