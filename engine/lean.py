@@ -19,10 +19,12 @@ so code that walks it (early-exit drafts, calibration hooks) works on both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 from transformers.cache_utils import DynamicLayer
 
 from .cpu_kernels import has_small_rows_kernel, optional_kernel
@@ -247,7 +249,7 @@ class LeanLlama(nn.Module):
         # a copy (a quantized variant, a draft's twin) works out its own forms: the kept ones hold the
         # original's layers, which a conversion is about to replace, and would keep their memory alive
         state = super().__getstate__()
-        state.pop("_decode_kept", None)
+        state.pop("_kept_plan", None)
         return state
 
     def get_input_embeddings(self):
@@ -299,44 +301,69 @@ class LeanLlama(nn.Module):
     def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
         """The logits of one new token through the kernels' decode_layers, which computes what the
         modules compute (every layer, the last norm, the head), to the bit, in one call instead of a
-        dozen per layer; None where it does not
-        apply: no built extension, a part it does not read, an empty or non-float32 cache, hooks on a
-        module (they would not run)."""
+        dozen per layer; None where it does not apply: no built extension, a part it does not read, an
+        empty or non-float32 cache, a hook on a module or on every module (it would not run)."""
         kernel = cpu_kernel(x) if FUSED_DECODE else None
         if kernel is None or cos.dtype != torch.float32:
             return None
-        layers = list(self.model._modules["layers"]._modules.values())
-        caches = [cache.layers[layer.layer_idx] for layer in layers]
+        plan = self._decode_plan()
+        if (plan.forms is None or any(plan.hooks) or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks):
+            return None
+        caches = [cache.layers[i] for i in plan.layers]
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
-        parts = (*(p for layer in layers for p in _layer_parts(layer)), self.model._modules["norm"],
-                 self._modules["lm_head"])
-        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
-            return None
-        forms = self._decode_forms(parts, len(layers))
-        if forms is None:
-            return None
-        attn = parts[1]
-        logits, keys, values = kernel.decode_layers(x, *forms, cos, sin, [c.keys for c in caches],
-                                                    [c.values for c in caches], attn.heads, attn.kv_heads,
-                                                    attn.head_dim, attn.scaling)
+        logits, keys, values = kernel.decode_layers(x, *plan.forms, cos, sin, [c.keys for c in caches],
+                                                    [c.values for c in caches], *plan.attention)
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values = k, v
         return logits
 
-    def _decode_forms(self, parts: tuple, n_layers: int) -> tuple | None:
-        """(the layers' forms, the head's form), worked out once and kept while the model holds the
-        same modules (a conversion that replaces a module makes new ones): reading buffers through
-        nn.Module costs about a microsecond each, which on every step adds up."""
-        kept = self.__dict__.get("_decode_kept")
-        if kept is not None and kept[0] == parts:
-            return kept[1]
-        size = (len(parts) - 2) // n_layers
-        layers = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(n_layers)]
+    def _decode_plan(self) -> DecodePlan:
+        """What decode_layers reads, worked out once and kept while no module in the process registers
+        or replaces a submodule, parameter or buffer (a conversion that replaces a layer makes a new
+        plan): walking the modules and their buffers through nn.Module on every step would cost
+        hundreds of microseconds."""
+        plan = self.__dict__.get("_kept_plan")
+        if plan is not None and plan.registrations == _registrations[0]:
+            return plan
+        registrations = _registrations[0]
+        layers = list(self.model._modules["layers"]._modules.values())
+        parts = (*(p for layer in layers for p in _layer_parts(layer)), self.model._modules["norm"],
+                 self._modules["lm_head"])
+        size = (len(parts) - 2) // len(layers)
+        layer_forms = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(len(layers))]
         head = _head_form(*parts[-2:])
-        forms = None if None in layers or head is None else (layers, head)
-        self.__dict__["_decode_kept"] = (parts, forms)
-        return forms
+        attn = parts[1]
+        plan = DecodePlan(registrations, [layer.layer_idx for layer in layers],
+                          tuple(d for m in parts for d in (m._forward_hooks, m._forward_pre_hooks)),
+                          None if None in layer_forms or head is None else (layer_forms, head),
+                          (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling))
+        self.__dict__["_kept_plan"] = plan
+        return plan
+
+
+class DecodePlan(NamedTuple):
+    registrations: int  # the count of registrations it was made at
+    layers: list  # each layer's index in the cache
+    hooks: tuple  # every part's forward hooks and pre-hooks (dictionaries, empty when none)
+    forms: tuple | None  # (the layers' forms, the head's form), None where a part has none
+    attention: tuple  # heads, kv_heads, head_dim, scaling
+
+
+# Counts every submodule, parameter and buffer any module in this process registers or replaces
+# (torch's global registration hooks): a decode plan made at one count holds while the count does.
+_registrations = [0]
+
+
+def _count_registration(*_):
+    _registrations[0] += 1
+
+
+for _register in (torch_module.register_module_module_registration_hook,
+                  torch_module.register_module_parameter_registration_hook,
+                  torch_module.register_module_buffer_registration_hook):
+    _register(_count_registration)
 
 
 def _visibility(new: torch.Tensor | None, past: int, length: int, device) -> torch.Tensor:

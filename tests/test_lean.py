@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 from engine import lean
 from engine.cpu_kernels import has_small_rows_kernel, optional_kernel
-from engine.lean import LeanLlama
+from engine.lean import LeanLinear, LeanLlama
 from engine.models import tiny_model
 
 IDS = torch.tensor([[1, 15, 27, 300, 4000, 22, 9, 512, 77, 1000]])
@@ -261,6 +261,35 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
     assert fused_cache.get_seq_length() == 8
 
 
+def test_a_hook_on_every_module_keeps_the_step_on_the_module_path(pair, monkeypatch):
+    real = optional_kernel()
+    if real is None:
+        pytest.skip("the C++ extension cannot be built here")
+    counting = _CountingKernel(real)
+    monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: seen.append(m))
+    try:
+        _prefill_and_steps(pair[0])
+    finally:
+        handle.remove()
+    assert any(type(m) is LeanLinear for m in seen)
+    assert counting.calls == 0
+
+
+def test_a_layer_replaced_after_decoding_is_the_one_the_next_step_reads(monkeypatch):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    model = tiny_model(seed=3, layers=2).model
+    _prefill_and_steps(model)  # the plan is made and kept
+    mlp = model.model.layers[1].mlp
+    old = mlp.down_proj
+    mlp.down_proj = lean._lean_layer(torch.nn.Parameter(old.weight.detach() * 0.5, requires_grad=False), None)
+    fused = _prefill_and_steps(model)[0]
+    monkeypatch.setattr(lean, "FUSED_DECODE", False)
+    assert torch.equal(fused, _prefill_and_steps(model)[0])
+
+
 def test_a_copy_of_the_model_does_not_keep_the_originals_decode_forms(monkeypatch):
     import copy
 
@@ -268,7 +297,7 @@ def test_a_copy_of_the_model_does_not_keep_the_originals_decode_forms(monkeypatc
         pytest.skip("the C++ extension cannot be built here")
     model = tiny_model(seed=2, layers=2).model
     _prefill_and_steps(model)
-    assert "_decode_kept" in model.__dict__
+    assert "_kept_plan" in model.__dict__
     twin = copy.deepcopy(model)
-    assert "_decode_kept" not in twin.__dict__ and "_decode_kept" in model.__dict__
+    assert "_kept_plan" not in twin.__dict__ and "_kept_plan" in model.__dict__
     assert torch.equal(_prefill_and_steps(twin)[0], _prefill_and_steps(model)[0])
