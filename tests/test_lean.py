@@ -193,20 +193,25 @@ def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypa
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj", "model.norm", "lm_head"])
-def test_a_hooked_module_keeps_the_step_on_the_module_path(pair, monkeypatch, name):
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj", "model.norm", "lm_head", "every module"])
+def test_a_hook_keeps_the_step_on_the_module_path(pair, monkeypatch, name):
     real = optional_kernel()
     if real is None:
         pytest.skip("the C++ extension cannot be built here")
     counting = _CountingKernel(real)
     monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
     seen = []
-    handle = pair[0].get_submodule(name).register_forward_pre_hook(lambda m, args: seen.append(1))
+    hook = lambda m, args: seen.append(m)  # noqa: E731
+    handle = (torch.nn.modules.module.register_module_forward_pre_hook(hook) if name == "every module"
+              else pair[0].get_submodule(name).register_forward_pre_hook(hook))
     try:
         _prefill_and_steps(pair[0])
     finally:
         handle.remove()
-    assert len(seen) == 1 + 4  # the prefill and every decode step ran the hooked layer's modules
+    if name == "every module":
+        assert sum(type(m) is LeanLinear for m in seen) > 4 * 5  # every decode step ran its layers' modules
+    else:
+        assert len(seen) == 1 + 4  # the prefill and every decode step ran the hooked layer's modules
     assert counting.calls == 0
 
 
@@ -259,22 +264,6 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
     assert torch.equal(fused, modules)
     assert torch.equal(fused_cache.layers[1].keys, modules_cache.layers[1].keys)
     assert fused_cache.get_seq_length() == 8
-
-
-def test_a_hook_on_every_module_keeps_the_step_on_the_module_path(pair, monkeypatch):
-    real = optional_kernel()
-    if real is None:
-        pytest.skip("the C++ extension cannot be built here")
-    counting = _CountingKernel(real)
-    monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
-    seen = []
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: seen.append(m))
-    try:
-        _prefill_and_steps(pair[0])
-    finally:
-        handle.remove()
-    assert any(type(m) is LeanLinear for m in seen)
-    assert counting.calls == 0
 
 
 def test_a_layer_replaced_after_decoding_is_the_one_the_next_step_reads(monkeypatch):
