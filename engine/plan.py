@@ -52,6 +52,7 @@ class Efficiency:
     kernels_per_layer: int = 16
     matvec_us: float = 0.0
     matvecs_per_layer: int = 4
+    one_call_layer_us: float | None = None
     host_sync_us: float = 10.0
     dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0})
 
@@ -73,6 +74,9 @@ ORIGIN = {
                  "product takes beyond its bytes (waking the other threads, ramping the read up)",
     "matvecs_per_layer": "counts only where matvec_us is above 0: the fused q/k/v, output, fused gate/up and down "
                          "projections of one layer (the output head adds one per step)",
+    "one_call_layer_us": "unset on GPUs; on this machine, where a decode step of one token runs every layer in one "
+                         "call to the C++ kernels (no dispatch per layer), a layer's work besides its products (norms, "
+                         "rotary, the cache append, attention, residuals), timed inside that call",
     "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
     "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
                    "are few beside its bandwidth), in fp32 vector operations per weight",
@@ -297,11 +301,21 @@ def step_buckets(setup: Setup, tokens: int, context: int) -> dict:
     message = rows * m.hidden * ACT_BYTES
     physical_us = (2 * m.spec.layers * all_reduce_us(setup, message) + pipeline_send_us(setup, message)
                    + eff.host_sync_us)
-    kernels = m.spec.layers * eff.kernels_per_layer + 4
+    kernels, layers_us = step_kernels(setup, tokens)
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
     return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
-            "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us) / 1e3, "decision": 0.0,
+            "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3,
+            "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_flops": flops, "_roofline_ms": max(memory, compute)}
+
+
+def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
+    """(dispatches of a step over `tokens` tokens, microseconds of its layers' work apart from them): a
+    decode step that runs its layers in one call dispatches the few operations around that call only."""
+    eff, layers = setup.efficiency, setup.model.spec.layers
+    if tokens == 1 and eff.one_call_layer_us is not None:
+        return 4, layers * eff.one_call_layer_us
+    return layers * eff.kernels_per_layer + 4, 0.0
 
 
 def dequant_ms(setup: Setup, weights: float) -> float:
@@ -459,9 +473,11 @@ def formulas(setup: Setup) -> dict:
                    f"= {step['compute']:.3f} ms",
         "physical": f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
                     f"{setup.pp - 1} pipeline sends + {eff.host_sync_us:g} us host round trip = {step['physical']:.3f} ms",
-        "time": f"{eff.step_fixed_us:g} us per step + {m.spec.layers * eff.kernels_per_layer + 4} kernels x "
+        "time": f"{eff.step_fixed_us:g} us per step + {step_kernels(setup, 1)[0]} kernels x "
                 f"{eff.launch_us:g} us" + (f" + {m.spec.layers * eff.matvecs_per_layer + 1} matrix-vector products x "
                                           f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
+                + (f" + {m.spec.layers} layers in one call x {eff.one_call_layer_us:g} us"
+                   if eff.one_call_layer_us is not None else "")
                 + f" = {step['time']:.3f} ms",
         "decision": "speculative drafts the target rejects and their share of the verification (0 without "
                     "speculative decoding)",
@@ -500,6 +516,14 @@ LOCAL_HOST_US = 250.0  # the decode loop's Python bookkeeping per step (token se
 # layer, plus 4 calls into the C++ kernels (two norms, two rotary) that it does not see. Each costs about one
 # calibrated dispatch, which is why the step exceeds its bytes over the bandwidth by more than its matrix products.
 LOCAL_OPS_PER_LAYER = 92
+# Where the C++ kernels are built, an fp32 decode step runs every layer in one call to them
+# (LeanLlama.decode_in_one_call): no dispatch per layer. Its cost beside the bytes is each layer's own
+# work (two norms, rotary, the cache append, attention over the context, residuals) and the Python
+# around the call (the forward's embedding, rotary table and checks; the loop's selection, accounting and
+# records), both on caches the step's weights have just flushed: timed inside and around the call over
+# the default model's decode steps (about 80 positions of context).
+LOCAL_ONE_CALL_LAYER_US = 58.0
+LOCAL_ONE_CALL_HOST_US = 2200.0
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -525,13 +549,22 @@ def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
                                                                                   "gbps_per_direction": None}}
 
 
-def local_efficiency(calibration: dict) -> Efficiency:
+def one_call_decode(calibration: dict, weights: str) -> bool:
+    """Whether this machine's decode steps run every layer in one call to the C++ kernels: fp32 weights
+    where the calibration timed the kernels' small-rows product (so they were built)."""
+    return weights == "fp32" and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {})
+
+
+def local_efficiency(calibration: dict, weights: str = "fp32") -> Efficiency:
     """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
     dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
-    calibrated dispatch per operation and cost per product plus the loop's host work."""
+    calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
+    runs in one call pays its layers' own work and the Python around the call instead of dispatches."""
+    one_call = one_call_decode(calibration, weights)
     return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
                       kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
-                      step_fixed_us=LOCAL_HOST_US, host_sync_us=0.0)
+                      one_call_layer_us=LOCAL_ONE_CALL_LAYER_US if one_call else None,
+                      step_fixed_us=LOCAL_ONE_CALL_HOST_US if one_call else LOCAL_HOST_US, host_sync_us=0.0)
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
@@ -539,7 +572,7 @@ def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | 
     """The planner's prediction for a run on this machine with this calibration."""
     setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
                   bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
-                  new_tokens=new_tokens, efficiency=local_efficiency(calibration))
+                  new_tokens=new_tokens, efficiency=local_efficiency(calibration, weights))
     return plan(setup)
 
 
