@@ -306,20 +306,20 @@ class LeanLlama(nn.Module):
         kernel = cpu_kernel(x) if FUSED_DECODE else None
         if kernel is None or cos.dtype != torch.float32:
             return None
-        plan = self._decode_plan()
+        plan = self._decode_plan(kernel)
         if (plan.forms is None or any(plan.hooks) or torch_module._global_forward_hooks
                 or torch_module._global_forward_pre_hooks):
             return None
         caches = [cache.layers[i] for i in plan.layers]
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
-        logits, keys, values = kernel.decode_layers(x, *plan.forms, cos, sin, [c.keys for c in caches],
+        logits, keys, values = kernel.decode_layers(x, plan.forms, cos, sin, [c.keys for c in caches],
                                                     [c.values for c in caches], *plan.attention)
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values = k, v
         return logits
 
-    def _decode_plan(self) -> DecodePlan:
+    def _decode_plan(self, kernel) -> DecodePlan:
         """What decode_layers reads, worked out once and kept while no module in the process registers
         or replaces a submodule, parameter or buffer (a conversion that replaces a layer makes a new
         plan): walking the modules and their buffers through nn.Module on every step would cost
@@ -337,7 +337,7 @@ class LeanLlama(nn.Module):
         attn = parts[1]
         plan = DecodePlan(registrations, [layer.layer_idx for layer in layers],
                           tuple(d for m in parts for d in (m._forward_hooks, m._forward_pre_hooks)),
-                          None if None in layer_forms or head is None else (layer_forms, head),
+                          None if None in layer_forms or head is None else kernel.DecodeForms(layer_forms, head),
                           (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling))
         self.__dict__["_kept_plan"] = plan
         return plan
@@ -347,7 +347,7 @@ class DecodePlan(NamedTuple):
     registrations: int  # the count of registrations it was made at
     layers: list  # each layer's index in the cache
     hooks: tuple  # every part's forward hooks and pre-hooks (dictionaries, empty when none)
-    forms: tuple | None  # (the layers' forms, the head's form), None where a part has none
+    forms: object | None  # the kernels' DecodeForms of the layers and the head, None where a part has none
     attention: tuple  # heads, kv_heads, head_dim, scaling
 
 

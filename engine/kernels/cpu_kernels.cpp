@@ -890,15 +890,22 @@ using LayerForm = std::tuple<torch::Tensor, torch::Tensor, double, LinearForm, L
 // The model's last norm and its output head: (norm weight, eps, head).
 using HeadForm = std::tuple<torch::Tensor, double, LinearForm>;
 
+// Every layer's form and the head's, converted from Python once and kept by the model: converting the
+// nested tuples of tensors on every call would cost a hundred microseconds a step.
+struct DecodeForms {
+  std::vector<LayerForm> layers;
+  HeadForm head;
+};
+
 // A decode step of batch 1 in one call from Python: every Llama decoder layer for one new token, then
 // the last norm and the output head. The same row functions, in the same order, as the lean forward's
 // modules run one by one, so the result is the same to the bit, but with no tensor made between them
 // but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary] and each layer's
 // cache [1, kv_heads, T + 1, head_dim].
 std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
-    torch::Tensor x, const std::vector<LayerForm>& layers, const HeadForm& head, torch::Tensor cos,
-    torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads,
-    int64_t kv_heads, int64_t head_dim, double scaling) {
+    torch::Tensor x, const DecodeForms& forms, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
+    std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
+  const auto& layers = forms.layers;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.numel() == x.size(-1), "decode_layers takes one float32 row");
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
   TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin: one position");
@@ -931,7 +938,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
     apply_linear(down, act.data(), inner, delta.data());
     for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
   }
-  const auto& [norm, eps, linear] = head;
+  const auto& [norm, eps, linear] = forms.head;
   rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
   auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
   apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
@@ -989,6 +996,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
+  py::class_<DecodeForms>(m, "DecodeForms", "every layer's form and the head's, as decode_layers reads them")
+      .def(py::init<std::vector<LayerForm>, HeadForm>());
   m.def("decode_layers", &decode_layers, "the logits of one new token: every Llama decoder layer, appending to their KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
