@@ -9,10 +9,10 @@ rotary embedding (read from a table it fills once), and transformers' DynamicCac
 cropping and the KV accounting are the same). Quantized and sparse layers replace the fused
 nn.Linear modules exactly as they would replace transformers' ones.
 
-A decode step of one token goes further where the C++ kernels are built: every layer, the last norm
-and the output head run in one call (the kernels' decode_layers), on the same row functions the
-modules call, so the logits are the same to the bit; the modules run it wherever that call does not
-apply (see LeanLlama.decode_in_one_call).
+A decode step of one token goes further where the C++ kernels are built: the embedding, every layer,
+the last norm and the output head run in one call (the kernels' decode_layers), on the same row
+functions the modules call, so the logits are the same to the bit; the modules run it wherever that
+call does not apply (see LeanLlama.decode_in_one_call).
 
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""
@@ -263,14 +263,14 @@ class LeanLlama(nn.Module):
         cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
+        if length == 1 and attention_mask is None and position_ids is None and kv_dtype is None and cache is not None:
+            logits = self.decode_in_one_call(input_ids, past, cache)
+            if logits is not None:
+                return LeanOutput(logits=logits)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(x, position_ids, past, length)
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
                                                                        (past and length > 1)) else None
-        if length == 1 and mask is None and kv_dtype is None and cache is not None:
-            logits = self.decode_in_one_call(x, cos, sin, cache)
-            if logits is not None:
-                return LeanOutput(logits=logits)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, mask, kv_dtype)
         x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
@@ -283,28 +283,43 @@ class LeanLlama(nn.Module):
         call (each is one product of a position and a frequency, then its cosine or sine), at a fraction
         of its cost on every step. Embeddings whose frequencies change with the length are asked each
         time."""
-        rotary_emb = self.model.rotary_emb
-        rope_type = getattr(rotary_emb, "rope_type", "default")
-        if "dynamic" in rope_type or rope_type == "longrope":
+        if self._rope_varies():
             if position_ids is None:
                 position_ids = torch.arange(past, past + length, device=x.device)[None]
-            return rotary_emb(x, position_ids)
-        need = past + length if position_ids is None else int(position_ids.max()) + 1
-        table = self.__dict__.get("_rope")
-        if table is None or table[0].dtype != x.dtype or table[0].device != x.device or table[0].shape[1] < need:
-            size = max(need, 1024, 2 * table[0].shape[1] if table is not None else 0)
-            table = self.__dict__["_rope"] = rotary_emb(x, torch.arange(size, device=x.device)[None])
+            return self.model.rotary_emb(x, position_ids)
+        table = self._rope_table(x, past + length if position_ids is None else int(position_ids.max()) + 1)
         if position_ids is None:
             return table[0][:, past:past + length], table[1][:, past:past + length]
         return table[0][0, position_ids], table[1][0, position_ids]
 
-    def decode_in_one_call(self, x, cos, sin, cache) -> torch.Tensor | None:
+    def _rope_varies(self) -> bool:
+        rope_type = getattr(self.model.rotary_emb, "rope_type", "default")
+        return "dynamic" in rope_type or rope_type == "longrope"
+
+    def _rope_table(self, x, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, size, head_dim] of positions 0 .. size - 1 >= need, in x's dtype and device."""
+        table = self.__dict__.get("_rope")
+        if table is None or table[0].dtype != x.dtype or table[0].device != x.device or table[0].shape[1] < need:
+            size = max(need, 1024, 2 * table[0].shape[1] if table is not None else 0)
+            table = self.__dict__["_rope"] = self.model.rotary_emb(x, torch.arange(size, device=x.device)[None])
+        return table
+
+    def _rope_row(self, x, past: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin, row): the table holding position `past`'s cos and sin and the row it is in."""
+        if self._rope_varies():
+            cos, sin = self.rotary(x, None, past, 1)
+            return cos, sin, 0
+        cos, sin = self._rope_table(x, past + 1)
+        return cos, sin, past
+
+    def decode_in_one_call(self, input_ids, past: int, cache) -> torch.Tensor | None:
         """The logits of one new token through the kernels' decode_layers, which computes what the
-        modules compute (every layer, the last norm, the head), to the bit, in one call instead of a
-        dozen per layer; None where it does not apply: no built extension, a part it does not read, an
-        empty or non-float32 cache, a hook on a module or on every module (it would not run)."""
-        kernel = cpu_kernel(x) if FUSED_DECODE else None
-        if kernel is None or cos.dtype != torch.float32:
+        modules compute (the embedding, every layer, the last norm, the head), to the bit, in one call
+        instead of a dozen per layer; None where it does not apply: no built extension, a part it does
+        not read, an empty or non-float32 cache, a hook on a module or on every module (it would not
+        run)."""
+        kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu else None
+        if kernel is None:
             return None
         plan = self._decode_plan(kernel)
         if (plan.forms is None or any(plan.hooks) or torch_module._global_forward_hooks
@@ -313,7 +328,8 @@ class LeanLlama(nn.Module):
         caches = [cache.layers[i] for i in plan.layers]
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
-        logits, keys, values = kernel.decode_layers(x, plan.forms, cos, sin, [c.keys for c in caches],
+        cos, sin, row = self._rope_row(plan.embedding, past)
+        logits, keys, values = kernel.decode_layers(input_ids, plan.forms, cos, sin, row, [c.keys for c in caches],
                                                     [c.values for c in caches], *plan.attention)
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values = k, v
@@ -329,16 +345,20 @@ class LeanLlama(nn.Module):
             return plan
         registrations = _registrations[0]
         layers = list(self.model._modules["layers"]._modules.values())
+        embed = self.model._modules["embed_tokens"]
         parts = (*(p for layer in layers for p in _layer_parts(layer)), self.model._modules["norm"],
-                 self._modules["lm_head"])
-        size = (len(parts) - 2) // len(layers)
+                 self._modules["lm_head"], embed)
+        size = (len(parts) - 3) // len(layers)
         layer_forms = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(len(layers))]
-        head = _head_form(*parts[-2:])
+        head = _head_form(*parts[-3:-1])
+        plain_embed = (type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.max_norm is None
+                       and embed.weight.is_cpu and embed.weight.is_contiguous())
         attn = parts[1]
         plan = DecodePlan(registrations, [layer.layer_idx for layer in layers],
                           tuple(d for m in parts for d in (m._forward_hooks, m._forward_pre_hooks)),
-                          None if None in layer_forms or head is None else kernel.DecodeForms(layer_forms, head),
-                          (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling))
+                          kernel.DecodeForms(embed.weight, layer_forms, head)
+                          if None not in layer_forms and head is not None and plain_embed else None,
+                          embed.weight, (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling))
         self.__dict__["_kept_plan"] = plan
         return plan
 
@@ -347,7 +367,8 @@ class DecodePlan(NamedTuple):
     registrations: int  # the count of registrations it was made at
     layers: list  # each layer's index in the cache
     hooks: tuple  # every part's forward hooks and pre-hooks (dictionaries, empty when none)
-    forms: object | None  # the kernels' DecodeForms of the layers and the head, None where a part has none
+    forms: object | None  # the kernels' DecodeForms of the embedding, the layers and the head, None where a part has none
+    embedding: torch.Tensor  # the token embedding's weight
     attention: tuple  # heads, kv_heads, head_dim, scaling
 
 

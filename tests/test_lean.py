@@ -193,7 +193,8 @@ def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypa
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj", "model.norm", "lm_head", "every module"])
+@pytest.mark.parametrize("name", ["model.embed_tokens", "model.layers.1.mlp.down_proj", "model.norm", "lm_head",
+                                  "every module"])
 def test_a_hook_keeps_the_step_on_the_module_path(pair, monkeypatch, name):
     real = optional_kernel()
     if real is None:
@@ -264,6 +265,19 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
     assert torch.equal(fused, modules)
     assert torch.equal(fused_cache.layers[1].keys, modules_cache.layers[1].keys)
     assert fused_cache.get_seq_length() == 8
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@torch.inference_mode()
+def test_a_token_id_beyond_the_vocabulary_is_an_index_error_on_either_path(fused, monkeypatch):
+    if fused and optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    monkeypatch.setattr(lean, "FUSED_DECODE", fused)
+    model = tiny_model(seed=4, layers=2).model
+    cache = DynamicCache(config=model.config)
+    model(input_ids=IDS[:, :4], cache=cache)
+    with pytest.raises(IndexError):
+        model(input_ids=torch.tensor([[model.config.vocab_size + 3]]), cache=cache)
 
 
 def test_a_layer_replaced_after_decoding_is_the_one_the_next_step_reads(monkeypatch):

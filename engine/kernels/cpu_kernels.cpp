@@ -893,27 +893,37 @@ using HeadForm = std::tuple<torch::Tensor, double, LinearForm>;
 // Every layer's form and the head's, converted from Python once and kept by the model: converting the
 // nested tuples of tensors on every call would cost a hundred microseconds a step.
 struct DecodeForms {
+  torch::Tensor embedding;  // [vocabulary, hidden] float32
   std::vector<LayerForm> layers;
   HeadForm head;
 };
 
-// A decode step of batch 1 in one call from Python: every Llama decoder layer for one new token, then
-// the last norm and the output head. The same row functions, in the same order, as the lean forward's
+// A decode step of batch 1 in one call from Python: the new token's embedding (ids [1, 1]), every Llama
+// decoder layer, then the last norm and the output head; cos and sin are row `row` of the rotary tables
+// [1, rows, head_dim]. The same row functions, in the same order, as the lean forward's
 // modules run one by one, so the result is the same to the bit, but with no tensor made between them
 // but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary] and each layer's
 // cache [1, kv_heads, T + 1, head_dim].
 std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
-    torch::Tensor x, const DecodeForms& forms, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
-    std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
+    torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
+    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double scaling) {
   const auto& layers = forms.layers;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.numel() == x.size(-1), "decode_layers takes one float32 row");
+  const auto& embedding = forms.embedding;
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.numel() == 1, "decode_layers takes one token id");
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
-  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin: one position");
-  const int64_t H = x.size(-1), D = head_dim, KV = kv_heads, rotated_heads = heads + kv_heads;
-  auto out = x.contiguous().clone();
+  for (const auto* table : {&cos_table, &sin_table})
+    TORCH_CHECK(table->scalar_type() == torch::kFloat && table->is_contiguous() && table->dim() == 3 &&
+                    table->size(2) == head_dim && row >= 0 && row < table->size(1),
+                "cos and sin: float32 tables [1, rows, head_dim] holding the row");
+  const int64_t token = *ids.contiguous().data_ptr<int64_t>();
+  TORCH_CHECK_INDEX(token >= 0 && token < embedding.size(0), "token id ", token, " is out of the embedding's range");
+  const int64_t H = embedding.size(1), D = head_dim, KV = kv_heads, rotated_heads = heads + kv_heads;
+  auto out = torch::empty({1, 1, H}, embedding.options());
   float* residual = out.data_ptr<float>();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
+  std::memcpy(residual, embedding.data_ptr<float>() + token * H, sizeof(float) * H);
+  const float* cos = cos_table.data_ptr<float>() + row * D;
+  const float* sin = sin_table.data_ptr<float>() + row * D;
   std::vector<float> normed(H), delta(H), rotated(rotated_heads * D), attended(heads * D), fused, gate_up, act;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
@@ -922,7 +932,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
     rms_norm_rows(residual, norm1.data_ptr<float>(), eps, 1, H, normed.data());
     fused.resize(static_cast<size_t>(linear_outputs(qkv)));
     apply_linear(qkv, normed.data(), H, fused.data());
-    rotary_row(fused.data(), cos.data_ptr<float>(), sin.data_ptr<float>(), rotated_heads, D, rotated.data(), D);
+    rotary_row(fused.data(), cos, sin, rotated_heads, D, rotated.data(), D);
     keys[i] = grown(keys[i], rotated.data() + heads * D, KV, D);
     values[i] = grown(values[i], fused.data() + rotated_heads * D, KV, D);
     attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, keys[i].size(2), D,
@@ -997,8 +1007,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
   py::class_<DecodeForms>(m, "DecodeForms", "every layer's form and the head's, as decode_layers reads them")
-      .def(py::init<std::vector<LayerForm>, HeadForm>());
-  m.def("decode_layers", &decode_layers, "the logits of one new token: every Llama decoder layer, appending to their KV caches, then the last norm and the head");
+      .def(py::init<torch::Tensor, std::vector<LayerForm>, HeadForm>());
+  m.def("decode_layers", &decode_layers, "the logits of one new token: its embedding, every Llama decoder layer, appending to their KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
