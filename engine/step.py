@@ -100,7 +100,9 @@ def decode_step(lm, state: DecodeState, cfg: GenConfig, drafter: Drafter | None,
                    **extra)
     hardware.sync(lm.device)
     t_sync = time.perf_counter_ns()
-    logits = out.logits[0].float().cpu()
+    logits = out.logits[0]
+    if logits.dtype != torch.float32 or not logits.is_cpu:  # each call costs tens of us after a step's weights
+        logits = logits.float().cpu()
     t_select = time.perf_counter_ns()
     emitted, kept = accept(logits, drafts, tree, drafter, cfg, generator)
     if cfg.kv_cache and drafts:  # drop the cache entries of guesses not kept
