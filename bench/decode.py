@@ -4,7 +4,8 @@ sampler off, instrumented (timing, attribution, telemetry), and instrumented plu
 DuckDB (a run row, every step and token); and once more on transformers' own forward instead of the
 lean one (engine/lean.py), to show what the lean forward saves. Prints
 tokens/s of each, the ratios, the fraction of the calibrated memory peak reached (weight bytes per
-token / the best read bandwidth calibration saw), and the fixed cost of a decode step: the lean
+token / the best read bandwidth calibration saw, at the start and again beside each round, since the
+machine's bandwidth moves from minute to minute), and the fixed cost of a decode step: the lean
 forward's step on a tiny model as deep as the default one, whose weights take a fraction of a ms.
 
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
@@ -77,7 +78,7 @@ def main():
         "ours-hf-forward": lambda: time_ours(hf_lm, None, calibration, args.tokens),
     }
     rates = {name: [] for name in runners}
-    decode = []
+    decode, peaks = [], []
     order = list(runners)
     for i in range(args.rounds):
         for name in order[i % len(order):] + order[: i % len(order)]:  # rotate who goes first
@@ -85,6 +86,7 @@ def main():
             rates[name].append(rate)
             if name == "ours":
                 decode.append(result["decode_tokens_per_s"])
+                peaks.append(hardware.best_method(hardware.measure_read_bandwidth(lm.device)))  # the same minute
     fixed = fixed_cost(lm, calibration, args.tokens)
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape = model_shape(lm.model)
@@ -104,6 +106,11 @@ def main():
           f"GB/s (best method: {calibration['memory_method']}; "
           + ", ".join(f"{k} {v:.1f}" for k, v in calibration["memory_methods_gbps"].items())
           + f") -> {roofline_tps:.1f} tok/s; our decode steps reached {statistics.median(decode) / roofline_tps:.0%} of it")
+    fractions = [tps * shape.weight_bytes / (gbps * 1e9) for tps, (_, gbps) in zip(decode, peaks)]
+    print("the peak again beside each round's decode (best method, GB/s): "
+          + ", ".join(f"{method} {gbps:.1f}" for method, gbps in peaks)
+          + f"; our decode steps reached {statistics.median(fractions):.0%} of it (per round: "
+          + ", ".join(f"{f:.0%}" for f in fractions) + ")")
     step_ms = 1e3 / statistics.median(decode)
     print(f"fixed cost of a decode step (tiny model, {lm.config.num_hidden_layers} layers, "
           f"{fixed['weight_bytes'] / 1e6:.1f} MB of weights): forward {fixed['forward_ms']:.2f} ms, whole step "
