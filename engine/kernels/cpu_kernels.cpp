@@ -31,7 +31,8 @@ constexpr int64_t kParallelBytes = int64_t{1} << 19;
 struct alignas(64) RowShare {
   std::atomic<uint64_t> span;
   void set(int64_t lo, int64_t hi) { span.store(static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(lo)); }
-  // up to n rows from the front (front) or the back, as [begin, end); false once the share is empty
+  // rows as [begin, end): from the back n of them, from the front a quarter of what is left and at
+  // least n (few claims while the end is far, small ones near it); false once the share is empty
   bool take(int64_t n, bool front, int64_t& begin, int64_t& end) {
     uint64_t word = span.load();
     for (;;) {
@@ -47,8 +48,8 @@ struct alignas(64) RowShare {
   }
 };
 
-// Rows a thread takes at a time: a few tens of KB of weights, so taking them costs nothing beside
-// reading them, and a thread that runs out of its own share waits for no more than that.
+// The fewest rows a thread takes at a time: 8 KB of weights, so that a thread that runs out of its
+// own share waits for no more than that.
 constexpr int64_t kChunkBytes = int64_t{1} << 13;
 
 // f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
@@ -361,8 +362,8 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return out;
 }
 
-// Rows of float32 weights small_linear reads side by side.
-constexpr int kStreams = 4;  // small_linear_rows reads groups of 1 to 4 rows
+// Rows of float32 weights small_linear_rows reads side by side (its switch takes groups of 1 to 4).
+constexpr int kStreams = 4;
 
 // y = x w^T (+ bias) for the few rows of a decode or verification step: x [M, K], w [N, K], float32.
 // Threads take shares of the weight rows and read kStreams rows from far-apart parts of their shares
@@ -890,20 +891,21 @@ using LayerForm = std::tuple<torch::Tensor, torch::Tensor, double, LinearForm, L
 // The model's last norm and its output head: (norm weight, eps, head).
 using HeadForm = std::tuple<torch::Tensor, double, LinearForm>;
 
-// Every layer's form and the head's, converted from Python once and kept by the model: converting the
-// nested tuples of tensors on every call would cost a hundred microseconds a step.
+// The token embedding's weight, every layer's form and the head's, converted from Python once and kept
+// by the model: converting the nested tuples of tensors on every call would cost a hundred
+// microseconds a step.
 struct DecodeForms {
   torch::Tensor embedding;  // [vocabulary, hidden] float32
   std::vector<LayerForm> layers;
   HeadForm head;
 };
 
-// A decode step of batch 1 in one call from Python: the new token's embedding (ids [1, 1]), every Llama
-// decoder layer, then the last norm and the output head; cos and sin are row `row` of the rotary tables
-// [1, rows, head_dim]. The same row functions, in the same order, as the lean forward's
-// modules run one by one, so the result is the same to the bit, but with no tensor made between them
-// but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary] and each layer's
-// cache [1, kv_heads, T + 1, head_dim].
+// A decode step of batch 1 in one call from Python: the new token's embedding (ids [1, 1]), every
+// Llama decoder layer, then the last norm and the output head; the position's cos and sin are row
+// `row` of the rotary tables [1, rows, head_dim]. The same row functions, in the same order, as the
+// lean forward's modules run one by one, so the result is the same to the bit, but with no tensor
+// made between them but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary]
+// and each layer's cache [1, kv_heads, T + 1, head_dim].
 std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
     torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
@@ -1006,7 +1008,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
-  py::class_<DecodeForms>(m, "DecodeForms", "every layer's form and the head's, as decode_layers reads them")
+  py::class_<DecodeForms>(m, "DecodeForms", "the embedding, every layer's form and the head's, as decode_layers reads them")
       .def(py::init<torch::Tensor, std::vector<LayerForm>, HeadForm>());
   m.def("decode_layers", &decode_layers, "the logits of one new token: its embedding, every Llama decoder layer, appending to their KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
