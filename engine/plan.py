@@ -549,18 +549,20 @@ def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
                                                                                   "gbps_per_direction": None}}
 
 
-def one_call_decode(calibration: dict, weights: str) -> bool:
-    """Whether this machine's decode steps run every layer in one call to the C++ kernels: fp32 weights
-    where the calibration timed the kernels' small-rows product (so they were built)."""
-    return weights == "fp32" and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {})
+def one_call_decode(calibration: dict, weights: str, kv_dtype: str | None = None) -> bool:
+    """Whether this machine's decode steps run every layer in one call to the C++ kernels: a float32
+    model (the quantized levels among them: their runs compute in float32) with its KV cache in the same
+    precision, where the calibration timed the kernels' small-rows product (so they were built)."""
+    return (weights == "fp32" and kv_dtype in (None, "fp32")
+            and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {}))
 
 
-def local_efficiency(calibration: dict, weights: str = "fp32") -> Efficiency:
+def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | None = None) -> Efficiency:
     """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
     dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
     calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
     runs in one call pays its layers' own work and the Python around the call instead of dispatches."""
-    one_call = one_call_decode(calibration, weights)
+    one_call = one_call_decode(calibration, weights, kv_dtype)
     return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
                       kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
                       one_call_layer_us=LOCAL_ONE_CALL_LAYER_US if one_call else None,
@@ -572,7 +574,7 @@ def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | 
     """The planner's prediction for a run on this machine with this calibration."""
     setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
                   bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
-                  new_tokens=new_tokens, efficiency=local_efficiency(calibration, weights))
+                  new_tokens=new_tokens, efficiency=local_efficiency(calibration, weights, kv_dtype or weights))
     return plan(setup)
 
 

@@ -153,6 +153,10 @@ def test_the_local_prediction_uses_the_calibration_as_measured():
     assert plan.step_kernels(setup, 1) == (4, 30 * plan.LOCAL_ONE_CALL_LAYER_US)
     assert plan.step_kernels(setup, 5) == (30 * plan.LOCAL_OPS_PER_LAYER + 4, 0.0)
     assert "30 layers in one call" in plan.formulas(setup)["time"]
+    # a KV cache in another precision keeps the step on the modules
+    bf16_cache = {**run, "metrics": json.dumps({"weight_bytes_per_forward": 538060288, "kv_dtype": "bf16"})}
+    assert plan.plan_for_run(bf16_cache, with_kernels)["distances_ms"]["time"] == pytest.approx(
+        (plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0 + (30 * 4 + 1) * 30.0) / 1e3)
 
 
 def test_every_gpu_has_the_figures_and_a_source_for_each():
