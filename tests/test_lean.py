@@ -89,6 +89,21 @@ def test_cpu_kernels_compute_the_pytorch_expressions():
     torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+def test_silu_mul_follows_pytorch_across_the_float_range_and_gives_a_value_the_same_bits_in_any_lane():
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(0)
+    gate = torch.cat([torch.linspace(-120, 120, 2401), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.5, -87.5, 88.7])])
+    up = torch.randn_like(gate)
+    out = kernel.silu_mul(torch.cat([gate, up])[None])[0]  # 2408 values, eight lanes at a time
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-35)
+    # the first 2400 went in vectors; alone, each goes the one-by-one way
+    alone = torch.cat([kernel.silu_mul(torch.stack([g, u])[None])[0] for g, u in zip(gate[:2400:6], up[:2400:6])])
+    assert torch.equal(alone, out[:2400:6])
+    assert kernel.silu_mul(torch.tensor([[float("nan"), 1.0]])).isnan().all()
+
+
 @pytest.mark.parametrize("n, k", [(64, 48), (67, 37), (3, 16), (1030, 300)])  # the last is split over threads
 def test_small_linear_gives_each_row_the_same_result_whatever_the_rows_beside_it(n, k):
     if not has_small_rows_kernel():

@@ -733,11 +733,70 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
   return out;
 }
 
+// e^x within about two units in the last place for x in [-87, 88], and e^-87 or e^88 beyond (silu and
+// softmax need no more: 1 + e^-87 is 1): x = n ln 2 + r with |r| <= ln 2 / 2, e^r from a polynomial
+// (Cephes' coefficients), times 2^n built in the exponent bits. The vector form below does the same
+// operations on eight lanes, so a value gets the same bits in either. The library's expf, one value at
+// a time, cost a decode step several times as much: silu takes tens of thousands of them a step.
+constexpr float kExpHigh = 88.f, kExpLow = -87.f;  // 2^n stays a normal float
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_approx(float x) {
+  if (std::isnan(x)) return x;
+  x = std::max(std::min(x, kExpHigh), kExpLow);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2High) - n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
+  const float e = (p * (r * r) + r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+#if defined(__AVX2__)
+static inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHigh)), _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2High))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Low)));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpPoly[i]));
+  const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// w[t] = e^(w[t] - top) for t < T.
+static void exp_shifted(float* w, int64_t T, float top) {
+  int64_t t = 0;
+#if defined(__AVX2__)
+  for (; t + 8 <= T; t += 8)
+    _mm256_storeu_ps(w + t, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(top))));
+#endif
+  for (; t < T; ++t) w[t] = exp_approx(w[t] - top);
+}
+
+// silu(g) * u = g / (1 + e^-g) * u, for each row of x [rows, 2 * I] holding g then u.
 static void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = xp + r * 2 * I;
     const float* up = gate + I;
-    for (int64_t k = 0; k < I; ++k) op[r * I + k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
+    float* out = op + r * I;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    for (; k + 8 <= I; k += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + k);
+      const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      _mm256_storeu_ps(out + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+    }
+#endif
+    for (; k < I; ++k) out[k] = gate[k] / (1.f + exp_approx(-gate[k])) * up[k];
   }
 }
 
@@ -770,11 +829,9 @@ static void attend(const float* qp, const float* kp, const float* vp, int64_t B,
         w[t] = dot(qh, kh + t * D, D) * s;
         top = std::max(top, w[t]);
       }
+      exp_shifted(w.data(), T, top);
       float total = 0.f;
-      for (int64_t t = 0; t < T; ++t) {
-        w[t] = std::exp(w[t] - top);
-        total += w[t];
-      }
+      for (int64_t t = 0; t < T; ++t) total += w[t];
       float* o = op + bh * D;
       std::fill(o, o + D, 0.f);
       for (int64_t t = 0; t < T; ++t) {
@@ -861,27 +918,32 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t K, floa
 // would move the whole cache on every step.
 constexpr int64_t kCacheRoom = 128;
 
-// cache [1, KV, T, D] with one more position, its head h's new row from row + h * D: written in place
-// where the cache is a view into storage with room after its last position (the caches this function
-// returns; a crop keeps the room), else copied into new storage with room for kCacheRoom more.
-static torch::Tensor grown(const torch::Tensor& cache, const float* row, int64_t KV, int64_t D) {
+// Whether cache [1, KV, T, D] is a view into storage with room for one more position after its last
+// (the caches decode_layers returns; a crop keeps the room).
+static bool has_room(const torch::Tensor& cache, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), head = cache.stride(1);
-  const bool room = cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
-                    cache.stride(0) == KV * head && cache.storage_offset() == 0 &&
-                    cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
-  torch::Tensor out;
-  if (room) {
-    out = cache.as_strided({1, KV, T + 1, D}, cache.strides());
-  } else {
-    const int64_t capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
-    out = torch::empty({1, KV, capacity, D}, cache.options()).narrow(2, 0, T + 1);
-    for (int64_t g = 0; g < KV; ++g)
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
-                    cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
-  }
-  float* dst = out.data_ptr<float>();
-  for (int64_t g = 0; g < KV; ++g) std::memcpy(dst + g * out.stride(1) + T * D, row + g * D, sizeof(float) * D);
+  return cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
+         cache.stride(0) == KV * head && cache.storage_offset() == 0 &&
+         cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
+}
+
+// Head g's new row, from row + g * D, written at position `at` of cache [1, KV, >at, D] (or of its
+// storage's room just after it).
+static void write_position(const torch::Tensor& cache, int64_t at, const float* row, int64_t KV, int64_t D) {
+  float* dst = cache.data_ptr<float>();
+  for (int64_t g = 0; g < KV; ++g) std::memcpy(dst + g * cache.stride(1) + at * D, row + g * D, sizeof(float) * D);
+}
+
+// cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions, as
+// [1, KV, T + 1, D] with the new rows from row written at T.
+static torch::Tensor regrown(const torch::Tensor& cache, const float* row, int64_t KV, int64_t D) {
+  const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
+  auto out = torch::empty({1, KV, capacity, D}, cache.options()).narrow(2, 0, T + 1);
+  for (int64_t g = 0; g < KV; ++g)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
+                  cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
+  write_position(out, T, row, KV, D);
   return out;
 }
 
@@ -904,8 +966,8 @@ struct DecodeForms {
 // Llama decoder layer, then the last norm and the output head; the position's cos and sin are row
 // `row` of the rotary tables [1, rows, head_dim]. The same row functions, in the same order, as the
 // lean forward's modules run one by one, so the result is the same to the bit, but with no tensor
-// made between them but the grown caches. Returns (logits, keys, values), logits [1, 1, vocabulary]
-// and each layer's cache [1, kv_heads, T + 1, head_dim].
+// made between them but a cache copied when its storage has no room left. Returns (logits, keys,
+// values), logits [1, 1, vocabulary] and each layer's cache [1, kv_heads, T + 1, head_dim].
 std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
     torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
@@ -927,6 +989,17 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
   const float* cos = cos_table.data_ptr<float>() + row * D;
   const float* sin = sin_table.data_ptr<float>() + row * D;
   std::vector<float> normed(H), delta(H), rotated(rotated_heads * D), attended(heads * D), fused, gate_up, act;
+  // A cache with room gets its new position written in place and its longer view after the last layer,
+  // all views together: made one per layer between the products, each cost several microseconds.
+  std::vector<char> longer(2 * layers.size());
+  auto appended = [&](torch::Tensor& cache, const float* row) {
+    if (has_room(cache, KV, D)) {
+      write_position(cache, cache.size(2), row, KV, D);
+      return true;
+    }
+    cache = regrown(cache, row, KV, D);
+    return false;
+  };
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
     TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(1) == KV && keys[i].size(3) == D && values[i].sizes() == keys[i].sizes(),
@@ -935,9 +1008,10 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
     fused.resize(static_cast<size_t>(linear_outputs(qkv)));
     apply_linear(qkv, normed.data(), H, fused.data());
     rotary_row(fused.data(), cos, sin, rotated_heads, D, rotated.data(), D);
-    keys[i] = grown(keys[i], rotated.data() + heads * D, KV, D);
-    values[i] = grown(values[i], fused.data() + rotated_heads * D, KV, D);
-    attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, keys[i].size(2), D,
+    const int64_t T = keys[i].size(2);
+    longer[2 * i] = appended(keys[i], rotated.data() + heads * D);
+    longer[2 * i + 1] = appended(values[i], fused.data() + rotated_heads * D);
+    attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, T + 1, D,
            keys[i].stride(1), values[i].stride(1), static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), heads * D, delta.data());
     for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
@@ -954,6 +1028,9 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
   rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
   auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
   apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
+  for (size_t i = 0; i < layers.size(); ++i)
+    for (auto [cache, pending] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
+      if (pending) *cache = cache->as_strided({1, KV, cache->size(2) + 1, D}, cache->strides());
   return {logits, keys, values};
 }
 
