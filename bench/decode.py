@@ -5,7 +5,8 @@ DuckDB (a run row, every step and token); and once more on transformers' own for
 lean one (engine/lean.py), to show what the lean forward saves. Prints
 tokens/s of each, the ratios, the fraction of the calibrated memory peak reached (weight bytes per
 token / the best read bandwidth calibration saw, at the start and again beside each round, since the
-machine's bandwidth moves from minute to minute), and the fixed cost of a decode step: the lean
+machine's bandwidth moves from minute to minute; beside it, what the peak's own kernel averages when it
+streams for as long as the round's decode), and the fixed cost of a decode step: the lean
 forward's step on a tiny model as deep as the default one, whose weights take a fraction of a ms.
 
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
@@ -78,7 +79,7 @@ def main():
         "ours-hf-forward": lambda: time_ours(hf_lm, None, calibration, args.tokens),
     }
     rates = {name: [] for name in runners}
-    decode, peaks = [], []
+    decode, peaks, streamed = [], [], []
     order = list(runners)
     for i in range(args.rounds):
         for name in order[i % len(order):] + order[: i % len(order)]:  # rotate who goes first
@@ -87,6 +88,7 @@ def main():
             if name == "ours":
                 decode.append(result["decode_tokens_per_s"])
                 peaks.append(hardware.best_method(hardware.measure_read_bandwidth(lm.device)))  # the same minute
+                streamed.append(hardware.sustained_read(lm.device, args.tokens / decode[-1]))
     fixed = fixed_cost(lm, calibration, args.tokens)
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape = model_shape(lm.model)
@@ -111,6 +113,12 @@ def main():
           + ", ".join(f"{method} {gbps:.1f}" for method, gbps in peaks)
           + f"; our decode steps reached {statistics.median(fractions):.0%} of it (per round: "
           + ", ".join(f"{f:.0%}" for f in fractions) + ")")
+    if None not in streamed:
+        ceilings = [read / seconds / (gbps * 1e9) for (read, seconds), (_, gbps) in zip(streamed, peaks)]
+        print("streaming alone (the small-rows kernel over cold weights, pass after pass for as long as the round's "
+              f"decode took) averaged {statistics.median(ceilings):.0%} of the same peak (per round: "
+              + ", ".join(f"{c:.0%}" for c in ceilings) + "): the peak is the best of short passes, a decode is "
+              "an average over seconds of a machine whose bandwidth moves")
     step_ms = 1e3 / statistics.median(decode)
     print(f"fixed cost of a decode step (tiny model, {lm.config.num_hidden_layers} layers, "
           f"{fixed['weight_bytes'] / 1e6:.1f} MB of weights): forward {fixed['forward_ms']:.2f} ms, whole step "

@@ -183,6 +183,27 @@ def measure_small_rows_bandwidth(device: torch.device, mats: list | None = None)
                       device)
 
 
+def sustained_read(device: torch.device, seconds: float) -> tuple[int, float] | None:
+    """(bytes, seconds) the small-rows kernel read in passes over cold weights, one after another,
+    until at least `seconds` had passed: what memory keeps up over a run's length, where the peak is
+    the best of a few short passes. None where that kernel does not run here."""
+    from .cpu_kernels import has_small_rows_kernel, optional_kernel
+
+    if device.type != "cpu" or not has_small_rows_kernel():
+        return None
+    kernel = optional_kernel()
+    mats = _cold_weights(device, torch.float32)
+    x = torch.ones(1, mats[0].shape[1], device=device)
+    read, start = 0, time.perf_counter()
+    while True:
+        for w in mats:
+            kernel.small_linear(x, w, None)
+        read += sum(w.nbytes for w in mats)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return read, elapsed
+
+
 def measure_stream_bandwidth(device: torch.device) -> float:
     """GB/s of a plain streaming read (a sum over a large buffer, on every thread)."""
     buf = torch.ones(_weights_budget_bytes(device) // 4, device=device)

@@ -124,6 +124,16 @@ def test_the_memory_and_matmul_peaks_are_the_best_of_their_methods(calibration):
         assert shapes[calibration["matmul_shape"][dtype]] == calibration["matmul_gflops"][dtype]
 
 
+def test_sustained_streaming_counts_whole_passes_over_the_cold_weights():
+    from engine.cpu_kernels import has_small_rows_kernel
+
+    if not has_small_rows_kernel():
+        assert hardware.sustained_read(torch.device("cpu"), 0.0) is None
+        return
+    read, seconds = hardware.sustained_read(torch.device("cpu"), 0.0)
+    assert read == hardware._weights_budget_bytes(torch.device("cpu")) and seconds > 0  # at least one pass, whole
+
+
 def test_the_peak_check_flags_only_what_beats_the_peak_beyond_noise():
     peak = {"memory_gbps": 10.0, "memory_method": "copy"}
     within = hardware.peak_check(10.4e9, 1.0, peak)
