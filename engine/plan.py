@@ -522,8 +522,8 @@ LOCAL_OPS_PER_LAYER = 92
 # around the call (the forward's embedding, rotary table and checks; the loop's selection, accounting and
 # records), both on caches the step's weights have just flushed: timed inside and around the call over
 # the default model's decode steps (about 80 positions of context), medians of four runs.
-LOCAL_ONE_CALL_LAYER_US = 49.0
-LOCAL_ONE_CALL_HOST_US = 1060.0
+LOCAL_ONE_CALL_LAYER_US = 30.0
+LOCAL_ONE_CALL_HOST_US = 955.0
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
