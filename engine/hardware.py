@@ -272,20 +272,39 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, f
     return figures
 
 
-def measure_matvec_call_us(device: torch.device, large_gbps: float) -> float:
+def measure_matvec_call_us(device: torch.device, pairs: int = 15) -> float:
     """Microseconds a decode-sized matrix-vector product (1024 x 1024, 4 MB of float32 weights, in the
-    kernel fp32 decode steps run) takes beyond its bytes at the bandwidth large ones reach: waking the
-    other threads and ramping the read up, paid once per product. 0 when it is not above noise."""
+    kernel fp32 decode steps run) takes beyond its bytes at the rate the same kernel reads 64 MB
+    matrices: waking the other threads and ramping the read up, paid once per product. A pass over the
+    small matrices and one over as many bytes of large ones make a pair, in alternating order, and the
+    median pair's excess is the figure: the machine's bandwidth moves from second to second, and two
+    rates measured apart would carry that difference into a cost a step pays a hundred times. 0 when it
+    is not above noise."""
     from .cpu_kernels import has_small_rows_kernel, optional_kernel
 
-    mats = _cold_weights(device, torch.float32, rows=1024, cols=1024)
+    small = _cold_weights(device, torch.float32, rows=1024, cols=1024)
+    large = _cold_weights(device, torch.float32)
     if device.type == "cpu" and has_small_rows_kernel():
         kernel = optional_kernel()
-        gbps = _pass_gbps(mats, lambda x, w: kernel.small_linear(x, w, None), device)
+        product = lambda x, w: kernel.small_linear(x, w, None)  # noqa: E731
     else:
-        gbps = _pass_gbps(mats, torch.nn.functional.linear, device)
-    nbytes = mats[0].nbytes
-    return max(nbytes / (gbps * 1e9) - nbytes / (large_gbps * 1e9), 0.0) * 1e6
+        product = torch.nn.functional.linear
+
+    def seconds_per_byte(mats) -> float:
+        x = torch.ones(1, mats[0].shape[1], device=device)
+        start = time.perf_counter()
+        for w in mats:
+            product(x, w)
+        sync(device)
+        return (time.perf_counter() - start) / sum(w.nbytes for w in mats)
+
+    seconds_per_byte(small), seconds_per_byte(large)  # first touches
+    excess = []
+    for i in range(pairs):
+        order = (small, large) if i % 2 == 0 else (large, small)
+        rates = {id(mats): seconds_per_byte(mats) for mats in order}
+        excess.append((rates[id(small)] - rates[id(large)]) * small[0].nbytes)
+    return max(statistics.median(excess), 0.0) * 1e6
 
 
 def measure_dispatch_us(device: torch.device) -> float:
@@ -335,7 +354,7 @@ def calibrate(device: torch.device) -> dict:
         "matmul_shape": {d: best_method(shapes)[0] for d, shapes in matmuls.items()},
         "matmul_shapes_gflops": matmuls,
         "dispatch_us": measure_dispatch_us(device),
-        "matvec_call_us": measure_matvec_call_us(device, reads.get("small_rows_kernel") or reads["gemv"]),
+        "matvec_call_us": measure_matvec_call_us(device),
     }
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)
