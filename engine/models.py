@@ -241,14 +241,16 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, quant=dtype)
 
 
-def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward: bool = True) -> LoadedModel:
-    """A randomly initialised Llama with the default model's tokenizer, for fast tests."""
+def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward: bool = True,
+               positions: int = 512) -> LoadedModel:
+    """A randomly initialised Llama with the default model's tokenizer and room for `positions`
+    tokens, for fast tests."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=positions,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)

@@ -28,14 +28,24 @@ def hf_lm():
     return load_model(lean_forward=False)
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama saved as a model folder, so command-line and page runs load in a second."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    lm = tiny_model(lean_forward=False)
+def _saved_tiny_model(folder, **kwargs):
+    lm = tiny_model(lean_forward=False, **kwargs)
     lm.model.save_pretrained(folder)
     lm.tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as a model folder, so command-line and page runs load in a second."""
+    return _saved_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def long_tiny_folder(tmp_path_factory):
+    """The tiny Llama with room for 8192 positions: a run of thousands of its tokens lasts seconds
+    however fast the machine, so a signal sent once its first tokens are out lands while it decodes."""
+    return _saved_tiny_model(tmp_path_factory.mktemp("long-tiny-model"), positions=8192)
 
 
 @pytest.fixture

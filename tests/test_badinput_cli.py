@@ -84,12 +84,14 @@ def test_runs_with_a_sane_limit_still_works(tmp_path):
 
 
 @pytest.mark.parametrize("after_s", [0.5, 1.5, 3.0, 5.0])
-def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path, after_s):
+def test_ctrl_c_in_a_run_s_first_seconds_is_one_line_and_exit_130(tmp_path, after_s, long_tiny_folder):
     db = tmp_path / "runs.duckdb"
-    process = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--prompt", "hi", "--max-new-tokens", "2"],
+    process = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--prompt", "hi", "--model",
+                                str(long_tiny_folder), "--max-new-tokens", "4000"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "TOKENPATH_DB": str(db)})
-    time.sleep(after_s)  # inside the imports or the model load, which take seconds
+    # inside the imports, the model load or the run, whose 4000 tokens take seconds more
+    time.sleep(after_s)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 130, err
