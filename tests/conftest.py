@@ -1,10 +1,18 @@
 import engine  # noqa: F401  (first: it chooses how OpenMP threads wait, before torch loads OpenMP)
+import signal
+
 import pytest
 import torch
 
 from engine import hardware
 from engine.models import load_model, tiny_model
 from engine.store import Store
+
+# Tests send Ctrl-C to the commands they start, as a terminal does to a foreground process. A shell
+# without job control that starts the suite in the background makes it ignore SIGINT, and an ignored
+# signal stays ignored in every process started from it; a handled one is reset to the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
