@@ -5,9 +5,10 @@ DuckDB (a run row, every step and token); and once more on transformers' own for
 lean one (engine/lean.py), to show what the lean forward saves. Prints
 tokens/s of each, the ratios, the fraction of the calibrated memory peak reached (weight bytes per
 token / the best read bandwidth calibration saw, at the start and again beside each round, since the
-machine's bandwidth moves from minute to minute; beside it, what the peak's own kernel averages when it
-streams for as long as the round's decode), and the fixed cost of a decode step: the lean
-forward's step on a tiny model as deep as the default one, whose weights take a fraction of a ms.
+machine's bandwidth moves from minute to minute; and step by step: each round also decodes with one
+pass of the peak's own kernel over cold weights after every step, and sets each step's weight bytes per
+second beside that pass's), and the fixed cost of a decode step: the lean forward's step on a tiny
+model as deep as the default one, whose weights take a fraction of a ms.
 
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
 """
@@ -49,6 +50,23 @@ def time_hf(lm, n):
     return n / (time.perf_counter() - start)
 
 
+def paired_steps(lm, calibration, n: int, peak_pass) -> list[tuple[float, float]]:
+    """(the step's weight GB/s, the peak kernel's GB/s in a pass right after it) for each decode step
+    of an instrumented run: the step is timed from the loop's resumption to its token, so the pass
+    between tokens is not in it."""
+    weight_bytes = model_shape(lm.model).weight_bytes
+    tokens = iter(Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration))
+    next(tokens)  # the prefill's token
+    pairs = []
+    while True:
+        start = time.perf_counter()
+        if next(tokens, None) is None:
+            return pairs
+        step_s = time.perf_counter() - start
+        read, pass_s = peak_pass()
+        pairs.append((weight_bytes / step_s / 1e9, read / pass_s / 1e9))
+
+
 def fixed_cost(lm, calibration, n: int) -> dict:
     """The instrumented decode step of a tiny model with lm's depth: what a step costs apart from its
     weights (its forward and its whole step, medians in ms, and the tiny model's weight bytes)."""
@@ -59,6 +77,17 @@ def fixed_cost(lm, calibration, n: int) -> dict:
     steps = [s for s in gen.steps if s["kind"] == "decode"]
     return {"forward_ms": statistics.median(s["forward_ms"] for s in steps),
             "step_ms": statistics.median(s["wall_ms"] for s in steps), "weight_bytes": steps[0]["weight_bytes"]}
+
+
+def print_pairs(rounds: list[list[tuple[float, float]]]) -> None:
+    steps = [step / peak for pairs in rounds for step, peak in pairs]
+    quartiles = statistics.quantiles(steps, n=4)
+    per_round = [statistics.median(step / peak for step, peak in pairs) for pairs in rounds]
+    best = [statistics.harmonic_mean([step for step, _ in pairs]) / max(peak for _, peak in pairs) for pairs in rounds]
+    print(f"step by step, each decode step's weight bytes per second against a pass of the peak's own kernel "
+          f"right after it ({len(steps)} steps): median {quartiles[1]:.0%}, quartiles {quartiles[0]:.0%}-"
+          f"{quartiles[2]:.0%} (per round: " + ", ".join(f"{f:.0%}" for f in per_round) + "); the round's mean "
+          "step against its best pass: " + ", ".join(f"{f:.0%}" for f in best))
 
 
 def main():
@@ -78,8 +107,11 @@ def main():
         "hf": lambda: (time_hf(hf_lm, args.tokens), None),
         "ours-hf-forward": lambda: time_ours(hf_lm, None, calibration, args.tokens),
     }
+    peak_pass = hardware.small_rows_pass(lm.device)
+    if peak_pass is not None:
+        runners["paired"] = lambda: (None, paired_steps(lm, calibration, args.tokens, peak_pass))
     rates = {name: [] for name in runners}
-    decode, peaks, streamed = [], [], []
+    decode, peaks, pairs = [], [], []
     order = list(runners)
     for i in range(args.rounds):
         for name in order[i % len(order):] + order[: i % len(order)]:  # rotate who goes first
@@ -88,9 +120,10 @@ def main():
             if name == "ours":
                 decode.append(result["decode_tokens_per_s"])
                 peaks.append(hardware.best_method(hardware.measure_read_bandwidth(lm.device)))  # the same minute
-                streamed.append(hardware.sustained_read(lm.device, args.tokens / decode[-1]))
+            elif name == "paired":
+                pairs.append(result)
     fixed = fixed_cost(lm, calibration, args.tokens)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = {k: statistics.median(v) for k, v in rates.items() if k != "paired"}
     shape = model_shape(lm.model)
     roofline_tps = calibration["memory_gbps"] * 1e9 / shape.weight_bytes
     print(f"model {lm.name} on {lm.device}, fp32 greedy, {args.tokens} new tokens, {args.rounds} rounds alternating")
@@ -113,12 +146,8 @@ def main():
           + ", ".join(f"{method} {gbps:.1f}" for method, gbps in peaks)
           + f"; our decode steps reached {statistics.median(fractions):.0%} of it (per round: "
           + ", ".join(f"{f:.0%}" for f in fractions) + ")")
-    if None not in streamed:
-        ceilings = [read / seconds / (gbps * 1e9) for (read, seconds), (_, gbps) in zip(streamed, peaks)]
-        print("streaming alone (the small-rows kernel over cold weights, pass after pass for as long as the round's "
-              f"decode took) averaged {statistics.median(ceilings):.0%} of the same peak (per round: "
-              + ", ".join(f"{c:.0%}" for c in ceilings) + "): the peak is the best of short passes, a decode is "
-              "an average over seconds of a machine whose bandwidth moves")
+    if pairs:
+        print_pairs(pairs)
     step_ms = 1e3 / statistics.median(decode)
     print(f"fixed cost of a decode step (tiny model, {lm.config.num_hidden_layers} layers, "
           f"{fixed['weight_bytes'] / 1e6:.1f} MB of weights): forward {fixed['forward_ms']:.2f} ms, whole step "

@@ -155,15 +155,31 @@ def _cold_weights(device: torch.device, dtype: torch.dtype, rows: int = 4096, co
     return [torch.ones(rows, cols, device=device, dtype=dtype) for _ in range(count)]
 
 
-def _pass_gbps(mats: list, product, device: torch.device) -> float:
-    """GB/s of one product per matrix over all of them, best of a few passes."""
+def _nbytes(mats: list) -> int:
+    return sum(w.nbytes for w in mats)
+
+
+def _one_pass(mats: list, product, device: torch.device):
+    """A function that runs one product per matrix over all of them and waits for the device."""
     x = torch.ones(1, mats[0].shape[1], device=device, dtype=mats[0].dtype)
 
     def run():
         for w in mats:
             product(x, w)
+        sync(device)
 
-    return sum(w.nbytes for w in mats) / _best_seconds(run, device, repeats=5) / 1e9
+    return run
+
+
+def _pass_seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _pass_gbps(mats: list, product, device: torch.device) -> float:
+    """GB/s of one product per matrix over all of them, best of a few passes."""
+    return _nbytes(mats) / _best_seconds(_one_pass(mats, product, device), device, repeats=5) / 1e9
 
 
 def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.float32, mats: list | None = None) -> float:
@@ -171,37 +187,34 @@ def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.floa
     return _pass_gbps(mats or _cold_weights(device, dtype), torch.nn.functional.linear, device)
 
 
+def _small_rows_product(device: torch.device):
+    """The project's small-rows kernel (the one fp32 decode steps run) as a product (x, w) -> x w^T,
+    or None where it does not run here."""
+    from .cpu_kernels import has_small_rows_kernel, optional_kernel
+
+    if device.type != "cpu" or not has_small_rows_kernel():
+        return None
+    kernel = optional_kernel()
+    return lambda x, w: kernel.small_linear(x, w, None)
+
+
 def measure_small_rows_bandwidth(device: torch.device, mats: list | None = None) -> float | None:
-    """GB/s of the project's small-rows kernel (the one fp32 decode steps run) over cold weights,
-    or None where that kernel does not run here."""
-    from .cpu_kernels import has_small_rows_kernel, optional_kernel
+    """GB/s of the small-rows kernel over cold weights, or None where that kernel does not run here."""
+    product = _small_rows_product(device)
+    return _pass_gbps(mats or _cold_weights(device, torch.float32), product, device) if product else None
 
-    if device.type != "cpu" or not has_small_rows_kernel():
+
+def small_rows_pass(device: torch.device):
+    """A function that runs the small-rows kernel, the peak's own method, once over cold weights and
+    returns that pass's (bytes, seconds): a reading of the peak to set beside each decode step, since
+    the best of a few passes at one moment is no measure of the next second on a machine whose
+    bandwidth moves. None where that kernel does not run here."""
+    product = _small_rows_product(device)
+    if product is None:
         return None
-    kernel = optional_kernel()
-    return _pass_gbps(mats or _cold_weights(device, torch.float32), lambda x, w: kernel.small_linear(x, w, None),
-                      device)
-
-
-def sustained_read(device: torch.device, seconds: float) -> tuple[int, float] | None:
-    """(bytes, seconds) the small-rows kernel read in passes over cold weights, one after another,
-    until at least `seconds` had passed: what memory keeps up over a run's length, where the peak is
-    the best of a few short passes. None where that kernel does not run here."""
-    from .cpu_kernels import has_small_rows_kernel, optional_kernel
-
-    if device.type != "cpu" or not has_small_rows_kernel():
-        return None
-    kernel = optional_kernel()
     mats = _cold_weights(device, torch.float32)
-    x = torch.ones(1, mats[0].shape[1], device=device)
-    read, start = 0, time.perf_counter()
-    while True:
-        for w in mats:
-            kernel.small_linear(x, w, None)
-        read += sum(w.nbytes for w in mats)
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return read, elapsed
+    run = _one_pass(mats, product, device)
+    return lambda: (_nbytes(mats), _pass_seconds(run))
 
 
 def measure_stream_bandwidth(device: torch.device) -> float:
@@ -280,30 +293,18 @@ def measure_matvec_call_us(device: torch.device, pairs: int = 15) -> float:
     median pair's excess is the figure: the machine's bandwidth moves from second to second, and two
     rates measured apart would carry that difference into a cost a step pays a hundred times. 0 when it
     is not above noise."""
-    from .cpu_kernels import has_small_rows_kernel, optional_kernel
-
     small = _cold_weights(device, torch.float32, rows=1024, cols=1024)
     large = _cold_weights(device, torch.float32)
-    if device.type == "cpu" and has_small_rows_kernel():
-        kernel = optional_kernel()
-        product = lambda x, w: kernel.small_linear(x, w, None)  # noqa: E731
-    else:
-        product = torch.nn.functional.linear
-
-    def seconds_per_byte(mats) -> float:
-        x = torch.ones(1, mats[0].shape[1], device=device)
-        start = time.perf_counter()
-        for w in mats:
-            product(x, w)
-        sync(device)
-        return (time.perf_counter() - start) / sum(w.nbytes for w in mats)
-
-    seconds_per_byte(small), seconds_per_byte(large)  # first touches
+    product = _small_rows_product(device) or torch.nn.functional.linear
+    run_small, run_large = _one_pass(small, product, device), _one_pass(large, product, device)
+    run_small(), run_large()  # first touches
     excess = []
     for i in range(pairs):
-        order = (small, large) if i % 2 == 0 else (large, small)
-        rates = {id(mats): seconds_per_byte(mats) for mats in order}
-        excess.append((rates[id(small)] - rates[id(large)]) * small[0].nbytes)
+        if i % 2 == 0:
+            small_s, large_s = _pass_seconds(run_small), _pass_seconds(run_large)
+        else:
+            large_s, small_s = _pass_seconds(run_large), _pass_seconds(run_small)
+        excess.append((small_s / _nbytes(small) - large_s / _nbytes(large)) * small[0].nbytes)
     return max(statistics.median(excess), 0.0) * 1e6
 
 
