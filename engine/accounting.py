@@ -6,7 +6,9 @@ embedding is only read for the rows looked up; quantized layers with opaque pack
 report their size).
 KV bytes follow transformers' DynamicCache, which the engine uses: each step concatenates the new
 keys and values onto the old ones, so it reads the old cache, writes the whole grown cache, and
-attention then reads the grown cache. FLOPs count the matrix multiplications (2 per
+attention then reads the grown cache. A forward that grows the cache in place (the lean model's
+one-call decode step) counts its own: attention's read of the grown cache, the new position written,
+and a copy where a cache's room runs out. FLOPs count the matrix multiplications (2 per
 multiply-add) of the linear layers and of attention; element-wise work is left out."""
 from __future__ import annotations
 
@@ -86,14 +88,17 @@ def model_shape(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> 
 
 
 def forward_work(shape: ModelShape, n_new: int, past_len: int, logits_kept: int = 1,
-                 kv_cache: bool = True) -> ForwardWork:
-    """Work of one forward over n_new tokens that follow past_len cached tokens.
+                 kv_cache: bool = True, kv_bytes: tuple[int, int] | None = None) -> ForwardWork:
+    """Work of one forward over n_new tokens that follow past_len cached tokens; kv_bytes, where the
+    forward counted them, are the (read, written) bytes of its cache.
 
     Without a KV cache the forward recomputes keys and values for all n_new tokens (past_len is 0)
     and keeps them only as activations: written once, read once by attention."""
     per_token = shape.kv_bytes_per_token
     total = past_len + n_new
-    if kv_cache:
+    if kv_bytes is not None:
+        kv_read, kv_write = kv_bytes
+    elif kv_cache:
         kv_read = per_token * (past_len + total)
         kv_write = per_token * total
     else:

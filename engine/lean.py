@@ -33,6 +33,7 @@ from .cpu_kernels import has_small_rows_kernel, optional_kernel
 @dataclass
 class LeanOutput:
     logits: torch.Tensor
+    kv_bytes: tuple[int, int] | None = None  # (read, written) of the KV cache, where the forward counted them
 
 
 class LeanRMSNorm(nn.Module):
@@ -264,9 +265,9 @@ class LeanLlama(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
         if length == 1 and attention_mask is None and position_ids is None and kv_dtype is None and cache is not None:
-            logits = self.decode_in_one_call(input_ids, past, cache)
-            if logits is not None:
-                return LeanOutput(logits=logits)
+            out = self.decode_in_one_call(input_ids, past, cache)
+            if out is not None:
+                return out
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(x, position_ids, past, length)
         mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
@@ -312,12 +313,13 @@ class LeanLlama(nn.Module):
         cos, sin = self._rope_table(x, past + 1)
         return cos, sin, past
 
-    def decode_in_one_call(self, input_ids, past: int, cache) -> torch.Tensor | None:
+    def decode_in_one_call(self, input_ids, past: int, cache) -> LeanOutput | None:
         """The logits of one new token through the kernels' decode_layers, which computes what the
         modules compute (the embedding, every layer, the last norm, the head), to the bit, in one call
-        instead of a dozen per layer; None where it does not apply: no built extension, a part it does
-        not read, an empty or non-float32 cache, a hook on a module or on every module (it would not
-        run)."""
+        instead of a dozen per layer, with the bytes its cache moved (it grows each cache in place,
+        where transformers' cache concatenates); None where it does not apply: no built extension, a
+        part it does not read, an empty or non-float32 cache, a hook on a module or on every module
+        (it would not run)."""
         kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu else None
         if kernel is None:
             return None
@@ -329,11 +331,12 @@ class LeanLlama(nn.Module):
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
         cos, sin, row = self._rope_row(plan.embedding, past)
-        logits, keys, values = kernel.decode_layers(input_ids, plan.forms, cos, sin, row, [c.keys for c in caches],
-                                                    [c.values for c in caches], *plan.attention)
+        logits, keys, values, read, written = kernel.decode_layers(
+            input_ids, plan.forms, cos, sin, row, [c.keys for c in caches], [c.values for c in caches],
+            *plan.attention)
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values = k, v
-        return logits
+        return LeanOutput(logits=logits, kv_bytes=(read, written))
 
     def _decode_plan(self, kernel) -> DecodePlan:
         """What decode_layers reads, worked out once and kept while no module in the process registers

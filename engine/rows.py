@@ -75,6 +75,7 @@ class Outcome:
     accepted: int
     emitted: list[int]
     marks: tuple
+    kv_bytes: tuple[int, int] | None = None  # (read, written) of the KV cache, where the forward counted them
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def phases_ms(marks: tuple, t_end: int) -> dict:
 
 def step_work(a: Attribution, out: Outcome, first_step: bool) -> tuple[ForwardWork, ForwardWork | None]:
     """(work the forward did, the part of it whose results were used; None when all were)."""
-    work = forward_work(a.shape, out.n_input, out.past, kv_cache=a.kv_cache, logits_kept=out.drafted + 1)
+    work = forward_work(a.shape, out.n_input, out.past, kv_cache=a.kv_cache, logits_kept=out.drafted + 1,
+                        kv_bytes=out.kv_bytes)
     kept = 1 + out.accepted  # positions whose results are used: the pending token and the accepted drafts
     if not a.kv_cache and not first_step:  # a cached decoder would only have run the kept positions
         useful = forward_work(a.shape, kept, out.n_input - out.drafted - 1, logits_kept=kept)

@@ -110,4 +110,5 @@ def decode_step(lm, state: DecodeState, cfg: GenConfig, drafter: Drafter | None,
     t_host = time.perf_counter_ns()
     return Outcome(n_input=len(inputs[0]), past=past, drafted=len(drafts),
                    accepted=len(emitted) - 1 if drafts else 0, emitted=emitted,
-                   marks=(step_start, t_draft, t_upload, t_forward, t_sync, t_select, t_host))
+                   marks=(step_start, t_draft, t_upload, t_forward, t_sync, t_select, t_host),
+                   kv_bytes=getattr(out, "kv_bytes", None))

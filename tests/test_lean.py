@@ -283,6 +283,29 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_a_step_s_cache_bytes_are_what_its_real_caches_moved(fused, calibration, monkeypatch):
+    """Attention reads the grown cache; a step writes its new positions, and a cache that moved to new
+    storage was also read and written whole: transformers' cache moves on every step, the one-call
+    decode's when its room runs out."""
+    if fused and optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    from engine.accounting import cache_nbytes
+    from engine.generate import Generation, GenConfig
+
+    monkeypatch.setattr(lean, "FUSED_DECODE", fused)
+    gen = Generation(tiny_model(seed=2), GenConfig("A short prompt", raw=True, max_new_tokens=150, ignore_eos=True),
+                     calibration=calibration, telemetry=False)
+    before, storage, moves = 0, None, 0
+    for event in gen:
+        after, now = cache_nbytes(gen.cache), gen.cache.layers[0].keys.untyped_storage().data_ptr()
+        moved = before if now != storage else 0
+        step = gen.steps[event.step]
+        assert (step["kv_read_bytes"], step["kv_write_bytes"]) == (after + moved, after - before + moved)
+        before, storage, moves = after, now, moves + (now != storage)
+    assert moves == (3 if fused else 150)  # the prefill, then the first step and the one past 128 positions / every step
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @torch.inference_mode()
 def test_a_token_id_beyond_the_vocabulary_is_an_index_error_on_either_path(fused, monkeypatch):
     if fused and optional_kernel() is None:

@@ -967,8 +967,9 @@ struct DecodeForms {
 // `row` of the rotary tables [1, rows, head_dim]. The same row functions, in the same order, as the
 // lean forward's modules run one by one, so the result is the same to the bit, but with no tensor
 // made between them but a cache copied when its storage has no room left. Returns (logits, keys,
-// values), logits [1, 1, vocabulary] and each layer's cache [1, kv_heads, T + 1, head_dim].
-std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>> decode_layers(
+// values, cache bytes read, cache bytes written), logits [1, 1, vocabulary] and each layer's cache
+// [1, kv_heads, T + 1, head_dim]; the bytes are what attention and the caches' growth moved.
+std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t> decode_layers(
     torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
     int64_t head_dim, double scaling) {
@@ -992,11 +993,18 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
   // A cache with room gets its new position written in place and its longer view after the last layer,
   // all views together: made one per layer between the products, each cost several microseconds.
   std::vector<char> longer(2 * layers.size());
+  const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
+  int64_t cache_read = 0, cache_written = 0;
   auto appended = [&](torch::Tensor& cache, const float* row) {
+    const int64_t T = cache.size(2);
+    cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
+    cache_written += position_bytes;
     if (has_room(cache, KV, D)) {
-      write_position(cache, cache.size(2), row, KV, D);
+      write_position(cache, T, row, KV, D);
       return true;
     }
+    cache_read += T * position_bytes;  // and a cache without room is copied first
+    cache_written += T * position_bytes;
     cache = regrown(cache, row, KV, D);
     return false;
   };
@@ -1031,7 +1039,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
   for (size_t i = 0; i < layers.size(); ++i)
     for (auto [cache, pending] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
       if (pending) *cache = cache->as_strided({1, KV, cache->size(2) + 1, D}, cache->strides());
-  return {logits, keys, values};
+  return {logits, keys, values, cache_read, cache_written};
 }
 
 // The index of the largest of n floats, the first one where several are equal, and the first NaN
