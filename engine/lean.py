@@ -331,11 +331,11 @@ class LeanLlama(nn.Module):
         if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
             return None
         cos, sin, row = self._rope_row(plan.embedding, past)
-        logits, keys, values, read, written = kernel.decode_layers(
+        logits, copied, read, written = kernel.decode_layers(
             input_ids, plan.forms, cos, sin, row, [c.keys for c in caches], [c.values for c in caches],
             *plan.attention)
-        for c, k, v in zip(caches, keys, values):
-            c.keys, c.values = k, v
+        for i, keys, values in copied:  # the others grew in place
+            caches[i].keys, caches[i].values = keys, values
         return LeanOutput(logits=logits, kv_bytes=(read, written))
 
     def _decode_plan(self, kernel) -> DecodePlan:

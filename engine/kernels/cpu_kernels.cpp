@@ -966,10 +966,11 @@ struct DecodeForms {
 // Llama decoder layer, then the last norm and the output head; the position's cos and sin are row
 // `row` of the rotary tables [1, rows, head_dim]. The same row functions, in the same order, as the
 // lean forward's modules run one by one, so the result is the same to the bit, but with no tensor
-// made between them but a cache copied when its storage has no room left. Returns (logits, keys,
-// values, cache bytes read, cache bytes written), logits [1, 1, vocabulary] and each layer's cache
-// [1, kv_heads, T + 1, head_dim]; the bytes are what attention and the caches' growth moved.
-std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t> decode_layers(
+// made between them but a cache copied when its storage has no room left. A cache with room grows
+// in place: the tensor given becomes [1, kv_heads, T + 1, head_dim]. Returns (logits [1, 1,
+// vocabulary], (layer, keys, values) of each layer whose caches were copied instead, cache bytes read,
+// cache bytes written); the bytes are what attention and the caches' growth moved.
+std::tuple<torch::Tensor, std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>>, int64_t, int64_t> decode_layers(
     torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
     int64_t head_dim, double scaling) {
@@ -1036,10 +1037,18 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>
   rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
   auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
   apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
-  for (size_t i = 0; i < layers.size(); ++i)
-    for (auto [cache, pending] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
-      if (pending) *cache = cache->as_strided({1, KV, cache->size(2) + 1, D}, cache->strides());
-  return {logits, keys, values, cache_read, cache_written};
+  // The longer views change the given tensors' sizes, not the tensors: no tensor is made or freed, and
+  // Python's caches need no new objects.
+  std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>> copied;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (auto [cache, grown] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
+      if (grown) {
+        const std::vector<int64_t> strides = cache->strides().vec();  // not a view of what it overwrites
+        cache->unsafeGetTensorImpl()->set_sizes_and_strides({1, KV, cache->size(2) + 1, D}, strides);
+      }
+    if (!longer[2 * i] || !longer[2 * i + 1]) copied.emplace_back(static_cast<int64_t>(i), keys[i], values[i]);
+  }
+  return {logits, copied, cache_read, cache_written};
 }
 
 // The index of the largest of n floats, the first one where several are equal, and the first NaN
