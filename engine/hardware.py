@@ -205,10 +205,11 @@ def measure_small_rows_bandwidth(device: torch.device, mats: list | None = None)
 
 
 def small_rows_pass(device: torch.device):
-    """A function that runs the small-rows kernel, the peak's own method, once over cold weights and
-    returns that pass's (bytes, seconds): a reading of the peak to set beside each decode step, since
-    the best of a few passes at one moment is no measure of the next second on a machine whose
-    bandwidth moves. None where that kernel does not run here."""
+    """A function that runs the small-rows kernel (the kernel fp32 decode steps run, and the read
+    method the memory peak most often comes from on a CPU) once over cold weights and returns that
+    pass's (bytes, seconds): a reading of what memory gives at that moment, to set beside each decode
+    step, since the best of a few passes at one moment is no measure of the next second on a machine
+    whose bandwidth moves. None where that kernel does not run here."""
     product = _small_rows_product(device)
     if product is None:
         return None

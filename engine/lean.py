@@ -6,13 +6,15 @@ building, dispatch layers). This module runs the same arithmetic with fewer, lar
 q, k and v come from one fused projection, gate and up from another, attention is one call to
 PyTorch's scaled_dot_product_attention. Everything else stays the model's own: its weights, its
 rotary embedding (read from a table it fills once), and transformers' DynamicCache (so cache
-cropping and the KV accounting are the same). Quantized and sparse layers replace the fused
+cropping is the same). Quantized and sparse layers replace the fused
 nn.Linear modules exactly as they would replace transformers' ones.
 
 A decode step of one token goes further where the C++ kernels are built: the embedding, every layer,
 the last norm and the output head run in one call (the kernels' decode_layers), on the same row
 functions the modules call, so the logits are the same to the bit; the modules run it wherever that
-call does not apply (see LeanLlama.decode_in_one_call).
+call does not apply (see LeanLlama.decode_in_one_call). That call grows each cache in place, with
+room for 128 positions at a time, where DynamicCache concatenates, and reports the bytes its caches
+moved for the step's accounting.
 
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""

@@ -302,7 +302,7 @@ def test_a_step_s_cache_bytes_are_what_its_real_caches_moved(fused, calibration,
         step = gen.steps[event.step]
         assert (step["kv_read_bytes"], step["kv_write_bytes"]) == (after + moved, after - before + moved)
         before, storage, moves = after, now, moves + (now != storage)
-    assert moves == (3 if fused else 150)  # the prefill, then the first step and the one past 128 positions / every step
+    assert moves == (3 if fused else 150)  # the prefill, then the first step and the one past 128 positions; every step
 
 
 @pytest.mark.parametrize("fused", [False, True])

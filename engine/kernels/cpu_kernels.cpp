@@ -919,7 +919,7 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t K, floa
 constexpr int64_t kCacheRoom = 128;
 
 // Whether cache [1, KV, T, D] is a view into storage with room for one more position after its last
-// (the caches decode_layers returns; a crop keeps the room).
+// (the caches decode_layers grows or copies; a crop keeps the room).
 static bool has_room(const torch::Tensor& cache, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), head = cache.stride(1);
   return cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
@@ -991,8 +991,9 @@ std::tuple<torch::Tensor, std::vector<std::tuple<int64_t, torch::Tensor, torch::
   const float* cos = cos_table.data_ptr<float>() + row * D;
   const float* sin = sin_table.data_ptr<float>() + row * D;
   std::vector<float> normed(H), delta(H), rotated(rotated_heads * D), attended(heads * D), fused, gate_up, act;
-  // A cache with room gets its new position written in place and its longer view after the last layer,
-  // all views together: made one per layer between the products, each cost several microseconds.
+  // A cache with room gets its new position written in place, and its size one position longer after
+  // the last layer, all together: a longer view made per layer between the products cost several
+  // microseconds each, and a step that fails part-way leaves every cache's size as it was.
   std::vector<char> longer(2 * layers.size());
   const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
   int64_t cache_read = 0, cache_written = 0;
@@ -1037,8 +1038,8 @@ std::tuple<torch::Tensor, std::vector<std::tuple<int64_t, torch::Tensor, torch::
   rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
   auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
   apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
-  // The longer views change the given tensors' sizes, not the tensors: no tensor is made or freed, and
-  // Python's caches need no new objects.
+  // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
+  // or freed, and Python's caches need no new objects.
   std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>> copied;
   for (size_t i = 0; i < layers.size(); ++i) {
     for (auto [cache, grown] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
