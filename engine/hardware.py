@@ -131,16 +131,19 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def _pass_seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def _best_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def run():
         fn()
         sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+
+    run()
+    return min(_pass_seconds(run) for _ in range(repeats))
 
 
 def _weights_budget_bytes(device: torch.device) -> int:
@@ -169,12 +172,6 @@ def _one_pass(mats: list, product, device: torch.device):
         sync(device)
 
     return run
-
-
-def _pass_seconds(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
 
 
 def _pass_gbps(mats: list, product, device: torch.device) -> float:
