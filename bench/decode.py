@@ -7,9 +7,9 @@ tokens/s of each, the ratios, the fraction of the calibrated memory peak reached
 token / the best read bandwidth calibration saw, at the start and again beside each round, since the
 machine's bandwidth moves from minute to minute; and step by step: each round ends with a decode
 that runs one pass of the small-rows kernel, the fp32 decode's own and the peak's usual method, over
-cold weights after every step, and sets each step's weight bytes per second beside that pass's), and
-the fixed cost of a decode step: the lean forward's step on a tiny model as deep as the default one,
-whose weights take a fraction of a ms.
+cold weights after every step, and sets each step's bytes per second (its weights and its KV cache's)
+beside that pass's), and the fixed cost of a decode step: the lean forward's step on a tiny model as
+deep as the default one, whose weights take a fraction of a ms.
 
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5]
 """
@@ -52,11 +52,12 @@ def time_hf(lm, n):
 
 
 def paired_steps(lm, calibration, n: int, peak_pass) -> list[tuple[float, float]]:
-    """(the step's weight GB/s, the small-rows kernel's GB/s in a pass right after it) for each decode step
-    of an instrumented run: the step is timed from the loop's resumption to its token, so the pass
+    """(the step's GB/s, the small-rows kernel's GB/s in a pass right after it) for each decode step of an
+    instrumented run. The step's bytes are what the run's own peak check counts: its weights and the
+    bytes its KV cache moved. The step is timed from the loop's resumption to its token, so the pass
     between tokens is not in it."""
-    weight_bytes = model_shape(lm.model).weight_bytes
-    tokens = iter(Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration))
+    gen = Generation(lm, GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True), calibration=calibration)
+    tokens = iter(gen)
     next(tokens)  # the prefill's token
     pairs = []
     while True:
@@ -65,7 +66,9 @@ def paired_steps(lm, calibration, n: int, peak_pass) -> list[tuple[float, float]
             return pairs
         step_s = time.perf_counter() - start
         read, pass_s = peak_pass()
-        pairs.append((weight_bytes / step_s / 1e9, read / pass_s / 1e9))
+        step = gen.steps[-1]
+        moved = step["weight_bytes"] + step["kv_read_bytes"] + step["kv_write_bytes"]
+        pairs.append((moved / step_s / 1e9, read / pass_s / 1e9))
 
 
 def fixed_cost(lm, calibration, n: int) -> dict:
@@ -85,9 +88,9 @@ def print_pairs(rounds: list[list[tuple[float, float]]]) -> None:
     quartiles = statistics.quantiles(steps, n=4)
     per_round = [statistics.median(step / peak for step, peak in pairs) for pairs in rounds]
     best = [statistics.harmonic_mean([step for step, _ in pairs]) / max(peak for _, peak in pairs) for pairs in rounds]
-    print("step by step, each decode step's weight bytes per second against a pass of the small-rows kernel over "
-          f"cold weights right after it ({len(steps)} steps): median {quartiles[1]:.0%}, quartiles "
-          f"{quartiles[0]:.0%}-{quartiles[2]:.0%} (per round: " + ", ".join(f"{f:.0%}" for f in per_round)
+    print("step by step, each decode step's bytes per second (weights and KV cache) against a pass of the "
+          f"small-rows kernel over cold weights right after it ({len(steps)} steps): median {quartiles[1]:.0%}, "
+          f"quartiles {quartiles[0]:.0%}-{quartiles[2]:.0%} (per round: " + ", ".join(f"{f:.0%}" for f in per_round)
           + "); the round's mean step against its best pass: " + ", ".join(f"{f:.0%}" for f in best))
 
 
