@@ -16,6 +16,9 @@ call does not apply (see LeanLlama.decode_in_one_call). That call grows each cac
 room for 128 positions at a time, where DynamicCache concatenates, and reports the bytes its caches
 moved for the step's accounting.
 
+On the CPU the layers' linear weights sit in one block, in the order a step reads them, and every
+other weight in memory of its own (place_weights).
+
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""
 from __future__ import annotations
@@ -190,6 +193,34 @@ class LeanLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def place_weights(model: nn.Module, layers) -> None:
+    """Moves the layers' linear weights (q/k/v, o, gate/up, down of each layer, in the order a decode
+    step reads them) into one block of CPU memory, each a view of it, and every other CPU parameter
+    into memory of its own. A step starts and ends over a hundred products of a few MB; read one after
+    another from one block, rather than from wherever loading left them, each start costs less. The
+    rest gets its own memory so that nothing keeps the model file's mapping, whose pages would
+    otherwise stay resident beside the copies. The head (the embedding too, which quantized levels
+    keep in full) stays out of the block, which would otherwise outlive a level that replaces every
+    layer; such a level frees the block with the last of its views."""
+    weights = [linear.weight for layer in layers for linear in _layer_parts(layer)[5:]]
+    weights = [w for w in weights if type(w) is nn.Parameter and w.is_cpu and w.dtype == weights[0].dtype]
+    in_block = {id(w) for w in weights}
+    with torch.no_grad():
+        if weights:
+            align = max(1, 64 // weights[0].element_size())  # each weight starts on a cache line
+            sizes = [-(-w.numel() // align) * align for w in weights]
+            block = torch.empty(sum(sizes), dtype=weights[0].dtype)
+            offset = 0
+            for weight, size in zip(weights, sizes):
+                view = block[offset:offset + weight.numel()].view(weight.shape)
+                view.copy_(weight)
+                weight.data = view
+                offset += size
+        for parameter in model.parameters():
+            if id(parameter) not in in_block and parameter.is_cpu:
+                parameter.data = parameter.detach().clone()
+
+
 def _layer_parts(layer: LeanLayer) -> tuple:
     """A layer's modules straight from their dictionaries: nn.Module's attribute lookup costs about two
     microseconds a name, which every layer would pay on every step."""
@@ -247,6 +278,7 @@ class LeanLlama(nn.Module):
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.model = LeanBody(hf_model.model, hf_model.config)
         self.lm_head = lean_linear(hf_model.lm_head)
+        place_weights(self, self.model.layers)
 
     def __getstate__(self):
         # a copy (a quantized variant, a draft's twin) works out its own forms: the kept ones hold the

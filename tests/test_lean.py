@@ -342,3 +342,36 @@ def test_a_copy_of_the_model_does_not_keep_the_originals_decode_forms(monkeypatc
     twin = copy.deepcopy(model)
     assert "_kept_plan" not in twin.__dict__ and "_kept_plan" in model.__dict__
     assert torch.equal(_prefill_and_steps(twin)[0], _prefill_and_steps(model)[0])
+
+
+def _layer_weights(model) -> list[torch.Tensor]:
+    return [linear.weight for layer in model.model.layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def test_the_layers_weights_sit_in_one_block_in_the_order_a_step_reads_them_and_the_rest_own_theirs():
+    model = tiny_model(seed=3, layers=3).model
+    weights = _layer_weights(model)
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts)
+    assert all(a.data_ptr() + a.nbytes <= b.data_ptr() and b.data_ptr() % 64 == 0 for a, b in zip(weights, weights[1:]))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head stays apart, and tied
+    block = weights[0].untyped_storage().data_ptr()
+    rest = [p for p in model.parameters() if p.untyped_storage().data_ptr() != block]
+    assert len(rest) == sum(1 for _ in model.parameters()) - len(weights)
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in rest)  # the others own their memory
+    reference = tiny_model(seed=3, layers=3, lean_forward=False).model
+    for ours, theirs in zip(weights[::4], (layer.self_attn for layer in reference.model.layers)):
+        assert torch.equal(ours, torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]))
+
+
+@pytest.mark.parametrize("level", ["bf16", "int8-wo"])
+def test_a_level_that_replaces_every_layer_keeps_no_view_of_the_block(level):
+    from engine.quant import quantize
+
+    lm = tiny_model(seed=3, layers=2)
+    variant = quantize(lm, level)  # converts a copy, whose block is a copy of the original's
+    tensors = [*variant.model.parameters(), *variant.model.buffers()]
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in tensors)  # each owns its memory: no block left
+    assert len({w.untyped_storage().data_ptr() for w in _layer_weights(lm.model)}) == 1
