@@ -5,7 +5,12 @@ Every round runs all of them one token each in turn (bench/common.py's in_turn),
 a shared machine slows them alike. Prefill tokens/s is the prompt's length over the first token's time
 (the prompt's forward and the first pick), decode tokens/s the inverse of the median later token; both
 are measured the same way on both sides. Tokenpath's loop is the instrumented one (timing and
-attribution on, the telemetry sampler off). Writes bench/results/peers.md.
+attribution on, the telemetry sampler off). Where vLLM's CPU build is installed (`make vllm`), it is
+a second peer: after the lockstep rounds, with the others idle (a server cannot be advanced one token
+at a time, and its threads would take the cores from the others), the same prompt, token count and
+thread count go to a vLLM server as the same number of streamed requests, one after another, timed
+the same way from the client (the first token's time includes the request's round trip). Writes
+bench/results/peers.md.
 
     .venv/bin/python bench/peers.py [--tokens 64] [--rounds 3] [--levels fp32,int8-dyn,...]
 
@@ -15,6 +20,7 @@ import argparse
 import importlib.util
 import statistics
 import sys
+import time
 
 from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine import hardware
@@ -24,9 +30,13 @@ import torch
 from engine.generate import Generation, GenConfig
 from engine.models import default_gguf_path, load_model
 from engine.quant import available_levels, quantize
+from engine.served import StreamResult, make_client, open_stream, read_stream, request_body
+from engine.vllm_server import VLLMError, VLLMServer, vllm_python
 
 LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
 PEER = "llama.cpp Q4_1"
+VLLM_DTYPE = "bfloat16"  # the dtype vLLM's CPU build is fastest at here
+SERVED = "vLLM bf16"
 
 
 def load_llama_cpp(gguf, threads: int, context: int):
@@ -76,16 +86,54 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def served_request(client, model: str, n: int) -> tuple[list[int], list[float], int]:
+    """(token ids, per-token ms, prompt tokens) of one greedy streamed request of exactly n tokens: the
+    first entry is the time to the first token, and a chunk of several tokens shares its gap among them."""
+    body = request_body(model=model, prompt=PROMPT, raw=False, max_new_tokens=n, temperature=0.0, top_p=1.0,
+                        seed=None, token_ids=True)
+    body["extra_body"]["ignore_eos"] = True
+    result, ids, token_ms = StreamResult(), [], []
+    last = time.perf_counter_ns()
+    for chunk in read_stream(open_stream(client, body), result):
+        count = len(chunk.token_ids or [None])
+        gap_ms = (chunk.t_ns - last) / 1e6
+        token_ms += [gap_ms] if not token_ms else [gap_ms / count] * count
+        ids += chunk.token_ids or []
+        last = chunk.t_ns
+    return ids, token_ms, result.usage_prompt
+
+
+def served_rounds(n: int, rounds: int, threads: int) -> list | None:
+    """vLLM's rounds, each like one_round's entries, or None (with a line saying why) where it is not
+    installed or does not start."""
+    if not vllm_python().exists():
+        print("vLLM is not a peer in this run: its CPU build is not installed (`make vllm`).")
+        return None
+    server = VLLMServer(dtype=VLLM_DTYPE, threads=threads)
+    try:
+        server.start()
+    except VLLMError as exc:
+        print(f"vLLM is not a peer in this run: {exc}")
+        return None
+    try:
+        client = make_client(server.url)
+        served_request(client, server.model_name, 4)  # warm up
+        return [served_request(client, server.model_name, n) for _ in range(rounds)]
+    finally:
+        server.stop()
+
+
 def report(rounds: list[dict], levels: list[str], threads: int, n: int) -> None:
     prefill = {k: [p / ms[0] * 1e3 for _, ms, p in (r[k] for r in rounds)] for k in rounds[0]}
     decode = {k: [1e3 / statistics.median(ms[1:]) for _, ms, _ in (r[k] for r in rounds)] for k in rounds[0]}
     peer_decode, peer_prefill = statistics.median(decode[PEER]), statistics.median(prefill[PEER])
     prompt_len = rounds[0][PEER][2]
     print(f"{len(rounds)} rounds in lockstep, {threads} threads on both sides, {prompt_len} prompt tokens, "
-          f"{n} new tokens, greedy")
+          f"{n} new tokens, greedy" + (f"; {SERVED} served alone after them, {threads} threads, "
+                                       f"{rounds[0][SERVED][2]} prompt tokens" if SERVED in rounds[0] else ""))
     print(f"{'runner':<16} {'decode tok/s':>12} {'vs llama.cpp':>12} {'prefill tok/s':>13} {'vs llama.cpp':>12} "
           f"{'tokens as llama.cpp':>19}  per-round decode ratio")
-    for k in [*levels, PEER]:
+    for k in [*levels, PEER, *([SERVED] if SERVED in rounds[0] else [])]:
         d, p = statistics.median(decode[k]), statistics.median(prefill[k])
         same = agreement(rounds[-1][k][0], rounds[-1][PEER][0])
         per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(decode[k], decode[PEER]))
@@ -118,6 +166,9 @@ def main() -> int:
     print(f"{base.name} on {base.device}; llama.cpp on {gguf.name} (the GGUF Tokenpath's weights are converted from)")
     one_round(variants, llm, 4, calibration, 0)  # warm up every path
     rounds = [one_round(variants, llm, args.tokens, calibration, i) for i in range(args.rounds)]
+    served = served_rounds(args.tokens, args.rounds, threads)
+    for lockstep_round, served_round in zip(rounds, served or []):
+        lockstep_round[SERVED] = served_round
     report(rounds, levels, threads, args.tokens)
     return 0
 
