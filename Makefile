@@ -36,7 +36,7 @@ setup: $(STAMP) $(MODEL_STAMP) kernels
 
 # The C++ kernels are built here, never inside a measured run (a no-op once this version is built).
 kernels: | $(STAMP)
-	$(PY) -m engine.cpu_kernels
+	$(PY) -m engine.model.cpu_kernels
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,7 +1,7 @@
 """Tokenpath home: the thesis, the detected device, one live generation, the latest runs."""
 import streamlit as st
 
-from engine.distances import BUCKETS, FORMULAS
+from engine.measure.distances import BUCKETS, FORMULAS
 from ui import BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup
 
 page_setup("Tokenpath")
@@ -16,7 +16,7 @@ st.markdown(
 with st.expander("The five buckets and how they are computed", expanded=False):
     for bucket in BUCKETS:
         st.markdown(f"- **{bucket}**: {BUCKET_MEANING[bucket]}")
-    st.markdown("Per step, in milliseconds (from `engine/distances.py`, the code that computes them):")
+    st.markdown("Per step, in milliseconds (from `engine/measure/distances.py`, the code that computes them):")
     st.code(FORMULAS, language=None)
     st.markdown("Bandwidth and peak come from this device's calibration; bytes and FLOPs from the loaded model's "
                 "real tensors. Memory and compute are **estimates** from that roofline model; the step times and "

@@ -13,15 +13,16 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from engine import access, hardware
-from engine.charts import BUCKET_COLOURS, bucket_chart, run_label, series  # noqa: F401 (pages read them from here)
-from engine.definitions import BUCKET_MEANING  # noqa: F401
-from engine.distances import BUCKETS
-from engine.models import pick_device
-from engine.quant import LEVELS, level_info
-from engine.spec import RunSpec
-from engine.store import Store, StoreError
-from engine.worker import GenerationWorker, WorkerFailed
+from engine import access
+from engine.measure import hardware
+from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, series  # noqa: F401 (pages read them from here)
+from engine.report.definitions import BUCKET_MEANING  # noqa: F401
+from engine.measure.distances import BUCKETS
+from engine.model.loader import pick_device
+from engine.switches.quant import LEVELS, level_info
+from engine.run.spec import RunSpec
+from engine.store.db import Store, StoreError
+from engine.run.worker import GenerationWorker, WorkerFailed
 
 # (file, label) of every page, in the order the sidebar lists them
 PAGES = [("app.py", "Home"), ("pages/story.py", "Story"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
@@ -184,7 +185,7 @@ def generation_queue() -> GenerationQueue:
 
 @st.cache_resource(show_spinner=False)
 def generation_worker() -> GenerationWorker:
-    """The process the Live page's generations run in (engine.worker): the model's threads then share
+    """The process the Live page's generations run in (engine.run.worker): the model's threads then share
     no process with the server's."""
     return GenerationWorker()
 

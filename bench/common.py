@@ -9,8 +9,8 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from engine.generate import Generation, GenConfig
-from engine.hardware import cpu_facts
+from engine.run.generate import Generation, GenConfig
+from engine.measure.hardware import cpu_facts
 from engine.paths import REPO_ROOT, RESULTS
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -2,7 +2,7 @@
 alternating in one run. Our loop runs three ways per round: instrumented with the telemetry
 sampler off, instrumented (timing, attribution, telemetry), and instrumented plus recorded to
 DuckDB (a run row, every step and token); and once more on transformers' own forward instead of the
-lean one (engine/lean.py), to show what the lean forward saves. Prints
+lean one (engine/model/lean.py), to show what the lean forward saves. Prints
 tokens/s of each, the ratios, the fraction of the calibrated memory peak reached (weight bytes per
 token / the best read bandwidth calibration saw, at the start and again beside each round, since the
 machine's bandwidth moves from minute to minute; and step by step: each round ends with a decode
@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 
 from common import recorded  # first: the engine sets OpenMP's wait policy before torch loads
-from engine import hardware
+from engine.measure import hardware
 
 import torch
 
-from engine.accounting import model_shape
-from engine.generate import Generation, GenConfig
-from engine.text import prompt_ids
-from engine.models import load_model, tiny_model
-from engine.store import Store
+from engine.measure.accounting import model_shape
+from engine.run.generate import Generation, GenConfig
+from engine.run.text import prompt_ids
+from engine.model.loader import load_model, tiny_model
+from engine.store.db import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

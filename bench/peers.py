@@ -23,17 +23,17 @@ import sys
 import time
 
 from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
-from engine import hardware
+from engine.measure import hardware
 
 import httpx2
 import numpy as np
 import openai
 import torch
-from engine.generate import Generation, GenConfig
-from engine.models import default_gguf_path, load_model
-from engine.quant import available_levels, quantize
-from engine.served import StreamResult, explain, make_client, open_stream, read_stream, request_body
-from engine.vllm_server import VLLMError, VLLMServer, vllm_python
+from engine.run.generate import Generation, GenConfig
+from engine.model.loader import default_gguf_path, load_model
+from engine.switches.quant import available_levels, quantize
+from engine.serve.client import StreamResult, explain, make_client, open_stream, read_stream, request_body
+from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
 
 LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
 PEER = "llama.cpp Q4_1"

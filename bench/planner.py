@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from engine import hardware, plan
+from engine.measure import hardware
+from engine.plan import planner as plan
 
 
 def predict(point: dict) -> float:
@@ -38,7 +39,7 @@ def table() -> tuple[list[dict], float]:
 
 def local_runs(n: int) -> list[dict]:
     """Planned against measured decode time per token for n real runs of the default model (fp32)."""
-    from engine.store import Store
+    from engine.store.db import Store
 
     db = Path(tempfile.mkdtemp()) / "planner.duckdb"
     engine = [sys.executable, "-m", "engine"]
@@ -88,7 +89,7 @@ def stamp() -> str:
 
 def render(rows: list[dict], median: float) -> str:
     lines = ["# Planner against published batch-1 decode speeds", "", stamp(), "",
-             "Predicted by `engine/plan.py` with its default efficiency factors; measured as published (sources in "
+             "Predicted by `engine/plan/planner.py` with its default efficiency factors; measured as published (sources in "
              "`data/plan_calibration.json`). Error = predicted / measured - 1.", "",
              "| model | GPU | GPUs | weights | engine | measured tok/s | predicted tok/s | error |",
              "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]

@@ -7,10 +7,11 @@ decode tokens/s (the levels' generations advanced token by token in turn; bench/
 import argparse
 import statistics
 
-from engine import hardware, quality
-from engine.accounting import model_shape
-from engine.models import load_model
-from engine.quant import available_levels, level_info, quantize
+from engine.measure import hardware
+from engine.run import quality
+from engine.measure.accounting import model_shape
+from engine.model.loader import load_model
+from engine.switches.quant import available_levels, level_info, quantize
 from common import lockstep_rates, recorded
 
 

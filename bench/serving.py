@@ -12,14 +12,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from engine import hardware, served
-from engine.generate import Generation, GenConfig
-from engine.load import Sweep, SweepConfig, load_prompts, parse_concurrency
-from engine.models import load_model, workloads
+from engine.measure import hardware
+from engine.serve import client as served
+from engine.run.generate import Generation, GenConfig
+from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
+from engine.paths import workloads
+from engine.model.loader import load_model
 from engine.paths import REPO_ROOT
-from engine.served_cli import level_table
-from engine.store import Store
-from engine.vllm_server import VLLMServer
+from engine.cli.serving import level_table
+from engine.store.db import Store
+from engine.serve.vllm import VLLMServer
 
 WORKLOADS = ("passage question", "summary", "code edit")
 

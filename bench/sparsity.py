@@ -9,8 +9,10 @@ data/eval.txt; mask and skip compute the same function, so quality is measured o
 import argparse
 import statistics
 
-from engine import hardware, quality, sparsity
-from engine.models import load_model
+from engine.measure import hardware
+from engine.run import quality
+from engine.switches import sparsity
+from engine.model.loader import load_model
 from common import lockstep_rates, recorded
 
 

@@ -8,9 +8,10 @@ expects from the measured acceptance and cost ratio; per workload, the slowest a
 import argparse
 import statistics
 
-from engine import hardware
-from engine.generate import GenConfig
-from engine.models import load_model, workloads
+from engine.measure import hardware
+from engine.run.generate import GenConfig
+from engine.paths import workloads
+from engine.model.loader import load_model
 from common import lockstep, recorded
 
 METHODS = {

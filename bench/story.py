@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from common import recorded
-from engine import story
-from engine.worker import GenerationWorker
+from engine.report import story
+from engine.run.worker import GenerationWorker
 
 
 def play(worker: GenerationWorker, db: str) -> list[tuple[str, float, dict]]:

@@ -3,7 +3,7 @@ real browser (Debian's Chromium) and run from the command line, alternating in o
 decode tokens/s (1000 / TPOT) of the recorded runs. The page runs once per round for each choice of
 "Draw the tokens while they stream" given with --redraw (by default the page's default, every 2
 seconds, and at the end only): drawn against not drawn isolates what the drawing costs from what
-differs between the page's generation process (engine/worker.py) and a fresh command-line process.
+differs between the page's generation process (engine/run/worker.py) and a fresh command-line process.
 
 By default the page is loaded once and each run is a new click on Generate, as a person at the page
 would do. With --reload every run starts from a fresh load of the page: the browser then collects the
@@ -29,7 +29,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 from browser import browser_page, serve_app
 from common import recorded
-from engine.store import Store
+from engine.store.db import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 REDRAWS = ["every second", "every 2 seconds", "every 5 seconds", "at the end only"]  # the page's choices
@@ -98,7 +98,7 @@ class PageCpu:
     @staticmethod
     def _page_side(proc) -> bool:
         cmdline = " ".join(proc.cmdline())
-        return "chrom" in proc.name() or ("streamlit" in cmdline and "engine.worker" not in cmdline)
+        return "chrom" in proc.name() or ("streamlit" in cmdline and "engine.run.worker" not in cmdline)
 
     def _sample(self, every_s: float) -> None:
         procs, found_at = [], 0.0

@@ -12,8 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
-from .errors import UserError
-from .paths import REPO_ROOT, models_dir
+from engine.errors import UserError
+from engine.paths import REPO_ROOT, models_dir
 
 TOKEN_ENV = "TOKENPATH_TOKEN"
 MIN_TOKEN_CHARS = 12

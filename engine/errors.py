@@ -4,5 +4,8 @@ Its message is one sentence saying what is wrong and what to do; the command lin
 the pages show it, the worker sends it back as a refusal."""
 
 
+USER_ERROR = 2  # the exit code of every refusal on the command line
+
+
 class UserError(Exception):
     """Input or a state the user can fix; str(exc) is one sentence for them."""

@@ -10,6 +10,7 @@ EVAL_TEXT = DATA / "eval.txt"  # quality: teacher-forced perplexity, KL and top-
 CALIBRATION_TEXT = DATA / "calibration.txt"  # int8 smoothing factors, sparsity thresholds
 WORKLOADS = DATA / "workloads.json"
 RESULTS = REPO_ROOT / "bench" / "results"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model every fresh install carries (see engine.model.loader)
 
 
 def models_dir() -> Path:
@@ -20,3 +21,11 @@ def models_dir() -> Path:
 def default_db_path() -> Path:
     """The run store ($TOKENPATH_DB, default data/runs.duckdb)."""
     return Path(os.environ.get("TOKENPATH_DB", DATA / "runs.duckdb"))
+
+
+def workloads() -> dict[str, dict]:
+    """The shipped prompts, by name (data/workloads.json)."""
+    import json
+
+    data = json.loads(WORKLOADS.read_text())
+    return {w["name"]: w for w in data["workloads"]}

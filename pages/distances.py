@@ -4,8 +4,8 @@ import json
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import hardware
-from engine.distances import BUCKETS
+from engine.measure import hardware
+from engine.measure.distances import BUCKETS
 from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
                 plot_escape, run_label)
 

@@ -3,9 +3,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import hardware
-from engine.models import pick_device
-from engine.worker import WorkerFailed, WorkerRefused
+from engine.measure import hardware
+from engine.model.loader import pick_device
+from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import device_facts, md_escape, open_store, page_setup, run_in_worker
 
 page_setup("Hardware")

@@ -5,10 +5,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import kvcalc, shapes
-from engine.spec import GenConfig, RunSpec
-from engine.worker import WorkerFailed, WorkerRefused
-from engine.kvcalc import KVCalcError, human
+from engine.plan import kvcalc
+from engine.plan import shapes
+from engine.run.spec import GenConfig, RunSpec
+from engine.run.worker import WorkerFailed, WorkerRefused
+from engine.plan.kvcalc import KVCalcError, human
 from ui import default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")

@@ -5,16 +5,16 @@ import time
 
 import streamlit as st
 
-from engine.definitions import METRICS, SERVED_METRICS
-from engine.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
+from engine.report.definitions import METRICS, SERVED_METRICS
+from engine.switches.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
 from engine.dtypes import KV_CHOICES
-from engine.models import workloads
-from engine.plan import gpu_ids
-from engine.quant import INT4_GROUPS, LEVELS
-from engine.sparsity import MODES
-from engine.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
-from engine.speculative import METHODS
-from engine.worker import WorkerFailed, WorkerRefused
+from engine.paths import workloads
+from engine.plan.planner import gpu_ids
+from engine.switches.quant import INT4_GROUPS, LEVELS
+from engine.switches.sparsity import MODES
+from engine.run.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
+from engine.switches.speculative import METHODS
+from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
                 md_escape, open_store, page_setup, worker_request)
 

@@ -7,9 +7,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import plan
-from engine.kvcalc import human, project_model_folders
-from engine.shapes import ShapeError
+from engine.plan import planner as plan
+from engine.plan.kvcalc import human, project_model_folders
+from engine.plan.shapes import ShapeError
 from ui import BUCKET_COLOURS, md_escape, open_store, page_setup
 
 page_setup("Planner")

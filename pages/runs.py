@@ -74,7 +74,7 @@ st.dataframe(compare.T, width="stretch")
 st.page_link("pages/distances.py", label="Open the selected runs on Distances",
              query_params={"run": [str(i) for i in ids]})
 
-from engine.report import runs_report  # noqa: E402 (kept beside the one button that uses it)
+from engine.report.html import runs_report  # noqa: E402 (kept beside the one button that uses it)
 
 report_ids = sorted(ids)  # the oldest selected run is the baseline of the report's speedups
 st.download_button("Download report", lambda: runs_report(store, report_ids), mime="text/html",

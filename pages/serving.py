@@ -9,13 +9,15 @@ from pathlib import Path
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import served, served_store, sweep_views
-from engine.load import load_prompts, parse_concurrency
-from engine.models import workloads
+from engine.serve import client as served
+from engine.serve import records as served_store
+from engine.report import sweep_views
+from engine.serve.load import load_prompts, parse_concurrency
+from engine.paths import workloads
 from engine.paths import REPO_ROOT
-from engine.served import ServedError
-from engine.serving_metrics import DEFINITIONS
-from engine.sweep_report import load_sweep_report
+from engine.serve.client import ServedError
+from engine.serve.metrics import DEFINITIONS
+from engine.report.sweeps import load_sweep_report
 from ui import open_store, page_setup
 
 page_setup("Serving")

@@ -5,9 +5,9 @@ import time
 import pandas as pd
 import streamlit as st
 
-from engine import story
-from engine.served import ServedError, api_root
-from engine.worker import WorkerFailed, WorkerRefused
+from engine.report import story
+from engine.serve.client import ServedError, api_root
+from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import bucket_chart, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("Story")
@@ -104,7 +104,7 @@ def comparison_view(comparison, runs: dict) -> None:
 
 
 def physical_view(runs: dict) -> None:
-    st.warning("Estimates, not measurements: the planner (engine/plan.py) from data-sheet peaks and fitted "
+    st.warning("Estimates, not measurements: the planner (engine/plan/planner.py) from data-sheet peaks and fitted "
                "efficiency factors. The Planner page shows the formulas and lets you change every setting.")
     for title, results in story.deployment_results():
         st.plotly_chart(story.deployment_picture(title, results), width="stretch", key=f"dep-{title}")

@@ -7,14 +7,15 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine.advisor import advise
-from engine.sweep_report import sweep_report, sweep_tag
-from engine.distances import BUCKETS
-from engine.models import pick_device, workloads
-from engine.quant import available_levels
-from engine.spec import GenConfig, RunSpec
-from engine.speculative import METHODS
-from engine.worker import WorkerFailed, WorkerRefused
+from engine.report.advisor import advise
+from engine.report.sweeps import sweep_report, sweep_tag
+from engine.measure.distances import BUCKETS
+from engine.paths import workloads
+from engine.model.loader import pick_device
+from engine.switches.quant import available_levels
+from engine.run.spec import GenConfig, RunSpec
+from engine.switches.speculative import METHODS
+from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import BUCKET_COLOURS, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("Sweeps")

@@ -4,9 +4,9 @@ import signal
 import pytest
 import torch
 
-from engine import hardware
-from engine.models import load_model, tiny_model
-from engine.store import Store
+from engine.measure import hardware
+from engine.model.loader import load_model, tiny_model
+from engine.store.db import Store
 
 # Tests send Ctrl-C to the commands they start, as a terminal does to a foreground process. A shell
 # without job control that starts the suite in the background makes it ignore SIGINT, and an ignored

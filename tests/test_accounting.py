@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.accounting import ForwardWork, cache_nbytes, forward_work, model_shape
-from engine.distances import PHASES, Roofline, attribute, waste_fraction
-from engine.generate import Generation, GenConfig
+from engine.measure.accounting import ForwardWork, cache_nbytes, forward_work, model_shape
+from engine.measure.distances import PHASES, Roofline, attribute, waste_fraction
+from engine.run.generate import Generation, GenConfig
 
 
 def test_weight_bytes_count_a_tied_embedding_once(tiny_lm):

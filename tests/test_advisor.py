@@ -1,5 +1,5 @@
 """The advisor reads bucket shares and speedups, nothing else."""
-from engine.advisor import advise, bound_by
+from engine.report.advisor import advise, bound_by
 
 
 def run(label, rate, **ms):

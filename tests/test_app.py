@@ -2,8 +2,8 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.generate import Generation, GenConfig
-from engine.store import Store
+from engine.run.generate import Generation, GenConfig
+from engine.store.db import Store
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_the_live_bars_are_one_picture_whose_columns_stack_the_buckets(page_db, 
 
 
 def test_long_runs_draw_means_of_neighbouring_tokens_in_a_bounded_picture():
-    from engine.distances import BUCKETS
+    from engine.measure.distances import BUCKETS
     from ui import live_bars
 
     rows = [{"idx": i, **{f"{b}_ms": 0.0 for b in BUCKETS}} for i in range(7)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.store import Store
+from engine.store.db import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "data" / "models" / "SmolLM2-135M-Instruct"

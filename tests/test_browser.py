@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from browser import CHROMIUM, REPO, browser_page, serve_app
-from engine.store import Store
+from engine.store.db import Store
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")]

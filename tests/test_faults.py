@@ -11,8 +11,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine import journal
-from engine.store import Store
+from engine.store import journal
+from engine.store.db import Store
 
 REPO = Path(__file__).resolve().parent.parent
 

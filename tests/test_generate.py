@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from engine import generate
-from engine.generate import Generation, GenConfig, GenerationError
-from engine.step import select_token
-from engine.text import TextStream, prompt_ids
-from engine.models import tiny_model
+from engine.run import generate
+from engine.run.generate import Generation, GenConfig, GenerationError
+from engine.run.step import select_token
+from engine.run.text import TextStream, prompt_ids
+from engine.model.loader import tiny_model
 
 PROMPTS = ["Hello there", "def add(a, b):", "The weather today is"]
 
@@ -65,7 +65,7 @@ def test_stream_events_tile_the_run(tiny_lm, calibration, store):
 
 
 def test_each_step_reaches_the_journal_at_once_and_the_database_at_the_end(tiny_lm, calibration, store):
-    from engine import journal
+    from engine.store import journal
 
     gen = Generation(tiny_lm, GenConfig("Tell me", raw=True, max_new_tokens=12, ignore_eos=True), store=store,
                      calibration=calibration)

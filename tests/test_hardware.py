@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from engine import hardware
-from engine.generate import Generation, GenConfig
+from engine.measure import hardware
+from engine.run.generate import Generation, GenConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_the_memory_and_matmul_peaks_are_the_best_of_their_methods(calibration):
 
 
 def test_a_pass_of_the_peak_s_kernel_reads_every_cold_weight_once():
-    from engine.cpu_kernels import has_small_rows_kernel
+    from engine.model.cpu_kernels import has_small_rows_kernel
 
     one_pass = hardware.small_rows_pass(torch.device("cpu"))
     if not has_small_rows_kernel():

@@ -7,9 +7,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from browser import CHROMIUM, browser_page, serve_app
-from engine import hardware
-from engine.generate import Generation, GenConfig
-from engine.store import Store
+from engine.measure import hardware
+from engine.run.generate import Generation, GenConfig
+from engine.store.db import Store
 from ui import csv_safe, log_ticks, md_escape, plot_escape
 
 HOSTILE_MODEL = "**bold** [a](https://evil.example) :red[x] $x^2$ <b>b</b> `c`"

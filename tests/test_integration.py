@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.accounting import cache_nbytes, model_shape
-from engine.generate import Generation, GenConfig
-from engine.text import prompt_ids
-from engine.distances import BUCKETS
+from engine.measure.accounting import cache_nbytes, model_shape
+from engine.run.generate import Generation, GenConfig
+from engine.run.text import prompt_ids
+from engine.measure.distances import BUCKETS
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
@@ -132,7 +132,7 @@ def test_cli_refuses_an_unreadable_database(tmp_path):
 
 
 def test_int8_moves_fewer_bytes_per_token_than_fp32(default_lm, calibration):
-    from engine.quant import variant
+    from engine.switches.quant import variant
 
     prompt = "Describe a quiet harbour at dawn."
     fp32 = run(default_lm, calibration, prompt, max_new_tokens=8, ignore_eos=True)
@@ -148,7 +148,7 @@ def test_cli_quality_json_is_recorded(tmp_path):
     result = json.loads(out.stdout)
     assert result["variant"] == "int4-wo g32" and result["n_tokens"] > 2000
     assert 0 < result["kl_mean"] < 0.05 and result["top1_agreement"] > 0.9
-    from engine.store import Store
+    from engine.store.db import Store
 
     stored = Store(tmp_path / "q.duckdb").query("SELECT variant, perplexity FROM quality")
     assert list(stored["variant"]) == ["int4-wo g32"]

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from engine import kvcalc
-from engine.accounting import cache_nbytes
-from engine.generate import Generation, GenConfig
-from engine.kvcalc import KVCalcError, calculate, kv_bytes, spec, spec_from_config
+from engine.plan import kvcalc
+from engine.measure.accounting import cache_nbytes
+from engine.run.generate import Generation, GenConfig
+from engine.plan.kvcalc import KVCalcError, calculate, kv_bytes, spec, spec_from_config
 
 
 def test_the_seeds_example():
@@ -142,7 +142,7 @@ def test_calculator_equals_the_real_cache_of_a_live_model(tiny_lm, calibration, 
 
 
 def test_cli_kvcalc_json(tmp_path):
-    from engine.cli import main
+    from engine.cli.main import main
     import contextlib
     import io
 
@@ -158,7 +158,7 @@ def test_cli_kvcalc_json(tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_calculator_equals_the_default_models_real_cache(calibration, dtype):
-    from engine.models import load_model
+    from engine.model.loader import load_model
 
     lm = load_model(dtype=dtype)
     s = kvcalc.spec_from_model_folder("default")
@@ -213,7 +213,7 @@ BAD_KVCALC = {
 
 @pytest.mark.parametrize("case", list(BAD_KVCALC))
 def test_bad_kvcalc_input_exits_2_with_one_sentence(case, tmp_path, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     assert main(["kvcalc", *BAD_KVCALC[case](tmp_path)]) == 2
     out = capsys.readouterr()
@@ -223,15 +223,15 @@ def test_bad_kvcalc_input_exits_2_with_one_sentence(case, tmp_path, capsys):
 
 
 def test_a_model_folder_given_as_config_reads_its_config_json(capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     assert main(["kvcalc", "--config", str(kvcalc.DATA / "models" / "SmolLM2-135M-Instruct"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == 30
 
 
 def test_preset_ids_are_accepted_and_every_id_resolves(capsys):
-    from engine.cli import main
-    from engine.plan import preset_ids
+    from engine.cli.main import main
+    from engine.plan.planner import preset_ids
 
     for pid, name in preset_ids().items():
         assert main(["kvcalc", "--preset", pid, "--json"]) == 0

@@ -3,10 +3,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine import lean
-from engine.cpu_kernels import has_small_rows_kernel, optional_kernel
-from engine.lean import LeanLinear, LeanLlama
-from engine.models import tiny_model
+from engine.model import lean
+from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
+from engine.model.lean import LeanLinear, LeanLlama
+from engine.model.loader import tiny_model
 
 IDS = torch.tensor([[1, 15, 27, 300, 4000, 22, 9, 512, 77, 1000]])
 
@@ -189,7 +189,7 @@ def _prefill_and_steps(model) -> tuple[torch.Tensor, DynamicCache]:
 
 @pytest.mark.parametrize("level", ["fp32", "int8-wo", "int8-dyn", "int4-wo", "int4-dyn"])
 def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypatch):
-    from engine.quant import quantize
+    from engine.switches.quant import quantize
 
     real = optional_kernel()
     if real is None:
@@ -289,8 +289,8 @@ def test_a_step_s_cache_bytes_are_what_its_real_caches_moved(fused, calibration,
     decode's when its room runs out."""
     if fused and optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
-    from engine.accounting import cache_nbytes
-    from engine.generate import Generation, GenConfig
+    from engine.measure.accounting import cache_nbytes
+    from engine.run.generate import Generation, GenConfig
 
     monkeypatch.setattr(lean, "FUSED_DECODE", fused)
     gen = Generation(tiny_model(seed=2), GenConfig("A short prompt", raw=True, max_new_tokens=150, ignore_eos=True),
@@ -368,7 +368,7 @@ def test_the_layers_weights_sit_in_one_block_in_the_order_a_step_reads_them_and_
 
 @pytest.mark.parametrize("level", ["bf16", "int8-wo"])
 def test_a_level_that_replaces_every_layer_keeps_no_view_of_the_block(level):
-    from engine.quant import quantize
+    from engine.switches.quant import quantize
 
     lm = tiny_model(seed=3, layers=2)
     variant = quantize(lm, level)  # converts a copy, whose block is a copy of the original's

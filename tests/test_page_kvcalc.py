@@ -4,7 +4,7 @@ import json
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import kvcalc
+from engine.plan import kvcalc
 
 pytestmark = pytest.mark.usefixtures("page_db")
 

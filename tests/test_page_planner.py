@@ -4,8 +4,8 @@ import json
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import plan
-from engine.store import Store
+from engine.plan import planner as plan
+from engine.store.db import Store
 
 pytestmark = pytest.mark.usefixtures("page_db")
 STORIES = ["GPT-3 175B on a DGX A100: NVSwitch against PCIe", "Llama-2-70B on 2, 4 and 8 GPUs: NVLink against PCIe",

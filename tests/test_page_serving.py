@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import served_store
-from engine.load import Sweep, SweepConfig, load_prompts
-from engine.store import Store
-from engine.vllm_server import free_port
+from engine.serve import records as served_store
+from engine.serve.load import Sweep, SweepConfig, load_prompts
+from engine.store.db import Store
+from engine.serve.vllm import free_port
 
 from test_served import wait_for_port
 

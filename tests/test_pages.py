@@ -2,7 +2,7 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.store import Store
+from engine.store.db import Store
 
 pytestmark = pytest.mark.integration
 

@@ -2,8 +2,8 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.generate import Generation, GenConfig
-from engine.store import Store
+from engine.run.generate import Generation, GenConfig
+from engine.store.db import Store
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import kvcalc, plan
-from engine.plan import Efficiency, PlanError, Setup
+from engine.plan import kvcalc
+from engine.plan import planner as plan
+from engine.plan.planner import Efficiency, PlanError, Setup
 
 TOY_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 4, "head_dim": 8, "hidden_size": 4096, "vocab_size": 100,
@@ -195,7 +196,7 @@ BAD_PLAN = {
 
 @pytest.mark.parametrize("case", list(BAD_PLAN))
 def test_bad_plan_input_exits_2_with_one_sentence(case, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     assert main(["plan", *BAD_PLAN[case]]) == 2
     out = capsys.readouterr()
@@ -205,7 +206,7 @@ def test_bad_plan_input_exits_2_with_one_sentence(case, capsys):
 
 
 def test_plan_json_has_the_documented_keys(capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     assert main(["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb-sxm", "--gpus", "8", "--interconnect",
                  "nvswitch", "--json"]) == 0
@@ -218,7 +219,7 @@ def test_plan_json_has_the_documented_keys(capsys):
 
 
 def plan_keys():
-    from engine.plan_cli import JSON_KEYS
+    from engine.cli.planning import JSON_KEYS
 
     return JSON_KEYS
 

@@ -4,11 +4,11 @@ import copy
 import pytest
 import torch
 
-from engine import qlinear
-from engine.cpu_kernels import optional_kernel
-from engine.accounting import model_shape
-from engine.generate import Generation, GenConfig
-from engine.quant import (LEVELS, Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
+from engine.switches import qlinear
+from engine.model.cpu_kernels import optional_kernel
+from engine.measure.accounting import model_shape
+from engine.run.generate import Generation, GenConfig
+from engine.switches.quant import (LEVELS, Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantError,
                           available_levels, level_info, quantize, variant)
 
 
@@ -226,7 +226,7 @@ def test_bad_levels_get_one_sentence(tiny_lm):
         quantize(tiny_lm, "int4-wo", group_size=256)
     meta = torch.device("meta")
     with pytest.raises(QuantError, match="levels that work here"):
-        from engine.quant import check_level
+        from engine.switches.quant import check_level
         check_level("int8-dyn", meta, tiny_lm.model)
 
 

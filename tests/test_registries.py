@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from engine import quant, speculative
-from engine.cli import build_parser
-from engine.drafters import Drafter
-from engine.generate import Generation, GenConfig
-from engine.quant import LevelInfo, WeightLevel
+from engine.switches import quant
+from engine.switches import speculative
+from engine.cli.main import build_parser
+from engine.switches.drafters import Drafter
+from engine.run.generate import Generation, GenConfig
+from engine.switches.quant import LevelInfo, WeightLevel
 
 
 class HalfOfFp32(WeightLevel):

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import quality
-from engine.charts import BUCKET_COLOURS, bucket_chart, totals_chart
-from engine.definitions import BUCKET_MEANING, METRICS
-from engine.generate import Generation, GenConfig
-from engine.quant import variant
-from engine.report import ReportError, Section, runs_report
-from engine.distances import BUCKETS
-from engine.store import Store
+from engine.run import quality
+from engine.report.charts import BUCKET_COLOURS, bucket_chart, totals_chart
+from engine.report.definitions import BUCKET_MEANING, METRICS
+from engine.run.generate import Generation, GenConfig
+from engine.switches.quant import variant
+from engine.report.html import ReportError, Section, runs_report
+from engine.measure.distances import BUCKETS
+from engine.store.db import Store
 
 REPO = Path(__file__).resolve().parent.parent
 

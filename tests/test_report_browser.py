@@ -6,8 +6,8 @@ import os
 import pytest
 
 from browser import CHROMIUM, REPO, browser_page, open_offline, serve_app
-from engine.report import runs_report
-from engine.store import Store
+from engine.report.html import runs_report
+from engine.store.db import Store
 from test_report import make_runs, plotly_divs
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),

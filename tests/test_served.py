@@ -11,12 +11,14 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine import served, served_split, served_store
-from engine.load import Sweep, SweepConfig, load_prompts, parse_concurrency
-from engine.served import ServedError, ServedRunError
-from engine.serving_metrics import request_metrics
-from engine.distances import BUCKETS
-from engine.vllm_server import free_port
+from engine.serve import client as served
+from engine.serve import split as served_split
+from engine.serve import records as served_store
+from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
+from engine.serve.client import ServedError, ServedRunError
+from engine.serve.metrics import request_metrics
+from engine.measure.distances import BUCKETS
+from engine.serve.vllm import free_port
 
 SERVER = Path(__file__).with_name("stream_server.py")
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine import cpu_kernels
+from engine.model import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
                       "fcntl.flock(f, fcntl.LOCK_EX)", "print('held', flush=True)", "time.sleep(600)")
     assert holder.stdout.readline().strip() == "held"
     waiter = _builder({**os.environ, "TOKENPATH_BUILD": str(tmp_path)},
-                      "import engine.cpu_kernels as k",
+                      "import engine.model.cpu_kernels as k",
                       "k.is_built = lambda: True", "k._import = lambda d: 'imported'", "print(k.build())")
     time.sleep(8)
     assert waiter.poll() is None, waiter.communicate()  # still waiting on the live holder

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from engine import shapes
-from engine.shapes import ShapeError
+from engine.plan import shapes
+from engine.plan.shapes import ShapeError
 
 
 @pytest.mark.parametrize("value", [2.7, True, False, "32", [32], None, math.nan, math.inf, 10**400, 0, -5])

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from engine import sparse24, sparsity
-from engine.sparsity import SparsityError
+from engine.switches import sparse24
+from engine.switches import sparsity
+from engine.switches.sparsity import SparsityError
 
 
 def test_pruning_keeps_the_two_largest_of_every_four():

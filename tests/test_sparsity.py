@@ -3,9 +3,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine import cpu_kernels, sparsity
-from engine.generate import Generation, GenConfig
-from engine.sparsity import SparsityError, calibrate_thresholds, sparsify, zeroed_fraction
+from engine.model import cpu_kernels
+from engine.switches import sparsity
+from engine.run.generate import Generation, GenConfig
+from engine.switches.sparsity import SparsityError, calibrate_thresholds, sparsify, zeroed_fraction
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_bad_settings_get_one_sentence(tiny_lm, value, mode, words):
 
 
 def test_skip_needs_fp32_weights(tiny_lm):
-    from engine.quant import quantize
+    from engine.switches.quant import quantize
 
     with pytest.raises(SparsityError, match="fp32"):
         sparsity.check(quantize(tiny_lm, "bf16"), 0.5, "skip")

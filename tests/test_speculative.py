@@ -5,10 +5,11 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from engine.generate import Generation, GenConfig, GenerationError
-from engine.models import LoadedModel, tiny_model, workloads
-from engine.drafters import Jacobi, Lookahead, PromptLookup, SpeculativeError, Tree, crop_cache, early_exit
-from engine.speculative import Backoff, expected_speedup, greedy_accept, make_drafter, next_k, tree_accept
+from engine.run.generate import Generation, GenConfig, GenerationError
+from engine.paths import workloads
+from engine.model.loader import LoadedModel, tiny_model
+from engine.switches.drafters import Jacobi, Lookahead, PromptLookup, SpeculativeError, Tree, crop_cache, early_exit
+from engine.switches.speculative import Backoff, expected_speedup, greedy_accept, make_drafter, next_k, tree_accept
 
 
 def test_prompt_lookup_continues_the_latest_match():

@@ -7,7 +7,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine.store import SCHEMA_VERSION, Store, StoreError
+from engine.store.db import SCHEMA_VERSION, Store, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def test_a_crashed_run_is_marked_interrupted(tmp_path):
     path = tmp_path / "runs.duckdb"
     crashed = run_python(f"""
         import os
-        from engine.store import Store
+        from engine.store.db import Store
         s = Store({str(path)!r})
         print(s.start_run(model="m", device="cpu", dtype="float32", config={{}}, hardware={{}}, prompt="p"))
         os._exit(9)
@@ -61,10 +61,10 @@ def test_two_processes_record_runs_into_one_file(tmp_path):
     path = tmp_path / "runs.duckdb"
     Store(path)
     code = f"""
-        from engine import hardware
-        from engine.generate import Generation, GenConfig
-        from engine.models import tiny_model
-        from engine.store import Store
+        from engine.measure import hardware
+        from engine.run.generate import Generation, GenConfig
+        from engine.model.loader import tiny_model
+        from engine.store.db import Store
         import torch
         lm = tiny_model()
         store = Store({str(path)!r})
@@ -116,7 +116,7 @@ def test_a_folder_at_the_path_is_refused(tmp_path):
 
 
 def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibration, store):
-    from engine.generate import Generation, GenConfig
+    from engine.run.generate import Generation, GenConfig
 
     ids = [Generation(tiny_lm, GenConfig(f"run {i}", raw=True, max_new_tokens=3), store=store,
                       calibration=calibration).run()["run_id"] for i in range(2)]
@@ -129,9 +129,9 @@ def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibr
 def test_the_steps_and_tokens_tables_have_the_row_types_columns(store):
     from dataclasses import fields
 
-    from engine.rows import StepRow, TokenRow
+    from engine.run.rows import StepRow, TokenRow
 
-    served = {"server_work_ms"}  # a served run's unsplit server time (engine.served)
+    served = {"server_work_ms"}  # a served run's unsplit server time (engine.serve.client)
     for table, row in (("steps", StepRow), ("tokens", TokenRow)):
         columns = set(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
         assert columns == {f.name for f in fields(row)} | {"run_id"} | served, table

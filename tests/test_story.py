@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import story
-from engine.generate import Generation
-from engine.spec import GenConfig, GenerationError, RunSpec
-from engine.store import Store
+from engine.report import story
+from engine.run.generate import Generation
+from engine.run.spec import GenConfig, GenerationError, RunSpec
+from engine.store.db import Store
 from browser import free_port
 
 REPO = Path(__file__).resolve().parent.parent

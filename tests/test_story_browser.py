@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from browser import CHROMIUM, REPO, browser_page, free_port, open_offline, serve_app
-from engine import story
-from engine.store import Store
+from engine.report import story
+from engine.store.db import Store
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")]

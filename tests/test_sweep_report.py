@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
-from engine.generate import Generation, GenConfig
-from engine.load import Sweep, SweepConfig, load_prompts
-from engine.quant import variant
-from engine.report import ReportError
-from engine.store import Store
-from engine.sweep_report import load_sweep_report, sweep_report, sweep_tag
-from engine.vllm_server import free_port
+from engine.cli.main import main
+from engine.run.generate import Generation, GenConfig
+from engine.serve.load import Sweep, SweepConfig, load_prompts
+from engine.switches.quant import variant
+from engine.report.html import ReportError
+from engine.store.db import Store
+from engine.report.sweeps import load_sweep_report, sweep_report, sweep_tag
+from engine.serve.vllm import free_port
 
 from test_served import wait_for_port
 

@@ -5,12 +5,14 @@ import os
 import httpx2
 import pytest
 
-from engine import served, served_store, server_metrics
-from engine.generate import Generation, GenConfig
-from engine.load import Sweep, SweepConfig, load_prompts
-from engine.served import ServedError
-from engine.distances import BUCKETS
-from engine.vllm_server import VLLM_VENV, VLLMServer
+from engine.serve import client as served
+from engine.serve import records as served_store
+from engine.serve import scrape as server_metrics
+from engine.run.generate import Generation, GenConfig
+from engine.serve.load import Sweep, SweepConfig, load_prompts
+from engine.serve.client import ServedError
+from engine.measure.distances import BUCKETS
+from engine.serve.vllm import VLLM_VENV, VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 KEY_ENV = "TOKENPATH_TEST_VLLM_KEY"

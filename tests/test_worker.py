@@ -1,10 +1,10 @@
-"""The generation process the Live page runs its generations in (engine.worker), with the real model."""
+"""The generation process the Live page runs its generations in (engine.run.worker), with the real model."""
 import pytest
 
-from engine.generate import Generation, GenConfig
-from engine.spec import RunSpec
-from engine.store import Store
-from engine.worker import GenerationWorker, WorkerFailed, WorkerRefused
+from engine.run.generate import Generation, GenConfig
+from engine.run.spec import RunSpec
+from engine.store.db import Store
+from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
 pytestmark = pytest.mark.integration
 

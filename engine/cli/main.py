@@ -1,0 +1,416 @@
+"""python -m engine COMMAND: everything the pages show, from a terminal."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from engine.cli import serving as served_cli
+
+from engine.errors import USER_ERROR
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+SPEC_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
+              "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
+
+
+def spec_from_args(args):
+    """The RunSpec the command line describes; speculative flags without --spec are refused."""
+    from engine.run.generate import GenerationError
+    from engine.run.spec import GenConfig, RunSpec
+
+    given = [flag for dest, flag in SPEC_FLAGS.items()
+             if getattr(args, dest, None) is not None and getattr(args, dest) is not False]
+    if args.spec == "none" and given:
+        raise GenerationError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to speculative decoding: add --spec METHOD, or leave {'it' if len(given) == 1 else 'them'} out.")
+    defaults = GenConfig("")
+    spec_settings = {dest: getattr(defaults, dest) if getattr(args, dest) is None else getattr(args, dest)
+                     for dest in SPEC_FLAGS}
+    gen = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                    raw=args.raw, stop=args.stop or [], spec=args.spec, kv_dtype=args.kv_dtype, **spec_settings)
+    return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
+                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
+
+
+def cmd_generate(args) -> int:
+    from engine.run.generate import Generation
+    from engine.run.prepare import prepare
+    from engine.run.record import RecordDeferred
+    from engine.store.db import Store
+
+    if args.endpoint:  # a served model: the run goes to the server
+        return served_cli.cmd_generate(args)
+    spec = spec_from_args(args)
+    spec.check()
+    store = Store(args.db)
+    gen = Generation(prepare(spec, store), spec.gen, store=store)
+    try:
+        for event in gen:
+            if not args.json:
+                print(event.piece, end="", flush=True)
+    except RecordDeferred as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ncancelled: run {gen.run_id} recorded as cancelled", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"\nerror: the run failed and was recorded as run {gen.run_id} with status error: {exc}", file=sys.stderr)
+        return 1
+    result = gen.result
+    if args.json:
+        if args.tokens:
+            result["tokens"] = gen.tokens
+            result["steps"] = gen.steps
+        _print_json(result)
+    else:
+        d = result["distances_ms"]
+        print(f"\n\nrun {result['run_id']}: {result['n_new_tokens']} tokens, TTFT {result['ttft_ms']:.1f} ms, "
+              f"TPOT {result['tpot_ms'] or 0:.1f} ms, {result['tokens_per_s']:.1f} tok/s end to end "
+              f"(stopped by {result['stop_reason']})", file=sys.stderr)
+        print("distances (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in d.items()), file=sys.stderr)
+        if "speculative" in result:
+            sp = result["speculative"]
+            print(f"speculative: {sp['accepted']} of {sp['drafted']} drafted tokens accepted, "
+                  f"{sp['tokens_per_target_forward']:.2f} tokens per target forward", file=sys.stderr)
+    return 0
+
+
+def cmd_quality(args) -> int:
+    from engine.measure import hardware
+    from engine.run import quality
+    from engine.store.db import Store
+
+    from engine.run.prepare import base_model, prepare
+    from engine.run.spec import GenConfig, RunSpec
+
+    store = Store(args.db)
+    spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.quant,
+                   group_size=args.group_size, sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
+    spec.check()
+    base, candidate = base_model(spec), prepare(spec, store)
+    calibration = hardware.calibration_for(base.device, store)
+    name = candidate.quant + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
+    result = quality.measure(base, candidate, name, calibration, store=store,
+                             settings={"quant": args.quant, "group_size": args.group_size, "sparsity": args.sparsity,
+                                       "sparsity_mode": args.sparsity_mode})
+    if args.json:
+        _print_json(result)
+        return 0
+    divergence = result["first_divergence"]
+    print(f"{base.name} at {name} on {base.device}, {result['n_tokens']} tokens of data/eval.txt, "
+          f"teacher-forced against fp32:")
+    print(f"  perplexity {result['perplexity']:.3f}, mean KL {result['kl_mean']:.5f} nats, "
+          f"top-1 agreement {result['top1_agreement']:.1%}")
+    print("  greedy text identical to fp32 for 48 tokens" if divergence is None
+          else f"  greedy text departs from fp32 at token {divergence}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from engine.store.db import Store
+
+    frame = Store(args.db).runs(args.limit)
+    if args.json:
+        _print_json(json.loads(frame.to_json(orient="records", date_format="iso")))
+        return 0
+    if frame.empty:
+        print("no runs recorded yet")
+        return 0
+    cols = ["run_id", "started_at", "status", "model", "device", "kv_cache", "n_new_tokens", "ttft_ms",
+            "tpot_ms", "tokens_per_s", "prompt"]
+    view = frame[cols].copy()
+    view["prompt"] = view["prompt"].str.slice(0, 40)
+    print(view.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from engine.measure import hardware
+    from engine.model.loader import pick_device
+    from engine.store.db import Store
+
+    device = pick_device(args.device)
+    store = Store(args.db)
+    results = hardware.calibration_for(device, store, fresh=True)
+    facts = hardware.hardware_summary(device)
+    if args.json:
+        _print_json({"calibration": results, "hardware": facts})
+        return 0
+    print(f"device {results['device_key']} (calibrated in {results['seconds']:.1f} s)")
+    if results.get("suspect"):
+        print(f"  flagged, and not used while agreeing calibrations exist: {results['suspect']}")
+    print(f"  memory read peak: {results['memory_gbps']:.1f} GB/s (best method: {results['memory_method']})")
+    for method, gbps in results["memory_methods_gbps"].items():
+        print(f"    {method:<33} {gbps:.1f} GB/s")
+    for dtype, gflops in results["matmul_gflops"].items():
+        print(f"  matmul peak {dtype:>9}:             {gflops:.0f} GFLOP/s ({results['matmul_shape'][dtype]})")
+    print(f"  dispatch overhead per op:            {results['dispatch_us']:.1f} us")
+    print(f"  per matrix-vector product (4 MB):    {results['matvec_call_us']:.1f} us beyond its bytes")
+    if "host_link" in results:
+        link = results["host_link"]
+        print(f"  host to device {link['h2d_gbps']:.1f} GB/s, device to host {link['d2h_gbps']:.1f} GB/s, "
+              f"latency {link['h2d_latency_us']:.0f}/{link['d2h_latency_us']:.0f} us")
+    return 0
+
+
+def cmd_hardware(args) -> int:
+    from engine.measure import hardware
+    from engine.model.loader import pick_device
+
+    _print_json(hardware.hardware_summary(pick_device(args.device)))
+    return 0
+
+
+def kv_spec_from_args(args):
+    from engine.plan import kvcalc
+
+    if args.preset:
+        presets = kvcalc.load_presets()
+        from engine.plan.planner import preset_ids
+
+        wanted = preset_ids().get(args.preset.lower(), args.preset).lower()
+        matches = [name for name in presets if wanted in name.lower()]
+        exact = [name for name in matches if name.lower() == wanted]
+        if len(exact or matches) != 1:
+            raise kvcalc.KVCalcError(f"Preset '{args.preset}' matches {len(matches)} presets; choose one of: "
+                                     + "; ".join(presets) + ".")
+        s = presets[(exact or matches)[0]]
+    elif args.config:
+        s = kvcalc.spec_from_config(kvcalc.read_config_file(args.config), name=args.config)
+    elif args.model:
+        s = kvcalc.spec_from_model_folder(args.model)
+    elif None not in (args.layers, args.kv_heads, args.head_dim):
+        s = kvcalc.spec(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        attention_heads=args.heads)
+    else:
+        raise kvcalc.KVCalcError("Give --preset NAME, --config PATH, --model default|FOLDER, or all of --layers, "
+                                 "--kv-heads and --head-dim.")
+    if args.window is not None or args.sliding_layers is not None:
+        s = kvcalc.with_window(s, args.window, args.sliding_layers)
+    if args.params is not None:
+        s = kvcalc.replace(s, params=args.params)
+    return s
+
+
+def cmd_kvcalc(args) -> int:
+    from engine.plan import kvcalc
+
+    if args.list_presets:
+        for name, s in kvcalc.load_presets().items():
+            print(f"{name}: {s.kind}, {s.layers} layers, {s.kv_heads} kv heads x {s.head_dim}")
+        return 0
+    s = kv_spec_from_args(args)
+    result = kvcalc.calculate(s, context=args.context, dtype=args.dtype, batch=args.batch, tp=args.tp,
+                              group=args.group, weight_dtype=args.weight_dtype)
+    if args.json:
+        _print_json(result)
+        return 0
+    print(f"{s.name}: {s.kind}, KV in {args.dtype} ({result['bits_per_value']:g} bits per value)")
+    print(f"  per token: {result['values_per_token']:,} values = {kvcalc.human(result['bytes_per_token'])}")
+    print(f"  at {args.context} tokens x batch {args.batch}{f' per GPU of {args.tp}' if args.tp > 1 else ''}: "
+          f"{kvcalc.human(result['total_bytes'])}")
+    print(f"  = {kvcalc.formula(s, args.dtype, args.context, args.batch, args.tp, args.group)}")
+    if result["weights_bytes"]:
+        print(f"  weights ({args.weight_dtype}{', per GPU' if args.tp > 1 else ''}): {kvcalc.human(result['weights_bytes'])}")
+    else:
+        print("  weights: unknown (give --params); the fits below count the KV cache alone")
+    for g in result["gpus"]:
+        fit = "fits" if g["fits"] else "does not fit"
+        cap = " (the model's limit)" if g["longest_context"] == g["context_search_limit"] else ""
+        print(f"  {g['gpu']:<30} {fit:>12}; reading the cache once takes {g['kv_read_ms_per_step']:.3f} ms; "
+              f"longest context {g['longest_context']:,}{cap}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from engine.model import cpu_kernels
+    from engine.model.loader import default_model_dir
+
+    print(f"default model ready at {default_model_dir()}")
+    print(f"C++ kernels {cpu_kernels.prepare()} ({cpu_kernels.build_directory()})")
+    return 0
+
+
+def add_quant_args(p) -> None:
+    from engine.switches.quant import INT4_GROUPS, LEVELS
+
+    p.add_argument("--quant", default="fp32", choices=list(LEVELS), help="weight precision level")
+    p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
+    p.add_argument("--sparsity", type=float, default=0.0, help="target activation sparsity, 0 to 0.9")
+    p.add_argument("--sparsity-mode", default="mask", choices=["mask", "skip", "2:4"],
+                   help="mask: zero small inputs, dense matmul; skip: do not read their weights")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one sentence (no usage block); --help still prints the usage."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see '{self.prog} --help'.", file=sys.stderr)
+        sys.exit(USER_ERROR)
+
+
+MAX_LIMIT = 1_000_000
+
+
+def run_limit(text: str) -> int:
+    """--limit: a whole number of runs from 1 to MAX_LIMIT."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"give a whole number of runs from 1 to {MAX_LIMIT:,}, not '{text[:40]}'")
+    return value
+
+
+def common(p, device=True) -> None:
+    p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
+    if device:
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_generate_parser(sub) -> None:
+    """generate: its choices of weight level, KV precision and speculative method come from the registries."""
+    from engine.dtypes import KV_CHOICES
+    from engine.switches.speculative import METHODS
+
+    g = sub.add_parser("generate", help="generate text token by token and record the run")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
+    add_quant_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
+    g.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
+                   help="KV-cache precision; auto keeps the weights' compute dtype")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
+    g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
+    g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
+    g.add_argument("--spec", default="none", choices=list(METHODS),
+                   help="speculative decoding: " + "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    g.add_argument("--spec-k", type=int, help="tokens drafted per step (default 4)")
+    g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")
+    g.add_argument("--draft-model", help="for --spec draft: self-int8, self-exit:K, or a model id or folder")
+    g.add_argument("--max-ngram", type=int,
+                   help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
+    g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
+    g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
+    served_cli.add_generate_options(g)
+    common(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def add_kvcalc_parser(sub) -> None:
+    from engine.dtypes import BITS
+
+    k = sub.add_parser("kvcalc", help="KV-cache and memory calculator")
+    k.add_argument("--preset", help="a shipped model preset (substring of its name); --list-presets lists them")
+    k.add_argument("--config", help="a model's config.json")
+    k.add_argument("--model", help="'default' or a local model folder: its config.json and real parameter count")
+    k.add_argument("--layers", type=int)
+    k.add_argument("--kv-heads", type=int)
+    k.add_argument("--heads", type=int, help="attention heads (default: --kv-heads)")
+    k.add_argument("--head-dim", type=int)
+    k.add_argument("--window", type=int, help="sliding-window length")
+    k.add_argument("--sliding-layers", type=int, help="layers that use the window (default: all)")
+    k.add_argument("--dtype", default="fp16", choices=list(BITS))
+    k.add_argument("--group", type=int, default=64, help="values per 16-bit scale for int8/int4 KV")
+    k.add_argument("--context", type=int, default=2048)
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (per-GPU share)")
+    k.add_argument("--params", type=float, help="parameter count, for the weights memory")
+    k.add_argument("--weight-dtype", default="bf16", choices=list(BITS))
+    k.add_argument("--list-presets", action="store_true")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_kvcalc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m engine", description="Tokenpath engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    q = sub.add_parser("quality", help="perplexity, KL and top-1 agreement against fp32 on data/eval.txt")
+    q.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
+    add_quant_args(q)
+    common(q)
+    q.set_defaults(func=cmd_quality)
+
+    r = sub.add_parser("runs", help="recorded runs, newest first")
+    r.add_argument("--limit", type=run_limit, default=20, help=f"how many runs, 1 to {MAX_LIMIT:,}")
+    common(r, device=False)
+    r.set_defaults(func=cmd_runs)
+
+    c = sub.add_parser("calibrate", help="measure memory bandwidth, matmul peak and dispatch cost")
+    common(c)
+    c.set_defaults(func=cmd_calibrate)
+
+    h = sub.add_parser("hardware", help="device facts (CPU, NVML GPUs)")
+    h.add_argument("--device", default="auto")
+    h.set_defaults(func=cmd_hardware)
+
+    add_kvcalc_parser(sub)
+    from engine.cli.planning import add_plan_parser
+
+    add_plan_parser(sub)
+    p = sub.add_parser("prepare", help="convert the embedded default model and build the C++ kernels, once")
+    p.set_defaults(func=cmd_prepare)
+    served_cli.add_parsers(sub)
+    from engine.cli.reporting import add_parser as add_report_parser
+
+    add_report_parser(sub)
+    return parser
+
+
+def _cancelled(*_):
+    """Ctrl-C before a run started (importing, parsing, loading): nothing to record. The process
+    ends at once: an import cut half-way leaves modules that a normal shutdown trips over."""
+    print("\ncancelled: interrupted before the command finished", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def _cancel_on_sigterm() -> None:
+    """SIGTERM (timeout, systemd, Docker) ends a run as Ctrl-C does: recorded as cancelled, tokens kept."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def main(argv=None) -> int:
+    previous = signal.signal(signal.SIGINT, _cancelled)
+    try:
+        args = build_parser().parse_args(argv)
+        from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)
+        from engine.errors import UserError
+
+        _quiet_libraries()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    _cancel_on_sigterm()
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:  # a command's own run records its cancellation; this one had none running
+        _cancelled()

@@ -1,0 +1,173 @@
+"""Command-line side of served models: `generate --endpoint URL`, `load` (a load sweep) and
+`serve-vllm` (vLLM's CPU build on 127.0.0.1), as parser builders and command functions."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+from engine.errors import USER_ERROR
+
+
+def add_generate_options(g) -> None:
+    g.add_argument("--endpoint", help="an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI), e.g. "
+                                      "http://127.0.0.1:8000: the run goes there instead of the local model")
+    g.add_argument("--served-model", help="with --endpoint: the server's model name (default: the first it lists)")
+    g.add_argument("--api-key-env", help="with --endpoint: the environment variable that holds the API key")
+    g.add_argument("--gpu", help="with --endpoint: the server's GPU, to split its work into memory and compute "
+                                 "with the planner (an estimate)")
+    g.add_argument("--timeout", type=float, default=120.0, help="with --endpoint: seconds a stream may stall")
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+LOCAL_ONLY = {"quant": "fp32", "sparsity": 0.0, "no_kv_cache": False, "kv_dtype": "auto", "spec": "none",
+              "top_k": 0, "stop": None}
+
+
+def cmd_generate(args) -> int:
+    from engine.serve import client as served
+    from engine.store.db import Store, StoreError
+
+    local = [f"--{k.replace('_', '-')}" for k, default in LOCAL_ONLY.items() if getattr(args, k, default) != default]
+    if local:
+        one = len(local) == 1
+        print(f"error: {', '.join(local)} only appl{'ies' if one else 'y'} to the local engine: leave "
+              f"{'it' if one else 'them'} out with --endpoint.", file=sys.stderr)
+        return USER_ERROR
+    try:
+        run = served.generate(args.endpoint, served_model=args.served_model, prompt=args.prompt,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed, raw=args.raw, api_key_env=args.api_key_env, gpu=args.gpu,
+                              store=Store(args.db), timeout_s=args.timeout)
+    except (served.ServedError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    try:
+        for event in run:
+            if not args.json:
+                print(event.piece, end="", flush=True)
+    except KeyboardInterrupt:
+        run.close()
+        print(f"\ncancelled: run {run.run_id} recorded as cancelled", file=sys.stderr)
+        return 130
+    except served.ServedRunError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    result = run.result
+    if args.json:
+        if args.tokens:
+            result = {**result, "tokens": run.tokens, "steps": run.steps}
+        _print_json(result)
+        return 0
+    chunks = f" in {result['n_chunks']} chunks" if result["n_chunks"] != result["n_new_tokens"] else ""
+    print(f"\n\nrun {result['run_id']} on {run.root} ({run.served_model}): {result['n_new_tokens']} tokens{chunks}, "
+          f"TTFT {result['ttft_ms']:.1f} ms, "
+          f"TPOT {result['tpot_ms'] or 0:.1f} ms, E2E {result['e2e_ms']:.1f} ms (tokens from "
+          f"{result['token_source']}, stopped by {result['stop_reason']})", file=sys.stderr)
+    d = result["distances_ms"]
+    parts = [f"{k} {v:.1f}" for k, v in d.items() if v is not None]
+    if d.get("memory") is None:
+        parts.append(f"server work {result['server_work_ms']:.1f} (not split: no --gpu)")
+    print("buckets (ms): " + ", ".join(parts), file=sys.stderr)
+    return 0
+
+
+def cmd_load(args) -> int:
+    from engine.serve import load
+    from engine.serve.client import ServedError
+    from engine.store.db import Store, StoreError
+
+    try:
+        cfg = load.SweepConfig(endpoint=args.endpoint, concurrency=load.parse_concurrency(args.concurrency),
+                               requests=args.requests, max_new_tokens=args.max_new_tokens,
+                               prompts=load.load_prompts(args.prompts), served_model=args.served_model,
+                               api_key_env=args.api_key_env, temperature=args.temperature, timeout_s=args.timeout)
+        sweep = load.Sweep(cfg, Store(args.db), progress_path=args.progress,
+                           on_progress=None if args.json else _print_progress)
+    except (ServedError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    # Stop (the page's button, or Ctrl-C) cuts the requests in flight and keeps what finished
+    signal.signal(signal.SIGTERM, lambda *_: sweep.stop())
+    signal.signal(signal.SIGINT, lambda *_: sweep.stop())
+    summary = sweep.run()
+    if args.json:
+        _print_json(summary)
+    else:
+        print(file=sys.stderr)
+        print(level_table(summary["levels"]))
+        print(f"sweep {summary['sweep_id']} {summary['status']}", file=sys.stderr)
+    return 0 if summary["status"] in ("ok", "stopped") else 1
+
+
+def _print_progress(state: dict) -> None:
+    eta = f", about {state['eta_s']:.0f} s left" if state.get("eta_s") is not None else ""
+    print(f"\r{state['done']}/{state['total']} requests{eta}   ", end="", file=sys.stderr, flush=True)
+
+
+def level_table(levels: list[dict]) -> str:
+    """One line per concurrency level: the p50/p90/p99 figures and throughput."""
+    lines = [f"{'conc':>4} {'ok':>4} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} {'TPOT p50 ms':>11} "
+             f"{'E2E p50 ms':>10} {'req/s':>6} {'out tok/s':>9}"]
+    fmt = lambda s: "/".join(f"{s[f'p{q}']:.0f}" if s[f"p{q}"] is not None else "-" for q in (50, 90, 99))  # noqa: E731
+    for lv in levels:
+        lines.append(f"{lv['concurrency']:>4} {lv['completed']:>4} {fmt(lv['ttft_ms']):>22} {fmt(lv['itl_ms']):>20} "
+                     f"{lv['tpot_ms']['p50'] or 0:>11.1f} {lv['e2e_ms']['p50'] or 0:>10.0f} "
+                     f"{lv['requests_per_s'] or 0:>6.2f} {lv['output_tokens_per_s'] or 0:>9.1f}")
+    return "\n".join(lines)
+
+
+def cmd_serve_vllm(args) -> int:
+    from engine.serve.client import ServedError
+    from engine.serve.vllm import VLLMError, VLLMServer
+
+    try:
+        from engine.serve.client import api_key
+
+        key = api_key(args.api_key_env) if args.api_key_env else None
+        server = VLLMServer(port=args.port, dtype=args.dtype, threads=args.threads, api_key=key)
+        print(f"starting vLLM on 127.0.0.1:{server.port} (log {server.log_path}); the first start compiles for "
+              "several minutes", file=sys.stderr)
+        url = server.start()
+    except (VLLMError, ServedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    print(url, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(1.0)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """The `load` and `serve-vllm` commands."""
+    lp = sub.add_parser("load", help="a load sweep against an OpenAI-compatible server")
+    lp.add_argument("--endpoint", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    lp.add_argument("--concurrency", default="1,2,4,8", help="levels, comma-separated")
+    lp.add_argument("--requests", type=int, default=16, help="requests per level")
+    lp.add_argument("--max-new-tokens", type=int, default=64)
+    lp.add_argument("--prompts", help="a prompts file (JSON list, or paragraphs of text) or a shipped workload name")
+    lp.add_argument("--served-model", help="the server's model name (default: the first it lists)")
+    lp.add_argument("--api-key-env", help="the environment variable that holds the API key")
+    lp.add_argument("--temperature", type=float, default=0.0)
+    lp.add_argument("--timeout", type=float, default=120.0, help="seconds a stream may stall")
+    lp.add_argument("--progress", help="a JSON file the sweep keeps its progress in")
+    lp.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
+    lp.add_argument("--json", action="store_true", help="print one JSON object")
+    lp.set_defaults(func=cmd_load)
+
+    sp = sub.add_parser("serve-vllm", help="start vLLM's CPU build with the default model on 127.0.0.1")
+    sp.add_argument("--port", type=int, help="default: a free port")
+    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sp.add_argument("--threads", type=int, default=1, help="OpenMP threads for the model")
+    sp.add_argument("--api-key-env", help="require the API key held in this environment variable")
+    sp.set_defaults(func=cmd_serve_vllm)

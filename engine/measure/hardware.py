@@ -1,0 +1,534 @@
+"""Device facts, calibration microbenchmarks and telemetry sampling.
+
+No GPU or no NVIDIA driver is a normal state, reported as such."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+
+from engine import OPENMP_WAIT
+
+# 2: the memory and matmul peaks are the best of several methods and shapes
+# 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
+CALIBRATION_VERSION = 3
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_facts() -> dict:
+    return {
+        "model": _cpu_model(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "torch_threads": torch.get_num_threads(),
+        "openmp_wait": OPENMP_WAIT,
+        "ram_bytes": psutil.virtual_memory().total,
+    }
+
+
+def _nvml():
+    """The pynvml module, initialised, or a reason why not."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, None
+    except Exception as exc:  # no driver, no library, no GPU: all normal here
+        return None, f"NVML unavailable ({type(exc).__name__}: {str(exc)[:80] or 'no detail'})"
+
+
+def _nvml_or_none(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+def gpu_facts() -> dict:
+    nvml, reason = _nvml()
+    if nvml is None:
+        return {"available": False, "reason": reason, "gpus": []}
+    gpus = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        gen = _nvml_or_none(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        width = _nvml_or_none(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+        max_gen = _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h)
+        max_width = _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkWidth, h)
+        bus_width = _nvml_or_none(nvml.nvmlDeviceGetMemoryBusWidth, h)
+        max_mem_clock = _nvml_or_none(nvml.nvmlDeviceGetMaxClockInfo, h, nvml.NVML_CLOCK_MEM)
+        nvlinks = 0
+        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            if _nvml_or_none(nvml.nvmlDeviceGetNvLinkState, h, link) == 1:
+                nvlinks += 1
+        gpus.append({
+            "index": i,
+            "name": nvml.nvmlDeviceGetName(h),
+            "memory_total_bytes": mem.total,
+            "memory_used_bytes": mem.used,
+            "pcie_gen": gen, "pcie_width": width, "pcie_max_gen": max_gen, "pcie_max_width": max_width,
+            "pcie_bandwidth_gbps": pcie_bandwidth_gbps(gen, width),
+            "pcie_max_bandwidth_gbps": pcie_bandwidth_gbps(max_gen, max_width),
+            "memory_bus_width_bits": bus_width,
+            "memory_max_clock_mhz": max_mem_clock,
+            # DDR/HBM transfer data on both clock edges: 2 transfers per clock per bus bit
+            "memory_theoretical_gbps": (2 * max_mem_clock * 1e6 * bus_width / 8 / 1e9)
+            if bus_width and max_mem_clock else None,
+            "nvlink_links_up": nvlinks,
+        })
+    return {"available": True, "reason": None, "gpus": gpus}
+
+
+# usable bandwidth per lane per direction in GB/s, after line encoding
+_PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def pcie_bandwidth_gbps(gen: int | None, width: int | None) -> float | None:
+    if not gen or not width or gen not in _PCIE_LANE_GBPS:
+        return None
+    return _PCIE_LANE_GBPS[gen] * width
+
+
+def hardware_summary(device: torch.device) -> dict:
+    facts = {"device": str(device), "torch": torch.__version__, "cpu": cpu_facts(), "gpu": gpu_facts()}
+    if device.type == "cuda":
+        facts["cuda_device"] = torch.cuda.get_device_name(device)
+    return facts
+
+
+def device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "mps":
+        return f"mps:{platform.machine()}"
+    return f"cpu:{_cpu_model()}:{torch.get_num_threads()}threads"
+
+
+# --- calibration -----------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    """Wait for the device to finish queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _pass_seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    def run():
+        fn()
+        sync(device)
+
+    run()
+    return min(_pass_seconds(run) for _ in range(repeats))
+
+
+def _weights_budget_bytes(device: torch.device) -> int:
+    """Enough distinct weights that they cannot sit in a last-level cache (300 MiB on this CPU's host,
+    tens of MB on GPUs), so every pass reads them from main memory."""
+    return 1 << 30
+
+
+def _cold_weights(device: torch.device, dtype: torch.dtype, rows: int = 4096, cols: int = 4096) -> list:
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(2, _weights_budget_bytes(device) // (rows * cols * elem))
+    return [torch.ones(rows, cols, device=device, dtype=dtype) for _ in range(count)]
+
+
+def _nbytes(mats: list) -> int:
+    return sum(w.nbytes for w in mats)
+
+
+def _one_pass(mats: list, product, device: torch.device):
+    """A function that runs one product per matrix over all of them and waits for the device."""
+    x = torch.ones(1, mats[0].shape[1], device=device, dtype=mats[0].dtype)
+
+    def run():
+        for w in mats:
+            product(x, w)
+        sync(device)
+
+    return run
+
+
+def _pass_gbps(mats: list, product, device: torch.device) -> float:
+    """GB/s of one product per matrix over all of them, best of a few passes."""
+    return _nbytes(mats) / _best_seconds(_one_pass(mats, product, device), device, repeats=5) / 1e9
+
+
+def measure_gemv_bandwidth(device: torch.device, dtype: torch.dtype = torch.float32, mats: list | None = None) -> float:
+    """GB/s reading cold weights through matrix-vector products, the access pattern of decoding."""
+    return _pass_gbps(mats or _cold_weights(device, dtype), torch.nn.functional.linear, device)
+
+
+def _small_rows_product(device: torch.device):
+    """The project's small-rows kernel (the one fp32 decode steps run) as a product (x, w) -> x w^T,
+    or None where it does not run here."""
+    from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
+
+    if device.type != "cpu" or not has_small_rows_kernel():
+        return None
+    kernel = optional_kernel()
+    return lambda x, w: kernel.small_linear(x, w, None)
+
+
+def measure_small_rows_bandwidth(device: torch.device, mats: list | None = None) -> float | None:
+    """GB/s of the small-rows kernel over cold weights, or None where that kernel does not run here."""
+    product = _small_rows_product(device)
+    return _pass_gbps(mats or _cold_weights(device, torch.float32), product, device) if product else None
+
+
+def small_rows_pass(device: torch.device):
+    """A function that runs the small-rows kernel (the kernel fp32 decode steps run, and the read
+    method the memory peak most often comes from on a CPU) once over cold weights and returns that
+    pass's (bytes, seconds): a reading of what memory gives at that moment, to set beside each decode
+    step, since the best of a few passes at one moment is no measure of the next second on a machine
+    whose bandwidth moves. None where that kernel does not run here."""
+    product = _small_rows_product(device)
+    if product is None:
+        return None
+    mats = _cold_weights(device, torch.float32)
+    run = _one_pass(mats, product, device)
+    return lambda: (_nbytes(mats), _pass_seconds(run))
+
+
+def measure_stream_bandwidth(device: torch.device) -> float:
+    """GB/s of a plain streaming read (a sum over a large buffer, on every thread)."""
+    buf = torch.ones(_weights_budget_bytes(device) // 4, device=device)
+    seconds = _best_seconds(lambda: buf.sum(), device, repeats=3)
+    return buf.nbytes / seconds / 1e9
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """GB/s of bytes read plus bytes written by a large copy (STREAM's convention for copy)."""
+    src = torch.ones(_weights_budget_bytes(device) // 8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats=3)
+    return 2 * src.nbytes / seconds / 1e9
+
+
+def measure_read_bandwidth(device: torch.device) -> dict[str, float]:
+    """Every method's read bandwidth in GB/s: the memory peak is the best of them, because a run's
+    kernels can stream no faster than the fastest way these cores were seen to."""
+    mats = _cold_weights(device, torch.float32)
+    methods = {"gemv": measure_gemv_bandwidth(device, mats=mats),
+               "small_rows_kernel": measure_small_rows_bandwidth(device, mats=mats)}
+    del mats
+    methods["stream_sum"] = measure_stream_bandwidth(device)
+    methods["copy"] = measure_copy_bandwidth(device)
+    return {name: value for name, value in methods.items() if value is not None}
+
+
+def best_method(figures: dict) -> tuple[str, float]:
+    """The method with the highest figure, and that figure."""
+    name = max(figures, key=figures.get)
+    return name, figures[name]
+
+
+def _matmul_shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    """(M, K, N) products, smallest first: square ones and a prefill-like one (a few hundred rows
+    against a wide weight)."""
+    if device.type == "cuda":
+        return [(4096, 4096, 4096), (2048, 4096, 16384), (8192, 8192, 8192)]
+    return [(512, 512, 512), (1024, 1024, 1024), (256, 2048, 4096), (2048, 2048, 2048)]
+
+
+# A shape whose measurement would take longer than this at the best rate seen so far is skipped: a
+# dtype without fast units here (bf16 on a CPU without AVX-512 BF16) runs at a fraction of a GFLOP/s.
+MATMUL_BUDGET_S = 2.0
+_MATMUL_REPEATS = 3
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] | None = None) -> float:
+    """GFLOP/s of one matmul shape (M, K, N) at this dtype (square 1024 or 4096 when not given)."""
+    m, k, n = shape or ((4096,) * 3 if device.type == "cuda" else (1024,) * 3)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    seconds = _best_seconds(lambda: a @ b, device, repeats=_MATMUL_REPEATS)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """GFLOP/s of each shape of _matmul_shapes that fits MATMUL_BUDGET_S, keyed "MxKxN" (the first
+    always runs); the peak is the best of them."""
+    figures: dict[str, float] = {}
+    for shape in _matmul_shapes(device):
+        flops = 2 * shape[0] * shape[1] * shape[2]
+        if figures and (_MATMUL_REPEATS + 1) * flops / (max(figures.values()) * 1e9) > MATMUL_BUDGET_S:
+            continue
+        figures["x".join(map(str, shape))] = measure_matmul_flops(device, dtype, shape)
+    return figures
+
+
+def measure_matvec_call_us(device: torch.device, pairs: int = 15) -> float:
+    """Microseconds a decode-sized matrix-vector product (1024 x 1024, 4 MB of float32 weights, in the
+    kernel fp32 decode steps run) takes beyond its bytes at the rate the same kernel reads 64 MB
+    matrices: waking the other threads and ramping the read up, paid once per product. A pass over the
+    small matrices and one over as many bytes of large ones make a pair, in alternating order, and the
+    median pair's excess is the figure: the machine's bandwidth moves from second to second, and two
+    rates measured apart would carry that difference into a cost a step pays a hundred times. 0 when it
+    is not above noise."""
+    small = _cold_weights(device, torch.float32, rows=1024, cols=1024)
+    large = _cold_weights(device, torch.float32)
+    product = _small_rows_product(device) or torch.nn.functional.linear
+    run_small, run_large = _one_pass(small, product, device), _one_pass(large, product, device)
+    run_small(), run_large()  # first touches
+    excess = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            small_s, large_s = _pass_seconds(run_small), _pass_seconds(run_large)
+        else:
+            large_s, small_s = _pass_seconds(run_large), _pass_seconds(run_small)
+        excess.append((small_s / _nbytes(small) - large_s / _nbytes(large)) * small[0].nbytes)
+    return max(statistics.median(excess), 0.0) * 1e6
+
+
+def measure_dispatch_us(device: torch.device) -> float:
+    """Microseconds per tiny op: the fixed cost every kernel launch or dispatch pays."""
+    x = torch.ones(8, device=device)
+    n = 2000
+
+    def run():
+        for _ in range(n):
+            torch.add(x, 1.0)
+
+    return _best_seconds(run, device, repeats=3) / n * 1e6
+
+
+def measure_host_link(device: torch.device) -> dict:
+    """Host-to-device and device-to-host bandwidth (pinned, 256 MB) and latency (4 bytes)."""
+    host = torch.empty(64 << 20, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    tiny_host, tiny_dev = torch.ones(1).pin_memory(), torch.ones(1, device=device)
+    h2d = _best_seconds(lambda: dev.copy_(host, non_blocking=True), device, 3)
+    d2h = _best_seconds(lambda: host.copy_(dev, non_blocking=True), device, 3)
+    lat_h2d = _best_seconds(lambda: tiny_dev.copy_(tiny_host), device, 20)
+    lat_d2h = _best_seconds(lambda: tiny_host.copy_(tiny_dev), device, 20)
+    return {"h2d_gbps": host.nbytes / h2d / 1e9, "d2h_gbps": host.nbytes / d2h / 1e9,
+            "h2d_latency_us": lat_h2d * 1e6, "d2h_latency_us": lat_d2h * 1e6}
+
+
+def engine_dtypes(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cpu":
+        return [torch.float32, torch.bfloat16]
+    return [torch.float32, torch.bfloat16, torch.float16]
+
+
+def calibrate(device: torch.device) -> dict:
+    start = time.perf_counter()
+    reads = measure_read_bandwidth(device)
+    method, peak = best_method(reads)
+    matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
+    results = {
+        "version": CALIBRATION_VERSION,
+        "device_key": device_key(device),
+        "memory_gbps": peak,
+        "memory_method": method,
+        "memory_methods_gbps": reads,
+        "stream_read_gbps": reads["stream_sum"],
+        "matmul_gflops": {d: best_method(shapes)[1] for d, shapes in matmuls.items()},
+        "matmul_shape": {d: best_method(shapes)[0] for d, shapes in matmuls.items()},
+        "matmul_shapes_gflops": matmuls,
+        "dispatch_us": measure_dispatch_us(device),
+        "matvec_call_us": measure_matvec_call_us(device),
+    }
+    if device.type == "cuda":
+        results["host_link"] = measure_host_link(device)
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+# Two timings of the same work on this machine differ by a few percent; a run this far above the
+# calibrated peak is beyond noise: the peak is then too low, not the run too fast.
+PEAK_NOISE = 0.05
+
+
+def peak_check(bytes_moved: float, seconds: float, calibration: dict) -> dict:
+    """A run's bytes per second against the calibrated memory peak: the rate, its fraction of the
+    peak and, when it beats the peak by more than PEAK_NOISE, a sentence saying so (else None)."""
+    gbps = bytes_moved / seconds / 1e9 if seconds > 0 else 0.0
+    peak = calibration["memory_gbps"]
+    flag = None
+    if gbps > peak * (1 + PEAK_NOISE):
+        flag = (f"Its decode moved {gbps:.1f} GB/s, {gbps / peak:.0%} of the calibrated peak of {peak:.1f} GB/s "
+                f"({calibration.get('memory_method', 'gemv')}): the peak is too low, calibrate again on a quiet machine.")
+    return {"gbps": gbps, "peak_fraction": gbps / peak if peak else None, "beyond_peak": flag}
+
+
+def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
+    table = calibration["matmul_gflops"]
+    return table.get(str(dtype).removeprefix("torch."), table["float32"])
+
+
+_session_calibrations: dict[str, dict] = {}
+# A calibration taken while other work shares the cores reads low; one this far below the recent
+# ones of its device is flagged, stored with its flag, and not used while agreeing ones exist.
+DISAGREEMENT = 0.75
+RECENT = 6
+
+
+def _headline(calibration: dict) -> dict:
+    return {"memory bandwidth": calibration["memory_gbps"], "fp32 matmul peak": calibration["matmul_gflops"]["float32"]}
+
+
+def recent_calibrations(store, key: str, n: int = RECENT) -> list[dict]:
+    """This device's last n stored calibrations of the current version, newest first."""
+    frame = store.query("SELECT results, created_at FROM calibration WHERE device_key = ? "
+                        "ORDER BY created_at DESC LIMIT ?", [key, n])
+    rows = [{**json.loads(r.results), "created_at": r.created_at.isoformat(timespec="seconds")}
+            for r in frame.itertuples()]
+    return [r for r in rows if r.get("version") == CALIBRATION_VERSION]
+
+
+def disagreement(results: dict, recent: list[dict]) -> str | None:
+    """A sentence when a figure of this calibration is far below the median of the recent agreeing ones."""
+    peers = [r for r in recent if not r.get("suspect")]
+    if not peers:
+        return None
+    for name, value in _headline(results).items():
+        median = statistics.median(_headline(r)[name] for r in peers)
+        if value < DISAGREEMENT * median:
+            return (f"Its {name} ({value:,.1f}) is {value / median:.0%} of the median of the {len(peers)} "
+                    f"previous calibration(s) of this device ({median:,.1f}): other work probably shared the "
+                    "machine while it ran.")
+    return None
+
+
+def choose_calibration(recent: list[dict]) -> dict | None:
+    """The newest calibration that agrees with the best recent ones: a loaded machine only ever
+    reads low, so the highest recent figures are the reference. A flagged one is used only when
+    nothing else is stored, and it carries its flag."""
+    if not recent:
+        return None
+    best = {name: max(_headline(r)[name] for r in recent) for name in _headline(recent[0])}
+    for calibration in recent:
+        if not calibration.get("suspect") and all(
+                value >= DISAGREEMENT * best[name] for name, value in _headline(calibration).items()):
+            return calibration
+    return next((r for r in recent if not r.get("suspect")), recent[0])
+
+
+def find_calibration(store, summary: dict | None) -> dict | None:
+    """The stored calibration a run summary's metrics["calibration"] came from, if it is still there."""
+    if not summary or store is None:
+        return None
+    return next((r for r in recent_calibrations(store, summary["device_key"], 1000)
+                 if r["memory_gbps"] == summary["memory_gbps"]), None)
+
+
+def calibration_for(device: torch.device, store=None, fresh: bool = False) -> dict:
+    """The calibration to attribute a run with: the stored one choose_calibration picks, else one
+    this process already made, else a new one (stored, flagged when it disagrees, when a store is given)."""
+    key = device_key(device)
+    if not fresh:
+        chosen = choose_calibration(recent_calibrations(store, key)) if store is not None else None
+        if chosen:
+            return chosen
+        if key in _session_calibrations:
+            results = _session_calibrations[key]
+            if store is not None:
+                store.save_calibration(key, results)
+            return results
+    results = _session_calibrations[key] = calibrate(device)
+    if store is not None:
+        flag = disagreement(results, recent_calibrations(store, key))
+        if flag:
+            results["suspect"] = flag
+        store.save_calibration(key, results)
+    return results
+
+
+# --- telemetry -------------------------------------------------------------------------------
+
+MIN_CPU_INTERVAL_S = 0.05
+
+
+class TelemetrySampler:
+    """Samples CPU use and resident memory (and NVML GPU figures on CUDA) in a background thread."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.1):
+        self.interval_s = interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenpath-telemetry")
+        self._process = psutil.Process(os.getpid())
+        self._gpu = None
+        if device.type == "cuda":
+            nvml, _ = _nvml()
+            if nvml is not None:
+                self._gpu = (nvml, nvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+        self._t0 = time.perf_counter()  # t_ms counts from here (or from entering), never from boot
+        self._cpu_last = psutil.cpu_times()
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        self._cpu_last = psutil.cpu_times()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _cpu_percent(self) -> float | None:
+        """Busy share of all cores since this sampler's previous reading. Each sampler keeps its own
+        reading (psutil.cpu_percent keeps one per process, which two samplers would split); under
+        MIN_CPU_INTERVAL_S since the last one the tick counts are too coarse, so no figure (None)."""
+        now = psutil.cpu_times()
+        idle = lambda t: t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
+        # guest time is already counted in user time on Linux
+        total = lambda t: sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # noqa: E731
+        elapsed = total(now) - total(self._cpu_last)
+        if elapsed < MIN_CPU_INTERVAL_S * psutil.cpu_count():
+            return None
+        busy = elapsed - (idle(now) - idle(self._cpu_last))
+        self._cpu_last = now
+        return min(max(busy / elapsed * 100, 0.0), 100.0)
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(self.sample())
+
+    def sample(self) -> dict:
+        row = {"t_ms": (time.perf_counter() - self._t0) * 1e3,
+               "cpu_percent": self._cpu_percent(),
+               "rss_bytes": self._process.memory_info().rss,
+               "gpu_util_percent": None, "gpu_mem_used_bytes": None, "gpu_power_w": None,
+               "gpu_sm_clock_mhz": None, "gpu_mem_clock_mhz": None, "gpu_temp_c": None}
+        if self._gpu:
+            nvml, h = self._gpu
+            util = _nvml_or_none(nvml.nvmlDeviceGetUtilizationRates, h)
+            mem = _nvml_or_none(nvml.nvmlDeviceGetMemoryInfo, h)
+            power = _nvml_or_none(nvml.nvmlDeviceGetPowerUsage, h)
+            row.update({
+                "gpu_util_percent": util.gpu if util else None,
+                "gpu_mem_used_bytes": mem.used if mem else None,
+                "gpu_power_w": power / 1000 if power is not None else None,
+                "gpu_sm_clock_mhz": _nvml_or_none(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM),
+                "gpu_mem_clock_mhz": _nvml_or_none(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_MEM),
+                "gpu_temp_c": _nvml_or_none(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU),
+            })
+        return row

@@ -1,0 +1,447 @@
+"""A lean forward pass for Llama-architecture models (the default SmolLM2 is one).
+
+transformers' eager forward spends about a third of a decode step on this 2-core CPU in small
+operations around the matrix products (separate q, k and v projections, gate and up, mask
+building, dispatch layers). This module runs the same arithmetic with fewer, larger operations:
+q, k and v come from one fused projection, gate and up from another, attention is one call to
+PyTorch's scaled_dot_product_attention. Everything else stays the model's own: its weights, its
+rotary embedding (read from a table it fills once), and transformers' DynamicCache (so cache
+cropping is the same). Quantized and sparse layers replace the fused
+nn.Linear modules exactly as they would replace transformers' ones.
+
+A decode step of one token goes further where the C++ kernels are built: the embedding, every layer,
+the last norm and the output head run in one call (the kernels' decode_layers), on the same row
+functions the modules call, so the logits are the same to the bit; the modules run it wherever that
+call does not apply (see LeanLlama.decode_in_one_call). That call grows each cache in place, with
+room for 128 positions at a time, where DynamicCache concatenates, and reports the bytes its caches
+moved for the step's accounting.
+
+On the CPU the layers' linear weights sit in one block, in the order a step reads them, and every
+other weight in memory of its own (place_weights).
+
+The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
+so code that walks it (early-exit drafts, calibration hooks) works on both."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as torch_module
+from transformers.cache_utils import DynamicLayer
+
+from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor
+    kv_bytes: tuple[int, int] | None = None  # (read, written) of the KV cache, where the forward counted them
+
+
+class LeanRMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            kernel = cpu_kernel(x)
+            if kernel is not None:
+                return kernel.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # equal to the steps below in fp32
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# whether a decode step's layers run in one kernel call (LeanLlama.decode_in_one_call); the module
+# by module path computes the same and stays for everything that call does not cover
+FUSED_DECODE = True
+
+SMALL_ROWS = 24  # up to this many rows (a decode step, a verification of drafts) go to the project's kernel
+
+
+class LeanLinear(nn.Linear):
+    """nn.Linear whose float32 CPU products of a few rows run in the project's kernel: MKL's few-row
+    kernels pack the weights first, so verifying drafts cost nearly two plain steps; this one reads each
+    weight once for all rows, and a row's result does not depend on how many rows share the call. Other
+    dtypes, quantized weights, prefills and machines without the built extension use F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and type(weight) is nn.Parameter
+                and x.numel() <= SMALL_ROWS * x.shape[-1]):
+            kernel = cpu_kernel(x) if weight.is_cpu and has_small_rows_kernel() else None
+            if kernel is not None:
+                return kernel.small_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
+
+    def decode_form(self) -> tuple | None:
+        """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""
+        weight = self.weight
+        if weight.dtype == torch.float32 and type(weight) is nn.Parameter and weight.is_cpu and has_small_rows_kernel():
+            return (0, weight, None, None, None, 0, self.bias)
+        return None
+
+
+def _lean_layer(weight: nn.Parameter, bias: nn.Parameter | None) -> LeanLinear:
+    layer = LeanLinear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = weight
+    if bias is not None:
+        layer.bias = bias
+    return layer
+
+
+def lean_linear(linear: nn.Linear) -> LeanLinear:
+    """A LeanLinear holding the layer's own parameters (shared, not copied: a tied head stays tied)."""
+    return _lean_layer(linear.weight, linear.bias)
+
+
+def fused_linear(*linears: nn.Linear) -> LeanLinear:
+    """One layer whose output is the given layers' outputs side by side."""
+    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    bias = (nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+            if linears[0].bias is not None else None)
+    return _lean_layer(weight, bias)
+
+
+def cpu_kernel(x: torch.Tensor):
+    """The project's C++ kernels for a float32 tensor on the CPU, when they are built: on a decode
+    step each PyTorch operation they replace costs several microseconds, its code and data evicted
+    from the caches by the weights streamed in between; one plain loop costs less than one."""
+    return optional_kernel() if x.is_cpu and x.dtype == torch.float32 else None
+
+
+def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of the first `heads` heads of x [batch, length, width], as
+    [batch, heads, length, head_dim]; cos and sin are [batch, length, head_dim]."""
+    kernel = cpu_kernel(x) if cos.dtype == torch.float32 else None
+    if kernel is not None:
+        return kernel.rotary(x, cos, sin, heads, head_dim)
+    batch, length, _ = x.shape
+    x = x[..., :heads * head_dim].view(batch, length, heads, head_dim).transpose(1, 2)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class LeanAttention(nn.Module):
+    def __init__(self, hf_attention, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim ** -0.5
+        self.qkv_proj = fused_linear(hf_attention.q_proj, hf_attention.k_proj, hf_attention.v_proj)
+        self.o_proj = lean_linear(hf_attention.o_proj)
+
+    def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
+        batch, length, _ = x.shape
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: rotate them in one pass
+        q, k = rotate_heads(qkv, self.heads + self.kv_heads, self.head_dim, cos, sin).split(
+            [self.heads, self.kv_heads], dim=1)
+        v = qkv[..., (self.heads + self.kv_heads) * self.head_dim:].view(
+            batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
+            q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        kernel = cpu_kernel(q) if length == 1 and mask is None else None
+        if kernel is not None:  # one new token that sees every cached one: a decode step
+            return self.o_proj(kernel.decode_attention(q, k, v, self.scaling).to(x.dtype))
+        causal = mask is None and length > 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(x.dtype))
+
+
+class LeanMLP(nn.Module):
+    def __init__(self, hf_mlp):
+        super().__init__()
+        self.intermediate = hf_mlp.gate_proj.out_features
+        self.gate_up_proj = fused_linear(hf_mlp.gate_proj, hf_mlp.up_proj)
+        self.down_proj = lean_linear(hf_mlp.down_proj)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        kernel = cpu_kernel(gate_up)
+        if kernel is not None:
+            return self.down_proj(kernel.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LeanLayer(nn.Module):
+    def __init__(self, hf_layer, config, layer_idx: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = LeanRMSNorm(hf_layer.input_layernorm.weight, eps)
+        self.self_attn = LeanAttention(hf_layer.self_attn, config, layer_idx)
+        self.post_attention_layernorm = LeanRMSNorm(hf_layer.post_attention_layernorm.weight, eps)
+        self.mlp = LeanMLP(hf_layer.mlp)
+        self.layer_idx = layer_idx
+
+    def forward(self, x, cos, sin, cache, mask, kv_dtype=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, kv_dtype)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def place_weights(model: nn.Module, layers) -> None:
+    """Moves the layers' linear weights (q/k/v, o, gate/up, down of each layer, in the order a decode
+    step reads them) into one block of CPU memory, each a view of it, and every other CPU parameter
+    into memory of its own. A step starts and ends over a hundred products of a few MB; read one after
+    another from one block, rather than from wherever loading left them, each start costs less. The
+    rest gets its own memory so that nothing keeps the model file's mapping, whose pages would
+    otherwise stay resident beside the copies. The head (the embedding too, which quantized levels
+    keep in full) stays out of the block, which would otherwise outlive a level that replaces every
+    layer; such a level frees the block with the last of its views."""
+    weights = [linear.weight for layer in layers for linear in _layer_parts(layer)[5:]]
+    weights = [w for w in weights if type(w) is nn.Parameter and w.is_cpu and w.dtype == weights[0].dtype]
+    in_block = {id(w) for w in weights}
+    with torch.no_grad():
+        if weights:
+            align = max(1, 64 // weights[0].element_size())  # each weight starts on a cache line
+            sizes = [-(-w.numel() // align) * align for w in weights]
+            block = torch.empty(sum(sizes), dtype=weights[0].dtype)
+            offset = 0
+            for weight, size in zip(weights, sizes):
+                view = block[offset:offset + weight.numel()].view(weight.shape)
+                view.copy_(weight)
+                weight.data = view
+                offset += size
+        for parameter in model.parameters():
+            if id(parameter) not in in_block and parameter.is_cpu:
+                parameter.data = parameter.detach().clone()
+
+
+def _layer_parts(layer: LeanLayer) -> tuple:
+    """A layer's modules straight from their dictionaries: nn.Module's attribute lookup costs about two
+    microseconds a name, which every layer would pay on every step."""
+    top = layer._modules
+    attn, mlp = top["self_attn"], top["mlp"]
+    return (layer, attn, mlp, top["input_layernorm"], top["post_attention_layernorm"], attn._modules["qkv_proj"],
+            attn._modules["o_proj"], mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
+
+
+def _layer_form(parts: tuple) -> tuple | None:
+    """One layer as the kernels' decode_layers reads it: (norm weights, eps, its four linear layers), or
+    None where a part is of a kind it does not read (a sparse or 16-bit linear, another norm)."""
+    norms, linears = parts[3:5], parts[5:]
+    if not all(map(_plain_norm, norms)):
+        return None
+    forms = [_linear_form(m) for m in linears]
+    return None if None in forms else (norms[0].weight, norms[1].weight, norms[0].eps, *forms)
+
+
+def _head_form(norm, head) -> tuple | None:
+    """The last norm and the output head as decode_layers reads them: (norm weight, eps, head), or None."""
+    form = _linear_form(head)
+    return (norm.weight, norm.eps, form) if _plain_norm(norm) and form is not None else None
+
+
+def _plain_norm(norm) -> bool:
+    return type(norm) is LeanRMSNorm and norm.weight.dtype == torch.float32
+
+
+def _linear_form(linear) -> tuple | None:
+    return getattr(linear, "decode_form", lambda: None)()
+
+
+class LeanBody(nn.Module):
+    def __init__(self, hf_body, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = hf_body.embed_tokens
+        self.rotary_emb = hf_body.rotary_emb
+        self.layers = nn.ModuleList(LeanLayer(layer, config, i) for i, layer in enumerate(hf_body.layers))
+        self.norm = LeanRMSNorm(hf_body.norm.weight, config.rms_norm_eps)
+
+
+class LeanLlama(nn.Module):
+    """Drop-in for LlamaForCausalLM in this engine: `model(input_ids=..., cache=..., use_cache=...,
+    logits_to_keep=...)` returns an object with `.logits`. `attention_mask`, when given, is a
+    boolean (new tokens x new tokens) matrix saying which new tokens see which (True = visible),
+    and `position_ids` their positions; the cached tokens are visible to all. Speculative
+    methods that verify a tree of guesses in one forward use these two. `kv_dtype` keeps keys and
+    values (and runs attention) in another precision than the weights, e.g. bf16 beside fp32."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.config = hf_model.config
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        self.model = LeanBody(hf_model.model, hf_model.config)
+        self.lm_head = lean_linear(hf_model.lm_head)
+        place_weights(self, self.model.layers)
+
+    def __getstate__(self):
+        # a copy (a quantized variant, a draft's twin) works out its own forms: the kept ones hold the
+        # original's layers, which a conversion is about to replace, and would keep their memory alive
+        state = super().__getstate__()
+        state.pop("_kept_plan", None)
+        return state
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, position_ids=None,
+                attention_mask=None, kv_dtype=None):
+        cache = cache if use_cache else None
+        past = cache.get_seq_length() if cache is not None else 0
+        length = input_ids.shape[1]
+        if length == 1 and attention_mask is None and position_ids is None and kv_dtype is None and cache is not None:
+            out = self.decode_in_one_call(input_ids, past, cache)
+            if out is not None:
+                return out
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(x, position_ids, past, length)
+        mask = _visibility(attention_mask, past, length, x.device) if (attention_mask is not None or
+                                                                       (past and length > 1)) else None
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, mask, kv_dtype)
+        x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return LeanOutput(logits=self.lm_head(x))
+
+
+    def rotary(self, x, position_ids, past: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [batch, length, head_dim] for the given positions (past .. past + length when
+        None): rows of a table the model's rotary embedding fills once, the same numbers it gives per
+        call (each is one product of a position and a frequency, then its cosine or sine), at a fraction
+        of its cost on every step. Embeddings whose frequencies change with the length are asked each
+        time."""
+        if self._rope_varies():
+            if position_ids is None:
+                position_ids = torch.arange(past, past + length, device=x.device)[None]
+            return self.model.rotary_emb(x, position_ids)
+        table = self._rope_table(x, past + length if position_ids is None else int(position_ids.max()) + 1)
+        if position_ids is None:
+            return table[0][:, past:past + length], table[1][:, past:past + length]
+        return table[0][0, position_ids], table[1][0, position_ids]
+
+    def _rope_varies(self) -> bool:
+        rope_type = getattr(self.model.rotary_emb, "rope_type", "default")
+        return "dynamic" in rope_type or rope_type == "longrope"
+
+    def _rope_table(self, x, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, size, head_dim] of positions 0 .. size - 1 >= need, in x's dtype and device."""
+        table = self.__dict__.get("_rope")
+        if table is None or table[0].dtype != x.dtype or table[0].device != x.device or table[0].shape[1] < need:
+            size = max(need, 1024, 2 * table[0].shape[1] if table is not None else 0)
+            table = self.__dict__["_rope"] = self.model.rotary_emb(x, torch.arange(size, device=x.device)[None])
+        return table
+
+    def _rope_row(self, x, past: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin, row): the table holding position `past`'s cos and sin and the row it is in."""
+        if self._rope_varies():
+            cos, sin = self.rotary(x, None, past, 1)
+            return cos, sin, 0
+        cos, sin = self._rope_table(x, past + 1)
+        return cos, sin, past
+
+    def decode_in_one_call(self, input_ids, past: int, cache) -> LeanOutput | None:
+        """The logits of one new token through the kernels' decode_layers, which computes what the
+        modules compute (the embedding, every layer, the last norm, the head), to the bit, in one call
+        instead of a dozen per layer, with the bytes its cache moved (it grows each cache in place,
+        where transformers' cache concatenates); None where it does not apply: no built extension, a
+        part it does not read, an empty or non-float32 cache, a hook on a module or on every module
+        (it would not run)."""
+        kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu else None
+        if kernel is None:
+            return None
+        plan = self._decode_plan(kernel)
+        if (plan.forms is None or any(plan.hooks) or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks):
+            return None
+        caches = [cache.layers[i] for i in plan.layers]
+        if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
+            return None
+        cos, sin, row = self._rope_row(plan.embedding, past)
+        logits, copied, read, written = kernel.decode_layers(
+            input_ids, plan.forms, cos, sin, row, [c.keys for c in caches], [c.values for c in caches],
+            *plan.attention)
+        for i, keys, values in copied:  # the others grew in place
+            caches[i].keys, caches[i].values = keys, values
+        return LeanOutput(logits=logits, kv_bytes=(read, written))
+
+    def _decode_plan(self, kernel) -> DecodePlan:
+        """What decode_layers reads, worked out once and kept while no module in the process registers
+        or replaces a submodule, parameter or buffer (a conversion that replaces a layer makes a new
+        plan): walking the modules and their buffers through nn.Module on every step would cost
+        hundreds of microseconds."""
+        plan = self.__dict__.get("_kept_plan")
+        if plan is not None and plan.registrations == _registrations[0]:
+            return plan
+        registrations = _registrations[0]
+        layers = list(self.model._modules["layers"]._modules.values())
+        embed = self.model._modules["embed_tokens"]
+        parts = (*(p for layer in layers for p in _layer_parts(layer)), self.model._modules["norm"],
+                 self._modules["lm_head"], embed)
+        size = (len(parts) - 3) // len(layers)
+        layer_forms = [_layer_form(parts[i * size:(i + 1) * size]) for i in range(len(layers))]
+        head = _head_form(*parts[-3:-1])
+        plain_embed = (type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.max_norm is None
+                       and embed.weight.is_cpu and embed.weight.is_contiguous())
+        attn = parts[1]
+        plan = DecodePlan(registrations, [layer.layer_idx for layer in layers],
+                          tuple(d for m in parts for d in (m._forward_hooks, m._forward_pre_hooks)),
+                          kernel.DecodeForms(embed.weight, layer_forms, head)
+                          if None not in layer_forms and head is not None and plain_embed else None,
+                          embed.weight, (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling))
+        self.__dict__["_kept_plan"] = plan
+        return plan
+
+
+class DecodePlan(NamedTuple):
+    registrations: int  # the count of registrations it was made at
+    layers: list  # each layer's index in the cache
+    hooks: tuple  # every part's forward hooks and pre-hooks (dictionaries, empty when none)
+    forms: object | None  # the kernels' DecodeForms of the embedding, the layers and the head, None where a part has none
+    embedding: torch.Tensor  # the token embedding's weight
+    attention: tuple  # heads, kv_heads, head_dim, scaling
+
+
+# Counts every submodule, parameter and buffer any module in this process registers or replaces
+# (torch's global registration hooks): a decode plan made at one count holds while the count does.
+_registrations = [0]
+
+
+def _count_registration(*_):
+    _registrations[0] += 1
+
+
+for _register in (torch_module.register_module_module_registration_hook,
+                  torch_module.register_module_parameter_registration_hook,
+                  torch_module.register_module_buffer_registration_hook):
+    _register(_count_registration)
+
+
+def _visibility(new: torch.Tensor | None, past: int, length: int, device) -> torch.Tensor:
+    """Boolean (length x past + length) mask: every new token sees the cache, and among the new
+    tokens what `new` says (causal when not given)."""
+    if new is None:
+        new = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(length, past, dtype=torch.bool, device=device), new.to(device)], dim=1)
+
+
+def supports(hf_model) -> bool:
+    """Plain Llama decoders: the architecture this module reproduces exactly."""
+    config = hf_model.config
+    return (type(hf_model).__name__ == "LlamaForCausalLM" and getattr(config, "hidden_act", "silu") == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1 and not getattr(config, "mlp_bias", False))
+
+
+def lean(hf_model):
+    """The lean twin of a supported model (its tensors are reused or fused, the originals of
+    fused layers are left to be freed), or the model itself when it is not supported."""
+    if not supports(hf_model):
+        return hf_model
+    return LeanLlama(hf_model).eval()

@@ -1,0 +1,594 @@
+"""Deployment planner: the five buckets of a decode step and of a prefill for a model on GPUs one does not have.
+
+Pure functions of the model's shape, data/gpus.json and a few efficiency factors; no model is loaded.
+
+Per decode step of `batch` sequences at context C, on tensor-parallel degree t and pipeline degree p
+(the stages of one step run one after another, so a step crosses every layer once):
+
+    memory   = (weight bytes / t + KV bytes read / t) / (bandwidth x bandwidth_efficiency)
+    compute  = max(FLOPs / t / (peak x compute_efficiency) - memory, 0)     (overlapped, as a roofline)
+               + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
+                 unpack each weight on the vector units between loads, which adds to the step)
+    physical = 2 x layers x all-reduce(t, batch x hidden x 2 bytes)   + (p - 1) pipeline sends
+               + one host round trip for the sampled tokens
+               all-reduce, ring:   collective_fixed + 2 (t - 1) hop latency + 2 (t - 1) / t x bytes / link
+               all-reduce, switch: collective_fixed + 2 hop latency         + 2 (t - 1) / t x bytes / link
+    time     = step_fixed + kernels per step x launch cost
+    decision = speculative work thrown away (rejected drafts and their share of the verification)
+
+FLOPs = batch x (2 x linear parameters + 4 x layers x heads x head_dim x C); weight bytes count the
+parameters one token reads (an untied input embedding is only looked up; a mixture of experts reads
+its active parameters)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine.plan import kvcalc
+from engine.plan import shapes
+from engine.plan.shapes import ShapeError
+from engine.measure.distances import BUCKETS
+
+DATA = kvcalc.DATA
+LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5}  # int4: 16-bit scale per 32
+ACT_BYTES = 2  # activations cross links in 16 bits
+NODE_GPUS = 8
+
+
+class PlanError(ShapeError):
+    """Bad planner input; the message is one sentence for the user."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The factors that turn data-sheet peaks into achieved figures; `ORIGIN` says where each default came from."""
+    bandwidth: float = 0.72
+    compute: float = 0.6
+    prefill_compute: float = 0.6
+    link: float = 0.8
+    collective_fixed_us: float = 15.0
+    step_fixed_us: float = 150.0
+    launch_us: float = 0.0
+    kernels_per_layer: int = 16
+    matvec_us: float = 0.0
+    matvecs_per_layer: int = 4
+    one_call_layer_us: float | None = None
+    host_sync_us: float = 10.0
+    dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0})
+
+
+ORIGIN = {
+    "bandwidth": "fitted: gpt-fast's bf16 rows on A100-80GB read 1,397-1,482 GB/s of the data sheet's 2,039 (0.69-0.73)",
+    "compute": "assumption: large bf16 GEMMs reach about 60% of dense peak; no batch-1 calibration point depends on it",
+    "prefill_compute": "assumption, as compute: a prefill is a few large GEMMs",
+    "link": "assumption: nccl-tests bus bandwidth reaches about 80% of an NVLink or PCIe link's peak",
+    "collective_fixed_us": "fitted: the per-all-reduce cost in gpt-fast's tensor-parallel rows (about 19 us on 2 GPUs, "
+                           "29 us on 8) less the hop latencies",
+    "step_fixed_us": "fitted: gpt-fast's single-GPU bf16 rows less their memory time (host work, sampling, the "
+                     "launch of one CUDA graph)",
+    "launch_us": "0 on GPUs: compiled engines launch a step as one CUDA graph; on this machine the calibrated "
+                 "dispatch cost per operation",
+    "kernels_per_layer": "counts only where launch_us is above 0; on this machine the dispatches of one layer of "
+                         "Tokenpath's own forward, counted with torch.profiler",
+    "matvec_us": "0 on GPUs (inside launch_us); on this machine the calibrated time a decode-sized matrix-vector "
+                 "product takes beyond its bytes (waking the other threads, ramping the read up)",
+    "matvecs_per_layer": "counts only where matvec_us is above 0: the fused q/k/v, output, fused gate/up and down "
+                         "projections of one layer (the output head adds one per step)",
+    "one_call_layer_us": "unset on GPUs; on this machine, where a decode step of one token runs every layer in one "
+                         "call to the C++ kernels (no dispatch per layer), a layer's work besides its products (norms, "
+                         "rotary, the cache append, attention, residuals), timed inside that call",
+    "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
+    "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
+                   "are few beside its bandwidth), in fp32 vector operations per weight",
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the planner needs of a model: its attention shape (the KV calculator's) and its sizes."""
+    spec: kvcalc.AttentionSpec
+    hidden: int
+    vocab: int | None
+    tied: bool
+    params: float
+    active_params: float
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def read_params(self) -> float:
+        """Parameters one decode token reads: an untied input embedding is only looked up (one row)."""
+        skipped = self.vocab * self.hidden if self.vocab and not self.tied else 0
+        # a parameter count smaller than twice the embedding is a count without it: keep the whole count
+        return self.active_params - skipped if self.active_params > 2 * skipped else self.active_params
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to plan."""
+    model: Model
+    gpu: dict
+    gpus: int = 1
+    tp: int | None = None
+    pp: int = 1
+    interconnect: str = "nvlink"
+    weights: str = "bf16"
+    bits_per_weight: float | None = None
+    kv_dtype: str = "bf16"
+    batch: int = 1
+    prompt_tokens: int = 128
+    new_tokens: int = 256
+    spec_acceptance: float | None = None
+    spec_draft_length: int = 4
+    spec_draft_cost: float = 0.05
+    efficiency: Efficiency = Efficiency()
+
+
+# --- data -------------------------------------------------------------------------------------
+
+def load_gpu_data() -> dict:
+    return json.loads((DATA / "gpus.json").read_text())
+
+
+def gpu_ids() -> list[str]:
+    return [g["id"] for g in load_gpu_data()["gpus"]]
+
+
+def get_gpu(gpu_id: str) -> dict:
+    for g in load_gpu_data()["gpus"]:
+        if g["id"] == gpu_id:
+            return g
+    raise PlanError(f"Unknown GPU {shapes._show(gpu_id)}: use one of {', '.join(gpu_ids())}.")
+
+
+def interconnects() -> dict:
+    return load_gpu_data()["interconnects"]
+
+
+def _raw_presets() -> list[dict]:
+    return json.loads((DATA / "kv_presets.json").read_text())["presets"]
+
+
+def preset_ids() -> dict[str, str]:
+    """Short id -> preset name."""
+    return {p["id"]: p["name"] for p in _raw_presets()}
+
+
+def model_from_config(config: dict, name: str, params: float | None = None,
+                      active_params: float | None = None) -> Model:
+    """A planner model from a config.json dict; without a parameter count it is estimated from the shape."""
+    s = kvcalc.spec_from_config(config, name=name, params=params)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    hidden = kvcalc._field(text, "hidden_size", "n_embd", "d_model", as_name="hidden_size")
+    if hidden is None:
+        raise PlanError("The config gives no hidden_size, which the planner needs for the all-reduce size.")
+    vocab = kvcalc._field(text, "vocab_size", as_name="vocab_size")
+    tied = text.get("tie_word_embeddings", True) is not False
+    total = shapes.number("params", params) if params is not None else estimate_params(s, hidden, vocab, tied, text)
+    active = shapes.number("active_params", active_params) if active_params is not None else total
+    return Model(spec=replace(s, params=total), hidden=hidden, vocab=vocab, tied=tied, params=total,
+                 active_params=min(active, total))
+
+
+def estimate_params(s: kvcalc.AttentionSpec, hidden: int, vocab: int | None, tied: bool, text: dict) -> float:
+    """Parameters of a dense decoder from its shape: attention projections, a gated MLP (or 4 x hidden), embeddings."""
+    inner = kvcalc._field(text, "intermediate_size", "n_inner", "ffn_dim", as_name="intermediate_size")
+    q_out = s.attention_heads * s.head_dim
+    attention = hidden * q_out * 2 + 2 * hidden * s.kv_heads * s.head_dim
+    mlp = 3 * hidden * inner if inner else 8 * hidden * hidden
+    if not vocab:
+        raise PlanError("The config gives no parameter count and no vocab_size, so the weights cannot be sized.")
+    return float(s.layers * (attention + mlp) + vocab * hidden * (1 if tied else 2))
+
+
+def load_models() -> dict[str, Model]:
+    """Every preset as a planner model, keyed by its id."""
+    return {p["id"]: model_from_config(p["config"], p["name"], p["params"], p.get("active_params"))
+            for p in _raw_presets()}
+
+
+def resolve_model(source) -> Model:
+    """A preset id or name, a config.json path, a model folder, or a config dict, as a planner model."""
+    if isinstance(source, Model):
+        return source
+    if isinstance(source, dict):
+        return model_from_config(source, "from config", source.get("params") if isinstance(source.get("params"),
+                                                                                             (int, float)) else None)
+    if not isinstance(source, (str, Path)) or not str(source).strip():
+        raise PlanError("Give a model as a preset id, a config.json path, a model folder or a config object.")
+    text = str(source).strip()
+    for p in _raw_presets():
+        if text.lower() in (p["id"], p["name"].lower()):
+            return model_from_config(p["config"], p["name"], p["params"], p.get("active_params"))
+    path = Path(text)
+    if text == "default" or (path.is_dir() and list(path.glob("*.safetensors"))):
+        s = kvcalc.spec_from_model_folder(text)
+        config = kvcalc.read_config_file(path if text != "default" else _default_dir())
+        return model_from_config(config, s.name, s.params)
+    if path.exists():
+        return model_from_config(kvcalc.read_config_file(path), path.name if path.is_file() else path.name)
+    raise PlanError(f"Unknown model {shapes._show(text)}: give a preset id ({', '.join(preset_ids())}), "
+                    "a config.json path or a model folder.")
+
+
+def _default_dir() -> Path:
+    from engine.model.loader import default_model_dir
+
+    return default_model_dir()
+
+
+# --- the model of one step ------------------------------------------------------------------
+
+def weight_bits(setup: Setup) -> float:
+    if setup.bits_per_weight is not None:
+        return shapes.number("bits_per_weight", setup.bits_per_weight, 0.5, 64)
+    if setup.weights not in LEVEL_BITS:
+        raise PlanError(f"Unknown weight precision {shapes._show(setup.weights)}: use one of {', '.join(LEVEL_BITS)} "
+                        "or --bits-per-weight.")
+    return LEVEL_BITS[setup.weights]
+
+
+def weight_format(setup: Setup) -> str:
+    """The kernel family the weights go through: a float format, or int8/int4 for weight-only integer formats."""
+    if setup.bits_per_weight is None:
+        return setup.weights
+    bits = setup.bits_per_weight
+    return "fp32" if bits >= 24 else "bf16" if bits >= 12 else "int8" if bits > 6 else "int4"
+
+
+def peak_tflops(gpu: dict, dtype: str) -> float:
+    """Dense peak at this dtype, falling back to the next wider format the GPU has."""
+    table = gpu["peak_tflops"]
+    for name in {"fp8": ("fp8", "bf16"), "int8": ("bf16",), "int4": ("bf16",)}.get(dtype, (dtype, "bf16")):
+        if table.get(name):
+            return table[name]
+    return table["fp32"]
+
+
+def tp_degree(setup: Setup) -> int:
+    return setup.tp if setup.tp is not None else setup.gpus // setup.pp
+
+
+def all_reduce_us(setup: Setup, message_bytes: float) -> float:
+    """One all-reduce of message_bytes over the tensor-parallel group (0 on one GPU)."""
+    t = tp_degree(setup)
+    if t == 1:
+        return 0.0
+    link = interconnects()[setup.interconnect]
+    gbps = link_gbps(setup) * setup.efficiency.link
+    hops = 2 * (t - 1) if link["topology"] == "ring" else 2
+    return (setup.efficiency.collective_fixed_us + hops * link["hop_latency_us"]
+            + 2 * (t - 1) / t * message_bytes / (gbps * 1e3))
+
+
+def link_gbps(setup: Setup) -> float:
+    link = interconnects()[setup.interconnect]
+    if link["link"] == "network":
+        return link["gbps_per_direction"]
+    if link["link"] == "gpu":
+        figure = setup.gpu["gpu_link"]["gbps_per_direction"]
+        if figure is None:
+            raise PlanError(f"The {setup.gpu['name']} has no GPU-to-GPU link ({setup.gpu['gpu_link']['name']}): "
+                            "choose the pcie interconnect.")
+        return figure
+    return setup.gpu["host_link"]["gbps_per_direction"]
+
+
+def pipeline_send_us(setup: Setup, message_bytes: float) -> float:
+    if setup.pp == 1:
+        return 0.0
+    link = interconnects()[setup.interconnect]
+    return (setup.pp - 1) * (setup.efficiency.collective_fixed_us + link["hop_latency_us"]
+                             + message_bytes / (link_gbps(setup) * setup.efficiency.link * 1e3))
+
+
+def step_buckets(setup: Setup, tokens: int, context: int) -> dict:
+    """The five buckets (ms) of one forward over `tokens` new tokens per sequence after `context` cached ones."""
+    m, gpu, eff = setup.model, setup.gpu, setup.efficiency
+    t = tp_degree(setup)
+    weight_bytes = m.read_params() * weight_bits(setup) / 8 / t
+    kv_read = kvcalc.kv_bytes(m.spec, context + tokens, setup.kv_dtype, setup.batch, t) if context else 0.0
+    memory = (weight_bytes + kv_read) / (gpu["bandwidth_gbps"] * eff.bandwidth * 1e9) * 1e3
+    rows = setup.batch * tokens
+    key_positions = tokens * context + tokens * (tokens + 1) // 2
+    attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * key_positions * setup.batch
+    flops = (2 * m.read_params() * rows + attention) / t
+    compute_dtype = "fp32" if weight_format(setup) == "fp32" else "fp8" if weight_format(setup) == "fp8" else "bf16"
+    compute_eff = eff.compute if tokens == 1 else eff.prefill_compute
+    compute = flops / (peak_tflops(gpu, compute_dtype) * compute_eff * 1e12) * 1e3
+    dequant = dequant_ms(setup, weight_bytes / (weight_bits(setup) / 8))
+    message = rows * m.hidden * ACT_BYTES
+    physical_us = (2 * m.spec.layers * all_reduce_us(setup, message) + pipeline_send_us(setup, message)
+                   + eff.host_sync_us)
+    kernels, layers_us = step_kernels(setup, tokens)
+    matvecs = m.spec.layers * eff.matvecs_per_layer + 1
+    return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
+            "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3,
+            "decision": 0.0,
+            "_bytes": weight_bytes + kv_read, "_flops": flops, "_roofline_ms": max(memory, compute)}
+
+
+def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
+    """(dispatches of a step over `tokens` tokens, microseconds of its layers' work apart from them): a
+    decode step that runs its layers in one call dispatches the few operations around that call only."""
+    eff, layers = setup.efficiency, setup.model.spec.layers
+    if tokens == 1 and eff.one_call_layer_us is not None:
+        return 4, layers * eff.one_call_layer_us
+    return layers * eff.kernels_per_layer + 4, 0.0
+
+
+def dequant_ms(setup: Setup, weights: float) -> float:
+    """Unpacking weight-only formats on the vector units (none where the GPU computes in the stored format)."""
+    fmt = weight_format(setup)
+    if fmt == "fp8" and setup.gpu["peak_tflops"].get("fp8"):
+        return 0.0
+    ops = setup.efficiency.dequant_ops.get(fmt, 0.0)
+    return weights * ops / (setup.gpu["peak_tflops"]["fp32"] * 1e12) * 1e3 if ops else 0.0
+
+
+def speculative(setup: Setup, context: int) -> dict:
+    """Buckets per emitted token with speculative decoding: k drafts at draft_cost x a plain step each, one
+    verification of k + 1 tokens, and (1 - a^(k+1)) / (1 - a) tokens emitted per step on average."""
+    a, k = setup.spec_acceptance, setup.spec_draft_length
+    emitted = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    plain = step_buckets(setup, 1, context)
+    verify = step_buckets(setup, k + 1, context)
+    useful = step_buckets(setup, max(1, round(emitted)), context)
+    waste = 1 - useful["_roofline_ms"] / verify["_roofline_ms"] if verify["_roofline_ms"] else 0.0
+    draft = k * setup.spec_draft_cost * sum(plain[b] for b in BUCKETS)
+    rejected_share = (k - (emitted - 1)) / k
+    buckets = {b: verify[b] for b in BUCKETS}
+    for b in ("memory", "compute"):
+        buckets["decision"] += buckets[b] * waste
+        buckets[b] *= 1 - waste
+    buckets["time"] += draft * (1 - rejected_share)
+    buckets["decision"] += draft * rejected_share
+    return {"buckets": {b: v / emitted for b, v in buckets.items()}, "tokens_per_step": emitted}
+
+
+def check_setup(setup: Setup) -> Setup:
+    """The setup with its counts checked; one sentence for what is wrong and what is allowed."""
+    whole = shapes.whole
+    gpus, pp = whole("gpus", setup.gpus), whole("pp", setup.pp)
+    tp = whole("tp", setup.tp) if setup.tp is not None else None
+    if tp is None and gpus % pp:
+        raise PlanError(f"{gpus} GPUs do not split into {pp} pipeline stages: make the GPU count a multiple of --pp.")
+    if (tp or gpus // pp) * pp > gpus:
+        raise PlanError(f"Tensor parallel {tp} x pipeline parallel {pp} needs {tp * pp} GPUs but only {gpus} are "
+                        "given: keep tp x pp at most the GPU count.")
+    if setup.interconnect not in interconnects():
+        raise PlanError(f"Unknown interconnect {shapes._show(setup.interconnect)}: use one of "
+                        f"{', '.join(interconnects())}.")
+    most = setup.gpu["gpu_link"].get("max_gpus")
+    if interconnects()[setup.interconnect]["link"] == "gpu" and most and (tp or gpus // pp) > most:
+        raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} joins at most {most} GPUs: "
+                        f"use the pcie interconnect for tensor parallel over more.")
+    if (tp or gpus // pp) > 1 or pp > 1:
+        link_gbps(setup)  # refuses an interconnect the GPU does not have
+    kvcalc.bits_per_value(setup.kv_dtype)
+    weight_bits(setup)
+    for name in ("batch", "prompt_tokens", "new_tokens"):
+        whole(name, getattr(setup, name))
+    if setup.spec_acceptance is not None:
+        shapes.fraction("spec_acceptance", setup.spec_acceptance)
+        whole("draft_length", setup.spec_draft_length)
+        shapes.fraction("spec_draft_cost", setup.spec_draft_cost, 0.0, 10.0)
+    t = tp or gpus // pp
+    if t > 1 and setup.model.spec.attention_heads % t:
+        raise PlanError(f"Tensor parallel {t} does not divide the model's {setup.model.spec.attention_heads} attention "
+                        "heads: choose a degree that divides them.")
+    if pp > setup.model.spec.layers:
+        raise PlanError(f"{pp} pipeline stages exceed the model's {setup.model.spec.layers} layers.")
+    return setup
+
+
+def memory_per_gpu(setup: Setup, batch: int | None = None) -> dict:
+    """Weights (all of them: every expert is resident) and the KV cache at the full context, per GPU."""
+    t, m = tp_degree(setup), setup.model
+    weights = m.params * weight_bits(setup) / 8 / (t * setup.pp)
+    context = setup.prompt_tokens + setup.new_tokens
+    kv = kvcalc.kv_bytes(m.spec, context, setup.kv_dtype, batch or setup.batch, t) / setup.pp
+    capacity = setup.gpu["memory_mib"] * 2**20
+    per_sequence = kvcalc.kv_bytes(m.spec, context, setup.kv_dtype, 1, t) / setup.pp
+    free = capacity - weights - RESERVE_BYTES
+    return {"weights_bytes": weights, "kv_bytes": kv, "reserve_bytes": RESERVE_BYTES,
+            "total_bytes": weights + kv + RESERVE_BYTES, "capacity_bytes": capacity,
+            "fits": weights + kv + RESERVE_BYTES <= capacity,
+            "largest_batch": int(free // per_sequence) if free > 0 and per_sequence else 0}
+
+
+RESERVE_BYTES = 1.5 * 2**30  # CUDA context, activations and allocator slack an engine keeps beside weights and KV
+
+
+def plan(setup: Setup, require_fit: bool = False) -> dict:
+    """Everything `python -m engine plan --json` prints, for one configuration."""
+    check_setup(setup)
+    context = setup.prompt_tokens + setup.new_tokens // 2  # the mean context over the generation
+    if setup.spec_acceptance is not None:
+        result = speculative(setup, context)
+        buckets, per_step = result["buckets"], result["tokens_per_step"]
+    else:
+        step = step_buckets(setup, 1, context)
+        buckets, per_step = {b: step[b] for b in BUCKETS}, 1.0
+    prefill = step_buckets(setup, setup.prompt_tokens, 0)
+    memory = memory_per_gpu(setup)
+    if require_fit and not memory["fits"]:
+        raise PlanError(f"{setup.model.name} does not fit: it needs {kvcalc.human(memory['total_bytes'])} per GPU and "
+                        f"a {setup.gpu['name']} holds {kvcalc.human(memory['capacity_bytes'])}; add GPUs or use "
+                        "fewer bits per weight.")
+    decode_ms = sum(buckets.values())
+    return {
+        "model": setup.model.name, "gpu": setup.gpu["id"], "gpus": setup.gpus, "tp": tp_degree(setup),
+        "pp": setup.pp, "interconnect": setup.interconnect, "weights": setup.weights,
+        "bits_per_weight": weight_bits(setup), "kv_dtype": setup.kv_dtype, "batch": setup.batch,
+        "prompt_tokens": setup.prompt_tokens, "new_tokens": setup.new_tokens,
+        "decode_ms_per_token": decode_ms, "tokens_per_s_per_user": 1e3 / decode_ms,
+        "tokens_per_s_total": setup.batch * 1e3 / decode_ms,
+        "prefill_ms": sum(prefill[b] for b in BUCKETS),
+        "distances_ms": buckets, "prefill_distances_ms": {b: prefill[b] for b in BUCKETS},
+        "tokens_per_step": per_step,
+        "memory_per_gpu_bytes": memory["total_bytes"], "fits": memory["fits"],
+        "largest_batch": memory["largest_batch"], "memory": memory,
+        "pipeline_idle_fraction": (setup.pp - 1) / setup.pp,
+        "estimate": True,
+    }
+
+
+def gpu_sweep(setup: Setup, counts=(1, 2, 4, 8)) -> list[dict]:
+    """Tokens/s per user against GPU count (tensor parallel over all of them), where the model allows it."""
+    rows = []
+    for n in counts:
+        s = replace(setup, gpus=n, tp=None, pp=1)
+        try:
+            r = plan(s)
+        except PlanError:
+            continue
+        rows.append({"gpus": n, "tokens_per_s_per_user": r["tokens_per_s_per_user"], "fits": r["fits"],
+                     **{f"{b}_ms": v for b, v in r["distances_ms"].items()}})
+    return rows
+
+
+def batch_sweep(setup: Setup, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
+    """Per-user latency against aggregate throughput over batch sizes."""
+    rows = []
+    for b in batches:
+        r = plan(replace(setup, batch=b))
+        rows.append({"batch": b, "decode_ms_per_token": r["decode_ms_per_token"],
+                     "tokens_per_s_total": r["tokens_per_s_total"], "fits": r["fits"]})
+    return rows
+
+
+def formulas(setup: Setup) -> dict:
+    """Each bucket's formula with this configuration's numbers, for the page's expander and the CLI."""
+    t, eff, gpu, m = tp_degree(setup), setup.efficiency, setup.gpu, setup.model
+    context = setup.prompt_tokens + setup.new_tokens // 2
+    step = step_buckets(setup, 1, context)
+    link = interconnects()[setup.interconnect]
+    ar = all_reduce_us(setup, setup.batch * m.hidden * ACT_BYTES)
+    return {
+        "memory": f"({kvcalc.human(step['_bytes'])} read per GPU) / ({gpu['bandwidth_gbps']:,} GB/s x "
+                  f"{eff.bandwidth}) = {step['memory']:.3f} ms",
+        "compute": f"max({step['_flops']:.3g} FLOPs per GPU / (peak x {eff.compute}) - memory, 0) + dequantization "
+                   f"= {step['compute']:.3f} ms",
+        "physical": f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
+                    f"{setup.pp - 1} pipeline sends + {eff.host_sync_us:g} us host round trip = {step['physical']:.3f} ms",
+        "time": f"{eff.step_fixed_us:g} us per step + {step_kernels(setup, 1)[0]} kernels x "
+                f"{eff.launch_us:g} us" + (f" + {m.spec.layers * eff.matvecs_per_layer + 1} matrix-vector products x "
+                                          f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
+                + (f" + {m.spec.layers} layers in one call x {eff.one_call_layer_us:g} us"
+                   if eff.one_call_layer_us is not None else "")
+                + f" = {step['time']:.3f} ms",
+        "decision": "speculative drafts the target rejects and their share of the verification (0 without "
+                    "speculative decoding)",
+        **speculative_formula(setup, context),
+    }
+
+
+def speculative_formula(setup: Setup, context: int) -> dict:
+    """With speculative decoding the buckets above are of a plain step; this says how a token's are made."""
+    if setup.spec_acceptance is None:
+        return {}
+    a, k = setup.spec_acceptance, setup.spec_draft_length
+    emitted = speculative(setup, context)["tokens_per_step"]
+    return {"speculative": f"a step drafts {k} tokens at {setup.spec_draft_cost:g} x a plain step each and verifies "
+                           f"{k + 1} at once; it emits (1 - {a:g}^{k + 1}) / (1 - {a:g}) = {emitted:.2f} tokens, so "
+                           f"each bucket per token = the verification step's bucket / {emitted:.2f}, with the "
+                           "rejected drafts' share moved to decision"}
+
+
+def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, weights: str = "bf16",
+                      kv_dtype: str = "bf16") -> dict:
+    """Fractions of a server's decode step that are memory, compute and fixed time on this GPU (they sum to 1)."""
+    shapes.whole("context", context_tokens, 0)
+    setup = check_setup(Setup(model=resolve_model(model), gpu=get_gpu(gpu_id), weights=weights,
+                              kv_dtype=kv_dtype, batch=batch))
+    step = step_buckets(setup, 1, context_tokens)
+    total = step["memory"] + step["compute"] + step["time"]
+    return {b: step[b] / total for b in ("memory", "compute", "time")}
+
+
+# --- this machine -----------------------------------------------------------------------------
+
+LOCAL_HOST_US = 250.0  # the decode loop's Python bookkeeping per step (token selection, cache and record keeping)
+# Dispatches one decode step of Tokenpath's lean forward pays per layer: torch.profiler records 2,634 ATen calls
+# (at every level: a linear is linear, t, matmul, mm, views) in one step of the default model's 30 layers, 87.8 a
+# layer, plus 4 calls into the C++ kernels (two norms, two rotary) that it does not see. Each costs about one
+# calibrated dispatch, which is why the step exceeds its bytes over the bandwidth by more than its matrix products.
+LOCAL_OPS_PER_LAYER = 92
+# Where the C++ kernels are built, an fp32 decode step runs every layer in one call to them
+# (LeanLlama.decode_in_one_call): no dispatch per layer. Its cost beside the bytes is each layer's own
+# work (two norms, rotary, the cache append, attention over the context, residuals) and the Python
+# around the call (the forward's embedding, rotary table and checks; the loop's selection, accounting and
+# records), both on caches the step's weights have just flushed: timed inside and around the call over
+# the default model's decode steps (about 80 positions of context), medians of four runs.
+LOCAL_ONE_CALL_LAYER_US = 30.0
+LOCAL_ONE_CALL_HOST_US = 955.0
+ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def decode_bandwidth_gbps(calibration: dict) -> float:
+    """The read bandwidth a decode step's matrix-vector products reach here: the calibration's figure
+    for the project's small-rows kernel (what fp32 decode steps run), else PyTorch's GEMV, else the
+    peak. The peak is the best of several ways to stream memory, a limit no run may beat; a prediction
+    needs what the decode's own kernel achieves on cold weights, which can be less."""
+    methods = calibration.get("memory_methods_gbps") or {}
+    return methods.get("small_rows_kernel") or methods.get("gemv") or calibration["memory_gbps"]
+
+
+def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
+    """This machine as a planner GPU: the bandwidth its decode kernel reaches, its calibrated matmul
+    peaks and no links."""
+    gflops = calibration["matmul_gflops"]
+    peaks = {ENGINE_LEVELS.get(k, k): v / 1e3 for k, v in gflops.items()}
+    peaks.setdefault("fp32", gflops.get("float32", 1.0) / 1e3)
+    return {"id": "local", "name": calibration.get("device_key", "this machine"),
+            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": decode_bandwidth_gbps(calibration),
+            "peak_tflops": peaks,
+            "gpu_link": {"name": "none", "gbps_per_direction": None}, "host_link": {"name": "none",
+                                                                                  "gbps_per_direction": None}}
+
+
+def one_call_decode(calibration: dict, weights: str, kv_dtype: str | None = None) -> bool:
+    """Whether this machine's decode steps run every layer in one call to the C++ kernels: a float32
+    model (the quantized levels among them: their runs compute in float32) with its KV cache in the same
+    precision, where the calibration timed the kernels' small-rows product (so they were built)."""
+    return (weights == "fp32" and kv_dtype in (None, "fp32")
+            and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {}))
+
+
+def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | None = None) -> Efficiency:
+    """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
+    dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
+    calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
+    runs in one call pays its layers' own work and the Python around the call instead of dispatches."""
+    one_call = one_call_decode(calibration, weights, kv_dtype)
+    return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
+                      kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
+                      one_call_layer_us=LOCAL_ONE_CALL_LAYER_US if one_call else None,
+                      step_fixed_us=LOCAL_ONE_CALL_HOST_US if one_call else LOCAL_HOST_US, host_sync_us=0.0)
+
+
+def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
+               prompt_tokens: int = 32, new_tokens: int = 64, bits_per_weight: float | None = None) -> dict:
+    """The planner's prediction for a run on this machine with this calibration."""
+    setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
+                  bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
+                  new_tokens=new_tokens, efficiency=local_efficiency(calibration, weights, kv_dtype or weights))
+    return plan(setup)
+
+
+def plan_for_run(run: dict, calibration: dict) -> dict:
+    """local_plan for a stored run's configuration (a row of the runs table as a dict): the model's folder,
+    its dtype, the bits per weight its forward really read, its KV precision and lengths."""
+    from engine.paths import DEFAULT_MODEL_NAME
+
+    metrics = json.loads(run["metrics"]) if isinstance(run.get("metrics"), str) else (run.get("metrics") or {})
+    model = resolve_model("default" if run["model"] == DEFAULT_MODEL_NAME else run["model"])
+    weights = ENGINE_LEVELS.get(run["dtype"], "fp32")
+    read_bytes = metrics.get("weight_bytes_per_forward")
+    bits = read_bytes * 8 / model.read_params() if read_bytes else None
+    return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or weights,
+                      prompt_tokens=int(run["n_prompt_tokens"]), new_tokens=max(int(run["n_new_tokens"] or 1), 1),
+                      bits_per_weight=bits)

@@ -1,0 +1,85 @@
+"""Plotly figures of the five buckets that the pages and the report share, in one palette
+(Okabe-Ito, colour-blind safe) with fonts large enough to read on a projector."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from engine.measure.distances import BUCKETS
+
+# Okabe & Ito's palette: its colours stay apart under red-green and blue-yellow colour blindness
+# (tests/test_report.py checks every pair under simulated deficiencies); its yellow is left out
+# because it vanishes on a white projector screen.
+BUCKET_COLOURS = {"physical": "#CC79A7", "memory": "#0072B2", "compute": "#009E73", "time": "#E69F00",
+                  "decision": "#D55E00"}
+# a served run's server time when no GPU is named to split it into memory and compute
+SERVER_WORK = ("server work (not split)", "server_work_ms", "#999999")
+FONT_SIZE = 16
+TITLE_SIZE = 20
+LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal", font=dict(size=FONT_SIZE))
+
+
+def readable(fig: go.Figure, **layout) -> go.Figure:
+    """Projector-sized fonts and the legend above the plot; layout entries override."""
+    fig.update_layout(font=dict(size=FONT_SIZE), title_font_size=TITLE_SIZE, legend=LEGEND,
+                      hoverlabel=dict(font_size=FONT_SIZE), **layout)
+    return fig
+
+
+def run_switches(row) -> list[str]:
+    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling."""
+    switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
+    if row.sparsity:
+        switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
+    if getattr(row, "spec", "none") not in (None, "none"):
+        switches.append(row.spec)
+    if row.temperature:
+        switches.append(f"T={row.temperature:g}")
+    return switches
+
+
+def run_label(row) -> str:
+    """A run in one line: number, model, switches, size, status."""
+    return (f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {row.n_new_tokens or 0} tokens · "
+            f"{row.status}")
+
+
+def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(name, row key, colour) of what a per-token picture stacks: the five buckets, and a served run's
+    unsplit server work when its rows carry one."""
+    drawn = [(b, f"{b}_ms", BUCKET_COLOURS[b]) for b in BUCKETS]
+    if any(row.get("memory_ms") is None and row.get("server_work_ms") is not None for row in token_rows):
+        drawn.append(SERVER_WORK)
+    return drawn
+
+
+def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went",
+                 clip_prefill: bool = False) -> go.Figure:
+    """Per-token stacked bars of the five buckets (ms). clip_prefill scales the axis to the decode
+    tokens and writes the first token's height on it, since the prefill can dwarf them."""
+    fig = go.Figure()
+    xs = [row["idx"] for row in token_rows]
+    drawn = series(token_rows)
+    for name, key, colour in drawn:
+        fig.add_bar(x=xs, y=[row[key] or 0.0 for row in token_rows], name=name, marker_color=colour,
+                    hovertemplate=f"token %{{x}}: {name} %{{y:.2f}} ms<extra></extra>")
+    heights = [sum(row[key] or 0.0 for _, key, _ in drawn) for row in token_rows]
+    if clip_prefill and len(heights) > 1 and heights[0] > 2 * max(heights[1:]):
+        top = 1.15 * max(heights[1:])
+        fig.update_yaxes(range=[0, top])
+        fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
+                           showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
+    return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
+                    height=380, margin=dict(l=60, r=10, t=100, b=50))
+
+
+def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, title: str | None = None) -> go.Figure:
+    """One horizontal stacked bar per run (rows carry the run's `{bucket}_ms` totals and
+    `n_new_tokens`), in ms per token or ms per run; the first run is drawn at the top."""
+    fig = go.Figure()
+    for b in BUCKETS:
+        values = [(row[f"{b}_ms"] or 0.0) / ((row["n_new_tokens"] or 1) if per_token else 1) for row in rows]
+        fig.add_bar(y=labels, x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b],
+                    hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
+    unit = "ms per token" if per_token else "ms per run"
+    return readable(fig, barmode="stack", title=title, xaxis_title=unit, yaxis=dict(autorange="reversed"),
+                    height=160 + 48 * len(rows), margin=dict(l=10, r=10, t=100 if title else 60, b=50))

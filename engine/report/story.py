@@ -1,0 +1,323 @@
+"""The story: the seed's four distances as four chapters of experiments, each a lever against its baseline.
+
+Each chapter's runs are RunSpecs tagged story:<chapter>:<arm>, run through the normal worker and stored as
+ordinary runs; the physical chapter adds the planner's deployment estimates and, given a server, one served run."""
+from __future__ import annotations
+
+import html
+
+import plotly.io as pio
+from dataclasses import dataclass, field
+
+from engine.plan import planner as plan
+from engine.report.charts import totals_chart
+from engine.measure.distances import BUCKETS
+from engine.report.html import (FIGURE_CONFIG, ReportError, Section, build_html, definitions_section, fmt, latest_quality,
+                     load_runs, run_sections, table)
+from engine.store.sql import utcnow
+from engine.run.spec import GenConfig, RunSpec
+
+TAG = "story"
+NEW_TOKENS = 16  # enough decode steps for a steady rate, few enough that the whole story takes about a minute
+SHORT_PROMPT = "Name three colours of the sea."
+# a prompt the answer copies from: prompt lookup finds its continuation in it
+COPY_PROMPT = ("Repeat this list exactly:\nred apples, green pears, yellow lemons, purple plums, orange peaches.\n"
+               "red apples, green pears, yellow lemons, purple plums, orange peaches.")
+SERVED_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One run of a comparison: its key in the tag, its label, and what differs from plain fp32 greedy."""
+    key: str
+    label: str
+    weights: str = "fp32"
+    kv_cache: bool = True
+    prompt: str = SHORT_PROMPT
+    sparsity: float = 0.0
+    sparsity_mode: str = "mask"
+    gen: dict = field(default_factory=dict)  # speculative settings (GenConfig fields)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A lever against its baseline, and the figures that tell what it changed."""
+    title: str
+    measures: str
+    baseline: Arm
+    levers: tuple[Arm, ...]
+    figures: tuple[str, ...]
+
+    @property
+    def arms(self) -> tuple[Arm, ...]:
+        return (self.baseline, *self.levers)
+
+
+@dataclass(frozen=True)
+class Chapter:
+    key: str
+    title: str
+    thesis: str
+    lever: str
+    comparisons: tuple[Comparison, ...] = ()
+
+
+FP32 = Arm("fp32", "fp32 (4 bytes a weight)")
+SPEC_DRAFT = dict(spec="draft", draft_model="self-int8", spec_k=3)
+CHAPTERS = (
+    Chapter("memory", "Memory distance: fewer bytes per token",
+            "Generation is a logistics problem: the weights must be carried to the compute units for every token, "
+            "and quantization helps only when fewer bytes move and a kernel reads the format.",
+            "Fewer bytes: the same prompt with 8-bit and 4-bit weights.",
+            (Comparison("fp32 against int8 and int4 weights",
+                        "bytes read per token, tokens per second, and what the fewer bits cost in quality",
+                        FP32, (Arm("int8-dyn", "int8 (int8-dyn)", weights="int8-dyn"),
+                               Arm("int4-wo", "int4 (int4-wo)", weights="int4-wo")),
+                        ("decode tok/s", "speedup", "weights MB per token", "perplexity", "KL", "top-1")),)),
+    Chapter("time", "Time distance: fewer serial steps",
+            "A token waits for every serial step before it: recomputing the whole prefix at each step, or one "
+            "forward per token when several could be checked in one.",
+            "Fewer serial steps: keep the KV cache, and guess tokens the prompt already holds.",
+            (Comparison("KV cache off against on", "work per token when each step recomputes the prefix",
+                        Arm("kv-off", "KV cache off", kv_cache=False), (Arm("kv-on", "KV cache on"),),
+                        ("decode tok/s", "speedup", "TPOT ms", "decision share")),
+             Comparison("plain greedy against prompt lookup, on a prompt the answer copies",
+                        "tokens per target forward: serial steps saved by guesses the model confirms",
+                        Arm("greedy", "greedy", prompt=COPY_PROMPT),
+                        (Arm("prompt-lookup", "prompt lookup", prompt=COPY_PROMPT, gen=dict(spec="prompt-lookup")),),
+                        ("decode tok/s", "speedup", "tokens per forward", "acceptance")))),
+    Chapter("decision", "Decision distance: less wasted work",
+            "Speculation pays only when guesses are accepted and verification is cheap; sparsity saves time only "
+            "when it skips weight loads, not just multiplications.",
+            "Less wasted work: count the rejected guesses, and skip the weights a zero would multiply.",
+            (Comparison("plain greedy against a speculative draft (self-int8)",
+                        "acceptance rate and the drafted tokens thrown away (the decision bucket)",
+                        Arm("greedy", "greedy"), (Arm("draft", "draft self-int8, K=3", gen=SPEC_DRAFT),),
+                        ("decode tok/s", "speedup", "acceptance", "thrown away", "decision share")),
+             Comparison("sparsity 50%: mask (reads every weight) against skip (does not)",
+                        "weights read per token and the time the zeros cost",
+                        Arm("mask", "mask 50% (reads everything)", sparsity=0.5, sparsity_mode="mask"),
+                        (Arm("skip", "skip 50% (skips the loads)", sparsity=0.5, sparsity_mode="skip"),),
+                        ("decode tok/s", "speedup", "weights MB per token", "decision share")))),
+    Chapter("physical", "Physical distance: shorter links",
+            "Multi-layer low-loss boards and switches exist to make signal paths short: once a model spans "
+            "several GPUs, every token crosses the links between them.",
+            "Shorter links: NVSwitch against PCIe in a DGX A100, and a 70B model on 2, 4 and 8 GPUs."),
+)
+BY_KEY = {chapter.key: chapter for chapter in CHAPTERS}
+
+# (title, [(model, gpu, gpus, interconnect)]): the first configuration is the baseline
+DEPLOYMENTS = (
+    ("GPT-3 175B on a DGX A100 (8 GPUs): NVSwitch against PCIe",
+     (("gpt3-175b", "a100-80gb-sxm", 8, "nvswitch"), ("gpt3-175b", "a100-80gb-pcie", 8, "pcie"))),
+    ("Llama-2-70B on 2, 4 and 8 A100 SXM GPUs over NVLink",
+     tuple(("llama-2-70b", "a100-80gb-sxm", n, "nvlink") for n in (2, 4, 8))),
+)
+
+
+def tag(chapter: Chapter, arm: Arm | str) -> str:
+    return f"{TAG}:{chapter.key}:{arm if isinstance(arm, str) else arm.key}"
+
+
+def arm_spec(chapter: Chapter, arm: Arm, model: str = "default", device: str = "auto") -> RunSpec:
+    gen = GenConfig(arm.prompt, max_new_tokens=NEW_TOKENS, kv_cache=arm.kv_cache, ignore_eos=True, **arm.gen)
+    return RunSpec(gen=gen, model=model, device=device, weights=arm.weights, sparsity=arm.sparsity,
+                   sparsity_mode=arm.sparsity_mode, tag=tag(chapter, arm))
+
+
+def chapter_specs(chapter: Chapter, model: str = "default", device: str = "auto") -> list[RunSpec]:
+    """Every run the chapter makes, each arm once (an arm in two comparisons is one run)."""
+    arms = {arm.key: arm for comparison in chapter.comparisons for arm in comparison.arms}
+    return [arm_spec(chapter, arm, model, device) for arm in arms.values()]
+
+
+def served_spec(endpoint: str, served_model: str | None = None) -> RunSpec:
+    return RunSpec(gen=GenConfig(SHORT_PROMPT, max_new_tokens=SERVED_TOKENS), backend="served", endpoint=endpoint,
+                   served_model=served_model or None, tag=tag(BY_KEY["physical"], "served"))
+
+
+def latest_runs(store, chapter: Chapter) -> dict[str, dict]:
+    """The newest finished run of each of the chapter's arms, by arm key, JSON columns decoded."""
+    frame = store.query("SELECT run_id, tag FROM runs WHERE tag LIKE ? AND status = 'ok' ORDER BY run_id DESC",
+                        [f"{TAG}:{chapter.key}:%"])
+    newest: dict[str, int] = {}
+    for run_id, run_tag in frame.itertuples(index=False):
+        newest.setdefault(run_tag.split(":", 2)[2], int(run_id))
+    runs = load_runs(store, list(newest.values())) if newest else []
+    return {run["tag"].split(":", 2)[2]: run for run in runs}
+
+
+def story_run_ids(store) -> list[int]:
+    return sorted(run["run_id"] for chapter in CHAPTERS for run in latest_runs(store, chapter).values())
+
+
+def bucket_total(run: dict) -> float:
+    """The run's attributed time: the five buckets, plus a served run's server work when no GPU split it."""
+    return sum(run[f"{b}_ms"] or 0.0 for b in BUCKETS) + (run.get("server_work_ms") or 0.0)
+
+
+def share(run: dict, bucket: str) -> float | None:
+    total = bucket_total(run)
+    return (run[f"{bucket}_ms"] or 0.0) / total if total else None
+
+
+def weight_bytes_per_token(store, run_id: int) -> float | None:
+    """Weight bytes the decode steps read per token they emitted: a skip-sparse step reads fewer."""
+    frame = store.query("SELECT sum(weight_bytes) AS b, sum(n_emitted) AS n FROM steps WHERE run_id = ? AND "
+                        "kind = 'decode'", [run_id])
+    read, emitted = frame["b"].iloc[0], frame["n"].iloc[0]
+    return float(read) / float(emitted) if emitted and emitted == emitted else None
+
+
+def figures(run: dict, baseline: dict | None, quality: dict | None, weight_bytes: float | None = None) -> dict:
+    """Every figure a comparison may show for one run, by the names Comparison.figures uses."""
+    m = run["metrics"]
+    spec = m.get("speculative") or {}
+    rate, base = run["decode_tokens_per_s"], baseline and baseline["decode_tokens_per_s"]
+    q = quality or {}
+    return {"decode tok/s": rate, "speedup": rate / base if rate and base else None, "TPOT ms": run["tpot_ms"],
+            "TTFT ms": run["ttft_ms"],
+            "weights MB per token": (weight_bytes or m.get("weight_bytes_per_forward") or 0) / 1e6 or None,
+            "tokens per forward": spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None),
+            "acceptance": spec.get("acceptance_rate"),
+            "thrown away": spec["drafted"] - spec["accepted"] if "drafted" in spec else None,
+            "decision share": share(run, "decision"), "network share": share(run, "physical"),
+            "perplexity": q.get("perplexity"), "KL": q.get("kl_mean"), "top-1": q.get("top1_agreement")}
+
+
+FORMATS = {"decode tok/s": ".1f", "speedup": ".2f", "TPOT ms": ".1f", "TTFT ms": ".1f", "weights MB per token": ".0f",
+           "tokens per forward": ".2f", "acceptance": ".0%", "thrown away": "d", "decision share": ".0%",
+           "network share": ".0%", "perplexity": ".3f", "KL": ".5f", "top-1": ".1%"}
+
+
+def show(name: str, value) -> str:
+    return fmt(value, FORMATS[name], "x" if name == "speedup" else "")
+
+
+def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> list[dict]:
+    """One row per stored arm: its label, run, and the comparison's figures (raw values)."""
+    present = [arm for arm in comparison.arms if arm.key in runs]
+    quality = latest_quality(store, [runs[arm.key] for arm in present])
+    baseline = runs.get(comparison.baseline.key)
+    rows = []
+    for arm in present:
+        run = runs[arm.key]
+        values = figures(run, baseline, quality.get(run["run_id"]), weight_bytes_per_token(store, run["run_id"]))
+        rows.append({"arm": arm.label, "run": run["run_id"], **{name: values[name] for name in comparison.figures}})
+    return rows
+
+
+def missing_quality(rows: list[dict], comparison: Comparison) -> list[str]:
+    """The weight levels of a comparison that show quality figures but have none stored."""
+    if "perplexity" not in comparison.figures:
+        return []
+    levels = {arm.label: arm.weights for arm in comparison.arms}
+    return [levels[row["arm"]] for row in rows if row["perplexity"] is None and levels[row["arm"]] != "fp32"]
+
+
+def quality_command(level: str, model: str = "default") -> str:
+    return f"python -m engine quality --quant {level}" + ("" if model == "default" else f" --model {model}")
+
+
+def picture(comparison: Comparison, runs: dict[str, dict], rows: list[dict]):
+    """The comparison's runs as one stacked bar each (ms per token, prefill included), baseline on top."""
+    labels = [f"{row['arm']} · #{row['run']}" + (f" · {row['speedup']:.2f}x" if row.get("speedup") else "")
+              for row in rows]
+    arm_runs = [runs[arm.key] for arm in comparison.arms if arm.key in runs]
+    return totals_chart(labels, arm_runs, per_token=True, title=comparison.title)
+
+
+def deployment_results(efficiency: plan.Efficiency | None = None) -> list[tuple[str, list[dict]]]:
+    """The planner's estimates of each deployment comparison (one dict per configuration)."""
+    out = []
+    for title, configs in DEPLOYMENTS:
+        results = []
+        for model, gpu, gpus, link in configs:
+            setup = plan.Setup(model=plan.resolve_model(model), gpu=plan.get_gpu(gpu), gpus=gpus, interconnect=link,
+                               efficiency=efficiency or plan.Efficiency())
+            results.append(plan.plan(setup))
+        out.append((title, results))
+    return out
+
+
+def deployment_label(result: dict) -> str:
+    return f"{result['model'].split(' (')[0]} · {result['gpus']} x {result['gpu']} · {result['interconnect']}"
+
+
+def deployment_picture(title: str, results: list[dict]):
+    """The planner's buckets per configuration as the same stacked bars (ms per decode token, estimates)."""
+    rows = [{**{f"{b}_ms": r["distances_ms"][b] for b in BUCKETS}, "n_new_tokens": 1} for r in results]
+    base = results[0]["decode_ms_per_token"]
+    labels = [f"{deployment_label(r)} · {base / r['decode_ms_per_token']:.2f}x" for r in results]
+    fig = totals_chart(labels, rows, per_token=True, title=f"{title} (estimate)")
+    fig.update_layout(xaxis_title="ms per decode token (planner estimate)")
+    return fig
+
+
+def deployment_rows(results: list[dict]) -> list[dict]:
+    base = results[0]["decode_ms_per_token"]
+    return [{"configuration": deployment_label(r), "ms per token (estimate)": r["decode_ms_per_token"],
+             "tokens/s (estimate)": r["tokens_per_s_per_user"], "speedup (estimate)": base / r["decode_ms_per_token"],
+             "physical share (estimate)": r["distances_ms"]["physical"] / r["decode_ms_per_token"], "fits": r["fits"]}
+            for r in results]
+
+
+def chapter_section(store, chapter: Chapter) -> Section:
+    """A chapter of the story report: its thesis, each comparison's figures and picture."""
+    parts = [f"<p>{html.escape(chapter.thesis)}</p><p><b>Lever:</b> {html.escape(chapter.lever)}</p>"]
+    runs = latest_runs(store, chapter)
+    for comparison in chapter.comparisons:
+        rows = comparison_rows(store, comparison, runs)
+        parts.append(f"<h3>{html.escape(comparison.title)}</h3><p class=note>Measures {html.escape(comparison.measures)}."
+                     " Speedup: decode tokens/s against the first row.</p>")
+        if not rows:
+            parts.append("<p>Not played yet.</p>")
+            continue
+        parts.append(table(["arm", "run", *comparison.figures],
+                           [[html.escape(r["arm"]), f"#{r['run']}", *(show(n, r[n]) for n in comparison.figures)]
+                            for r in rows], numeric_from=2))
+        parts += [f"<p class=note>No quality stored for {html.escape(level)}: run "
+                  f"<code>{html.escape(quality_command(level))}</code>.</p>" for level in missing_quality(rows, comparison)]
+        parts.append(figure_html(picture(comparison, runs, rows)))
+    if chapter.key == "physical":
+        parts.append(physical_html(store))
+    return Section(f"Story: {chapter.title}", "".join(parts))
+
+
+def figure_html(fig) -> str:
+    """A figure inline, right under its table (the page's one copy of Plotly's script draws it)."""
+    fig.update_yaxes(automargin=True)  # room for the run labels: plotly.js leaves none by default
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, config=FIGURE_CONFIG)
+
+
+def physical_html(store) -> str:
+    parts = ["<p><b>Estimates</b> from the planner (engine/plan/planner.py), not measurements.</p>"]
+    for title, results in deployment_results():
+        rows = deployment_rows(results)
+        parts.append(f"<h3>{html.escape(title)} (estimate)</h3>" + table(
+            list(rows[0]), [[html.escape(r["configuration"]), fmt(r["ms per token (estimate)"], ".2f"),
+                             fmt(r["tokens/s (estimate)"], ".1f"), fmt(r["speedup (estimate)"], ".2f", "x"),
+                             fmt(r["physical share (estimate)"], ".0%"), "yes" if r["fits"] else "no"] for r in rows],
+            numeric_from=1))
+        parts.append(figure_html(deployment_picture(title, results)))
+    served = latest_runs(store, BY_KEY["physical"]).get("served")
+    if served:
+        values = figures(served, None, None)
+        parts.append(f"<h3>Measured: one served run, #{served['run_id']} at {html.escape(served['endpoint'] or '')}"
+                     f"</h3><p>Network share {show('network share', values['network share'])}, TTFT "
+                     f"{show('TTFT ms', values['TTFT ms'])} ms, {show('decode tok/s', values['decode tok/s'])} "
+                     "decode tokens/s.</p>")
+    return "".join(parts)
+
+
+def story_report(store) -> str:
+    """The report of the latest story runs: one section per chapter, then the standard sections of its runs."""
+    ids = story_run_ids(store)
+    if not ids:
+        raise ReportError("No story runs are stored yet: play the story on the Story page first.")
+    intro = (f'<p class="note">The four distances played on this machine, made {utcnow():%Y-%m-%d %H:%M} UTC from '
+             f"{html.escape(store.path.name)}: runs {', '.join(f'#{i}' for i in ids)}. Every measured figure comes "
+             "from the stored runs; the planner's figures are estimates.</p>")
+    sections = [*(chapter_section(store, chapter) for chapter in CHAPTERS), *run_sections(store, ids),
+                definitions_section()]
+    return build_html("Tokenpath: the four distances", sections, intro)

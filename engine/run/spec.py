@@ -1,0 +1,126 @@
+"""The run specification: everything that decides what one run does, as plain serialisable data.
+
+The command line, the worker, the pages, sweeps and benchmarks all describe a run as a RunSpec;
+prepare(spec) (engine.run.prepare) turns it into a loaded model and Generation runs its GenConfig."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from engine.dtypes import KV_CHOICES
+from engine.errors import UserError
+
+MAX_NEW_TOKENS_CAP = 4096
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
+
+
+class GenerationError(UserError):
+    """Bad input for a generation."""
+
+
+@dataclass
+class GenConfig:
+    """How to generate: the prompt, sampling, stopping, KV cache and speculative settings."""
+
+    prompt: str
+    max_new_tokens: int = 64
+    kv_cache: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    raw: bool = False
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
+    spec: str = "none"  # speculative method (engine.switches.speculative.METHODS)
+    spec_k: int = 4  # tokens drafted per step (the starting length when adaptive)
+    adaptive: bool = False
+    draft_model: str | None = None  # for spec="draft": self-int8, self-exit:K, or a model id or folder
+    max_ngram: int = 3  # prompt lookup: the longest n-gram matched; lookahead: the n-gram size N
+    window: int = 4  # for spec="lookahead": W, the columns of the lookahead branch
+    guesses: int = 4  # for spec="lookahead": G, the most n-grams verified per step
+    kv_dtype: str = "auto"  # KV-cache precision: auto (the weights' compute dtype), fp32, bf16 or fp16
+
+    def check(self) -> None:
+        """Raise GenerationError with one sentence for the first setting that cannot run."""
+        from engine.switches.drafters import MAX_K
+        from engine.switches.speculative import METHODS
+
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise GenerationError("The prompt is empty: type something for the model to continue.")
+        for text in [self.prompt, *self.stop]:
+            _check_text(text)
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_CAP)
+        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE, "0 (greedy) or positive, at most")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], not {self.top_p}.")
+        _check_int("top_k", self.top_k, 0, 1_000_000)
+        if self.seed is not None:
+            _check_int("The seed", self.seed, 0, MAX_SEED)
+        if self.spec not in METHODS:
+            raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
+        _check_int("The draft length K", self.spec_k, 1, MAX_K)
+        if self.kv_dtype not in KV_CHOICES:
+            raise GenerationError(f"Unknown KV-cache precision '{self.kv_dtype}': use one of {', '.join(KV_CHOICES)}.")
+        if not METHODS[self.spec].samples and self.spec != "none" and self.temperature != 0:
+            raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
+                                  "to 0, or sample with a draft model.")
+
+
+@dataclass
+class RunSpec:
+    """One run: where the model runs and at which settings, and how to generate."""
+
+    gen: GenConfig
+    model: str = "default"  # 'default', a local folder or a Hugging Face id
+    device: str = "auto"
+    weights: str = "fp32"  # weight precision level (engine.switches.quant.LEVELS)
+    group_size: int = 32  # for levels that quantize in groups (int4-wo)
+    sparsity: float = 0.0  # target activation sparsity, 0 to 0.9
+    sparsity_mode: str = "mask"  # mask, skip or 2:4
+    backend: str = "local"  # local: this machine's engine; served: an OpenAI-compatible server
+    endpoint: str | None = None  # served: the server's base URL
+    served_model: str | None = None  # served: the model name the server knows
+    api_key_env: str | None = None  # served: the environment variable holding the API key (never the key)
+    gpu: str | None = None  # served: the GPU the server runs on, for the planner's memory/compute split
+    tag: str | None = None  # stored with the run, so the page that asked for it finds it again (story:memory:fp32)
+
+    def check(self) -> None:
+        self.gen.check()
+        if self.backend not in ("local", "served"):
+            raise GenerationError(f"Unknown backend '{self.backend}': use local or served.")
+        if self.backend == "served" and not self.endpoint:
+            raise GenerationError("A served run needs the server's URL (--endpoint).")
+        _check_number("Sparsity", self.sparsity, 0.0, 0.9, "between 0 and")
+        if self.tag is not None and (not isinstance(self.tag, str) or not 0 < len(self.tag) <= 200):
+            raise GenerationError(f"A run's tag is a text of 1 to 200 characters, not {self.tag!r}.")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunSpec:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known and k != "gen"}, gen=GenConfig(**data["gen"]))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_number(name: str, value, low: float, high: float, allowed: str) -> None:
+    if not _finite(value) or not low <= value <= high:
+        raise GenerationError(f"{name} must be {allowed} {high:g}, not {value}.")
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise GenerationError(f"{name} must be a whole number between {low} and {high}, not {value}.")
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GenerationError("The prompt or a stop string is not valid UTF-8 text: pass it as UTF-8.") from None

@@ -1,0 +1,239 @@
+"""Model work in a process of its own, for the dashboard: generations, sweeps, calibration.
+
+The worker is a plain Python process whose main thread runs the model, as the command line does, so
+the model never shares a process (or a Python interpreter lock) with the Streamlit server; it keeps
+the loaded models between runs and sends new tokens in batches, as often as the page redraws, since
+each message wakes the page's process, which then takes a core from the model (measured in
+bench/results/ui.md). A stop message cancels the run, which the engine records as cancelled.
+
+Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
+generation, {"db", "device", "calibrate": True} for a calibration), "stop", or None (quit). From it:
+("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
+request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
+sentence) for an engine failure.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from engine import access
+from engine.paths import REPO_ROOT
+from engine.measure import hardware
+from engine.serve import client as served
+from engine.errors import UserError
+from engine.run.generate import Generation
+from engine.model.loader import pick_device
+from engine.run.prepare import prepare
+from engine.run.record import RecordDeferred
+from engine.run.spec import RunSpec
+from engine.store.db import Store
+
+
+ENDINGS = ("done", "refused", "failed")
+# the page shows a spinner only for a start slower than this: the spinner's removal is a redraw that
+# would otherwise land on the first decode steps of every run
+SLOW_START_S = 0.3
+
+
+class WorkerRefused(Exception):
+    """Input the engine turned down, in one sentence; nothing was run."""
+
+
+class WorkerFailed(Exception):
+    """The engine failed during the run (recorded with status error), or the worker process died."""
+
+
+class GenerationWorker:
+    """One worker process, started on first use and again if it dies; one generation at a time."""
+
+    def __init__(self):
+        self._process: subprocess.Popen | None = None
+        self._conn: _Duplex | None = None
+        self._lock = threading.Lock()
+        self._running = False  # a request sent whose ending message has not been read yet
+
+    def _connection(self) -> _Duplex:
+        if self._process is None or self._process.poll() is not None:
+            to_worker_r, to_worker_w = os.pipe()
+            from_worker_r, from_worker_w = os.pipe()
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "engine.run.worker", str(to_worker_r), str(from_worker_w)],
+                cwd=REPO_ROOT, pass_fds=(to_worker_r, from_worker_w))
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+            self._conn = _Duplex(from_worker_r, to_worker_w)
+        return self._conn
+
+    def generate(self, request: dict, every_s: float, on_run_id=None):
+        """Run one request. Yields ("preparing", None) if the first token is not out within
+        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "special_ids"}) once
+        it is, then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
+        Closing the generator early stops the run, which is then recorded as cancelled.
+        on_run_id(run_id) is called as soon as the run has a number, also when the generator is
+        closed before it yielded "ready"."""
+        with self._lock:
+            conn = self._connection()
+            conn.send({**request, "every_s": every_s})
+            self._running = True
+            try:
+                if not conn.poll(SLOW_START_S):
+                    yield "preparing", None
+                what, payload = self._receive(conn, on_run_id)
+                if what != "ready":
+                    self._raise(what, payload)
+                yield what, payload
+                while True:
+                    what, payload = self._receive(conn)
+                    if what not in ("tokens", "done"):
+                        self._raise(what, payload)
+                    yield what, payload
+                    if what == "done":
+                        return
+            finally:
+                if self._running:
+                    self._stop(conn, on_run_id)
+
+    def _receive(self, conn: _Duplex, on_run_id=None):
+        try:
+            what, payload = conn.recv()
+        except (EOFError, OSError):
+            self._running = False
+            code = self._process.wait()
+            self._process = None
+            raise WorkerFailed(f"The generation process ended unexpectedly (exit code {code}); it starts again "
+                               "with the next run, and a run it had begun is kept as interrupted.") from None
+        if what in ENDINGS:
+            self._running = False
+        elif what == "ready" and on_run_id:
+            on_run_id(payload["run_id"])
+        return what, payload
+
+    @staticmethod
+    def _raise(what: str, payload):
+        raise (WorkerRefused if what == "refused" else WorkerFailed)(payload)
+
+    def _stop(self, conn: _Duplex, on_run_id) -> None:
+        """Ask the worker to stop the run and wait until it has recorded it."""
+        try:
+            conn.send("stop")
+            while self._running:
+                self._receive(conn, on_run_id)
+        except WorkerFailed:
+            pass
+
+
+class _Duplex:
+    """A Connection pair over two pipes, used as one."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in = Connection(read_fd, writable=False)
+        self._out = Connection(write_fd, readable=False)
+
+    def send(self, obj) -> None:
+        self._out.send(obj)
+
+    def recv(self):
+        return self._in.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self._in.poll(timeout)
+
+
+def serve(conn) -> None:
+    """The worker's loop: one request at a time, in the main thread, until the page's end of the
+    pipes closes."""
+    try:
+        while (request := conn.recv()) is not None:
+            if request == "stop":  # a stop that came after its run had ended
+                continue
+            if request.get("calibrate"):
+                calibrate(conn, request)
+            else:
+                run(conn, request)
+    except EOFError:
+        pass
+
+
+def calibrate(conn, request: dict) -> None:
+    """A fresh calibration of the device, stored; answered with ("done", {"calibration": ...})."""
+    try:
+        store = Store(request["db"])
+        results = hardware.calibration_for(pick_device(request["device"]), store, fresh=True)
+    except UserError as exc:
+        conn.send(("refused", str(exc)))
+        return
+    conn.send(("ready", {"run_id": None, "special_ids": []}))
+    conn.send(("done", {"calibration": results}))
+
+
+def start(spec: RunSpec, store: Store):
+    """(the run ready to iterate, the special token ids the page hides) for a spec: the local engine, or a
+    served model's stream."""
+    spec.check()
+    if spec.backend == "served":
+        if access.shared_mode():  # a shared dashboard sends no requests to addresses its users type
+            raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
+                                     "servers; measure a served model from a dashboard on 127.0.0.1.")
+        g = spec.gen
+        run = served.generate(spec.endpoint, served_model=spec.served_model, prompt=g.prompt,
+                              max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed,
+                              raw=g.raw, api_key_env=spec.api_key_env, gpu=spec.gpu, store=store, tag=spec.tag)
+        return run, []
+    for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
+        if text and not access.model_choice_allowed(text, draft):
+            raise access.AccessError(access.refusal(text))
+    lm = prepare(spec, store)
+    return Generation(lm, spec.gen, store=store, tag=spec.tag), sorted(lm.tokenizer.all_special_ids)
+
+
+def run(conn, request: dict) -> None:
+    """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
+    try:
+        gen, special_ids = start(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+    except (UserError, served.ServedError) as exc:
+        conn.send(("refused", str(exc)))
+        return
+    except Exception as exc:
+        conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
+        return
+    sent, last_sent = 0, None
+    events = iter(gen)
+    try:
+        for _ in events:
+            if last_sent is None:
+                conn.send(("ready", {"special_ids": special_ids, "run_id": gen.run_id}))
+                last_sent = time.monotonic()  # the first batch too comes every_s later, not on the first steps
+            # in batches, as often as the page redraws: each message wakes the page's process, which
+            # then takes a core from the model for a moment
+            elif time.monotonic() - last_sent >= request["every_s"]:
+                conn.send(("tokens", gen.live_tokens[sent:]))
+                sent, last_sent = len(gen.live_tokens), time.monotonic()
+            if conn.poll(0) and conn.recv() == "stop":
+                events.close()
+                break
+    except (RecordDeferred, served.ServedRunError) as exc:
+        ending = ("failed", str(exc))
+    except Exception as exc:  # the engine has recorded the run with status error
+        ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")
+    else:
+        ending = ("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.result["stop_reason"],
+                           "tokens": gen.tokens, "steps": gen.steps})
+    conn.send(ending)
+
+
+def _stop_on_sigterm() -> None:
+    """A SIGTERM to the worker ends its run as a Stop does (recorded as cancelled), then the worker."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+if __name__ == "__main__":
+    _stop_on_sigterm()
+    serve(_Duplex(int(sys.argv[1]), int(sys.argv[2])))

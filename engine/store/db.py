@@ -1,0 +1,191 @@
+"""The DuckDB run store: every run, step, token, telemetry sample and calibration.
+
+Connections are short (open, write, close) so the app and the command line can both record; a writer
+that finds the file locked by another process waits and retries. A run's rows live in its journal
+(engine.store.journal) until the run ends, when one transaction writes them and completes the run row; a run
+whose process died is folded in from its journal by the next Store opened on the file."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import duckdb
+import psutil
+
+from engine.store import recovery
+from engine.errors import UserError
+from engine.paths import default_db_path
+from engine.store.schema import MIGRATIONS, SCHEMA_VERSION
+from engine.store.sql import complete_run, insert_batches, utcnow
+
+# how long a writer waits for a database file that another process holds
+LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
+
+
+class StoreError(UserError):
+    """The database cannot be used."""
+
+
+def _is_lock_error(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "lock" in text and ("could not set" in text or "conflicting" in text)
+
+
+class Store:
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else default_db_path()
+        self._prepare()
+        self.recover()
+
+    @contextmanager
+    def connect(self):
+        deadline = time.monotonic() + LOCK_WAIT_S
+        delay = 0.01
+        while True:
+            try:
+                con = duckdb.connect(str(self.path))
+                break
+            except duckdb.Error as exc:
+                if _is_lock_error(exc) and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+                    continue
+                if _is_lock_error(exc):
+                    raise StoreError(f"The database {self.path} stayed locked by another process for {LOCK_WAIT_S:.0f} s.") from None
+                raise StoreError(f"{self.path} is not a readable DuckDB database ({str(exc).splitlines()[0]}); "
+                                 "point --db or TOKENPATH_DB at another file.") from None
+        try:
+            yield con
+        finally:
+            con.close()
+
+    def _prepare(self) -> None:
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a database file; point --db or TOKENPATH_DB at a file.")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"Cannot create the folder for the database {self.path}: {exc.strerror}.") from None
+        with self.connect() as con:
+            tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+            if tables and "tokenpath_meta" not in tables:
+                raise StoreError(f"{self.path} is a DuckDB file of something else (it has tables but none of "
+                                 "Tokenpath's); it was left untouched, point --db or TOKENPATH_DB at another file.")
+            version = 0
+            if tables:
+                row = con.execute("SELECT value FROM tokenpath_meta WHERE key = 'schema_version'").fetchone()
+                version = int(row[0]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} was written by a newer Tokenpath (schema {version}); update this copy.")
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                con.execute("BEGIN")
+                for statement in MIGRATIONS[v]:
+                    con.execute(statement)
+                con.execute("INSERT OR REPLACE INTO tokenpath_meta VALUES ('schema_version', ?)", [str(v)])
+                con.execute("COMMIT")
+            try:  # a file or folder that can be read but not written fails here, before any run starts
+                con.execute("INSERT OR REPLACE INTO tokenpath_meta VALUES ('last_opened', ?)", [utcnow().isoformat()])
+                con.execute("CHECKPOINT")
+            except duckdb.Error as exc:
+                raise StoreError(f"{self.path} cannot be written ({str(exc).splitlines()[0]}); nothing was recorded: "
+                                 "point --db or TOKENPATH_DB at a writable file.") from None
+
+    def recover(self) -> int:
+        """Fold in the runs whose process died (engine.store.recovery); returns how many changed."""
+        return recovery.recover(self)
+
+    def start_run(self, *, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str,
+                  tag: str | None = None) -> int:
+        me = psutil.Process()
+        with self.connect() as con:
+            return con.execute(
+                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, sparsity,
+                   sparsity_mode, spec, config, hardware, prompt, tag, host, pid, pid_started)
+                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
+                 float(config.get("temperature", 0.0)), config.get("quant", "fp32"), float(config.get("sparsity", 0.0)),
+                 config.get("sparsity_mode"), config.get("spec", "none"), json.dumps(config),
+                 json.dumps(hardware), prompt, tag,
+                 socket.gethostname(), me.pid, me.create_time()],
+            ).fetchone()[0]
+
+    def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
+                   error: str | None = None, batches: dict[str, list[dict]] | None = None) -> None:
+        """Write the run's rows and complete its row, in one transaction."""
+        with self.connect() as con:
+            con.execute("BEGIN")
+            insert_batches(con, batches or {})
+            complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error)
+            con.execute("COMMIT")
+
+    def insert(self, batches: dict[str, list[dict]]) -> None:
+        """Rows for several tables ({table: [row dict, ...]}) in one connection."""
+        with self.connect() as con:
+            insert_batches(con, batches)
+
+    def query(self, sql: str, params=None):
+        """A pandas DataFrame of any read query."""
+        with self.connect() as con:
+            return con.execute(sql, params or []).df()
+
+    def runs(self, limit: int = 50):
+        return self.query("SELECT * EXCLUDE (pid, pid_started) FROM runs ORDER BY run_id DESC LIMIT ?", [limit])
+
+    def run(self, run_id: int) -> dict | None:
+        frame = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        return None if frame.empty else frame.iloc[0].to_dict()
+
+    def steps(self, run_id: int):
+        return self.query("SELECT * FROM steps WHERE run_id = ? ORDER BY step", [run_id])
+
+    def tokens(self, run_id: int):
+        return self.query("SELECT * FROM tokens WHERE run_id = ? ORDER BY idx", [run_id])
+
+    def telemetry(self, run_id: int):
+        return self.query("SELECT * FROM telemetry WHERE run_id = ? ORDER BY t_ms", [run_id])
+
+    def delete_runs(self, run_ids: list[int]) -> int:
+        """Delete these runs with their steps, tokens and telemetry; returns how many runs went."""
+        ids = [int(i) for i in run_ids]
+        if not ids:
+            return 0
+        marks = ", ".join("?" for _ in ids)
+        with self.connect() as con:
+            con.execute("BEGIN")
+            for table in ("steps", "tokens", "telemetry"):
+                con.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", ids)
+            deleted = con.execute(f"DELETE FROM runs WHERE run_id IN ({marks}) RETURNING run_id", ids).fetchall()
+            con.execute("COMMIT")
+        return len(deleted)
+
+    def save_quality(self, result: dict) -> None:
+        row = {k: result.get(k) for k in ("model", "device", "variant", "perplexity", "kl_mean", "top1_agreement",
+                                          "n_tokens", "eval_text_sha", "first_divergence", "seconds")}
+        self.insert({"quality": [{**row, "created_at": utcnow(), "settings": json.dumps(result.get("settings", {}))}]})
+
+    def sparsity_thresholds(self, model: str, sparsity: float, text_sha: str) -> dict | None:
+        with self.connect() as con:
+            row = con.execute("SELECT thresholds FROM sparsity_thresholds WHERE model = ? AND sparsity = ? AND "
+                              "text_sha = ? ORDER BY created_at DESC LIMIT 1", [model, sparsity, text_sha]).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def save_sparsity_thresholds(self, model: str, sparsity: float, text_sha: str, thresholds: dict) -> None:
+        with self.connect() as con:
+            con.execute("INSERT INTO sparsity_thresholds VALUES (?, ?, ?, ?, ?)",
+                        [model, sparsity, text_sha, utcnow(), json.dumps(thresholds)])
+
+    def save_calibration(self, device_key: str, results: dict) -> None:
+        with self.connect() as con:
+            con.execute("INSERT INTO calibration VALUES (?, ?, ?)", [device_key, utcnow(), json.dumps(results)])
+
+    def latest_calibration(self, device_key: str) -> dict | None:
+        with self.connect() as con:
+            row = con.execute("SELECT results, created_at FROM calibration WHERE device_key = ? "
+                              "ORDER BY created_at DESC LIMIT 1", [device_key]).fetchone()
+        if not row:
+            return None
+        return {**json.loads(row[0]), "created_at": row[1].isoformat(timespec="seconds")}

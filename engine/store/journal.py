@@ -1,0 +1,74 @@
+"""A run's append-only side file: each step and token as a JSON line the moment it exists.
+
+The writer holds an exclusive lock on the file while its run is live; the kernel drops the lock when
+the process dies, even by kill -9, so the next store opened on the database knows the run has no
+owner and folds the file in (engine.store.db). Lines reach the operating system at every step, so a
+killed process loses nothing the file holds; appending a line costs the decode loop microseconds,
+where a database write costs it a core."""
+from __future__ import annotations
+
+import fcntl
+import json
+from pathlib import Path
+
+
+def journal_dir(db_path: Path) -> Path:
+    return db_path.with_name(db_path.name + ".journal")
+
+
+def journal_path(db_path: Path, run_id: int) -> Path:
+    return journal_dir(db_path) / f"run-{run_id}.jsonl"
+
+
+class Journal:
+    """The live side file of one run, locked for as long as it is open."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write(self, kind: str, row: dict) -> None:
+        self._file.write(json.dumps({"record": kind, **row}, default=str) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self, remove: bool = False) -> None:
+        """Release the lock; with remove, the rows are in the database and the file goes."""
+        if remove:
+            self.path.unlink(missing_ok=True)
+        self._file.close()
+
+
+def owner_gone(path: Path) -> bool:
+    """True when no live process holds the file's lock."""
+    try:
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def read(path: Path) -> dict:
+    """{"run": header, "steps": [...], "tokens": [...], "text": streamed text, "finish": record or None}.
+    A last line cut short by a kill is ignored."""
+    out = {"run": {}, "steps": [], "tokens": [], "text": "", "finish": None}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            kind = row.pop("record")
+            if kind == "step":
+                out["text"] += row.pop("text", "")
+                out["steps"].append(row)
+            elif kind == "token":
+                out["tokens"].append(row)
+            elif kind in ("run", "finish"):
+                out[kind] = row
+    return out

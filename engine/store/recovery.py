@@ -1,0 +1,79 @@
+"""Runs whose process ended before the run did: folded in from their journals when a store opens.
+
+A journal with no live owner goes into the database in one transaction: its steps and tokens, and
+either the run's own ending (when the process wrote it to the journal but could not reach the
+database) or status 'interrupted' with the totals its rows add up to. Runs left 'running' without a
+journal (a kill before the first step) become 'interrupted' when their process is gone."""
+from __future__ import annotations
+
+import socket
+
+import psutil
+
+from engine.store import journal
+from engine.measure.distances import BUCKETS
+from engine.measure.metrics import run_metrics
+from engine.store.sql import complete_run, insert_batches, utcnow
+
+DIED = "the process recording this run ended before the run did"
+
+
+def recover(store) -> int:
+    """Fold every ownerless journal and mark ownerless running runs; returns how many runs changed."""
+    changed = 0
+    folder = journal.journal_dir(store.path)
+    journals = sorted(folder.glob("run-*.jsonl")) if folder.is_dir() else []
+    ownerless = [p for p in journals if journal.owner_gone(p)]
+    with store.connect() as con:
+        for path in ownerless:
+            run_id = int(path.stem.removeprefix("run-"))
+            changed += fold(con, run_id, journal.read(path))
+            path.unlink(missing_ok=True)
+        live = {int(p.stem.removeprefix("run-")) for p in journals if p not in ownerless}
+        rows = con.execute("SELECT run_id, pid, pid_started FROM runs WHERE status = 'running' AND host = ?",
+                           [socket.gethostname()]).fetchall()
+        for run_id, pid, started in rows:
+            if run_id not in live and not process_alive(pid, started):
+                con.execute("UPDATE runs SET status = 'interrupted', finished_at = ?, error = ? "
+                            "WHERE run_id = ? AND status = 'running'", [utcnow(), DIED, run_id])
+                changed += 1
+    return changed
+
+
+def fold(con, run_id: int, kept: dict) -> int:
+    """Write one journal's rows and the run's ending in one transaction; 0 if the run had ended."""
+    status = con.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    if not status or status[0] != "running":
+        return 0
+    con.execute("BEGIN")
+    for table in ("steps", "tokens", "telemetry"):
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+    finish = kept["finish"]
+    batches = {"steps": kept["steps"], "tokens": kept["tokens"],
+               "telemetry": (finish or {}).pop("telemetry", [])}
+    insert_batches(con, {t: [{"run_id": run_id, **r} for r in rows] for t, rows in batches.items()})
+    if finish:
+        complete_run(con, run_id, **finish)
+    else:
+        complete_run(con, run_id, status="interrupted", output=kept["text"],
+                     token_ids=[t["token_id"] for t in kept["tokens"]], metrics=totals(kept), error=DIED)
+    con.execute("COMMIT")
+    return 1
+
+
+def totals(kept: dict) -> dict:
+    """The summary an interrupted run's rows add up to."""
+    metrics = run_metrics([t["t_ms"] for t in kept["tokens"]], kept["run"].get("n_prompt_tokens"))
+    metrics.pop("itl_ms")
+    metrics["distances_ms"] = {b: sum(s[f"{b}_ms"] for s in kept["steps"]) for b in BUCKETS}
+    metrics["stop_reason"] = "interrupted"
+    return metrics
+
+
+def process_alive(pid: int | None, started: float | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - (started or 0.0)) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False

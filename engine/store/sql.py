@@ -1,0 +1,37 @@
+"""Statements the store and the recovery of interrupted runs share: row batches, a run's ending."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pandas as pd
+
+from engine.measure.distances import BUCKETS
+
+RUN_COLUMNS = ("n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "decode_tokens_per_s",
+               "total_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metrics: dict | None,
+                 error: str | None) -> None:
+    """Set a run's end: status, output, summary metrics and bucket totals (inside the caller's transaction)."""
+    metrics = dict(metrics or {})
+    distances = metrics.get("distances_ms") or {}
+    columns = list(RUN_COLUMNS) + [f"{b}_ms" for b in BUCKETS]
+    values = [metrics.get(c) for c in RUN_COLUMNS] + [distances.get(b) for b in BUCKETS]
+    assignments = ", ".join(f"{c} = ?" for c in columns)
+    con.execute(f"UPDATE runs SET finished_at = ?, status = ?, output = ?, token_ids = ?, metrics = ?, error = ?, "
+                f"{assignments} WHERE run_id = ?",
+                [utcnow(), status, output, list(token_ids), json.dumps(metrics, default=str), error, *values, run_id])
+
+
+def insert_batches(con, batches: dict[str, list[dict]]) -> None:
+    for table, rows in batches.items():
+        if rows:
+            con.register("batch", pd.DataFrame(rows))
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM batch")
+            con.unregister("batch")
