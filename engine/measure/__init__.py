@@ -1,2 +1,2 @@
-"""Measuring: the five-bucket attribution, what a forward moves and computes, run metrics, the
-hardware's calibration and telemetry, and teacher-forced quality."""
+"""Measuring: the five-bucket attribution, what a forward moves and computes, run metrics, and the
+hardware's calibration and telemetry."""
