@@ -38,7 +38,7 @@ def test_a_build_killed_half_way_does_not_hold_up_the_next_process(tmp_path):
     """A real compile, killed with SIGKILL (its compiler too) while PyTorch's lock file exists; the
     next process, which loads a model, builds at once instead of waiting on that lock."""
     env = {**os.environ, "TOKENPATH_BUILD": str(tmp_path)}
-    first = _builder(env, "from engine import cpu_kernels", "cpu_kernels.build()")
+    first = _builder(env, "from engine.model import cpu_kernels", "cpu_kernels.build()")
     deadline = time.monotonic() + 300
     while not list(tmp_path.glob("cpu_kernels-*/lock")):
         assert first.poll() is None, first.communicate()
@@ -48,7 +48,7 @@ def test_a_build_killed_half_way_does_not_hold_up_the_next_process(tmp_path):
     first.wait(timeout=60)
     assert list(tmp_path.glob("cpu_kernels-*/lock")), "the killed build left its lock, as a real kill does"
 
-    second = _builder(env, "from engine.models import tiny_model", "from engine import cpu_kernels",
+    second = _builder(env, "from engine.model.loader import tiny_model", "from engine.model import cpu_kernels",
                       "tiny_model()", "print(cpu_kernels.is_built(), cpu_kernels.build_directory())")
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, err
@@ -56,7 +56,7 @@ def test_a_build_killed_half_way_does_not_hold_up_the_next_process(tmp_path):
     assert "Building Tokenpath's C++ kernels once" in err
     assert "Waiting for another process" not in err
 
-    third = _builder(env, "from engine.models import tiny_model", "tiny_model()")
+    third = _builder(env, "from engine.model.loader import tiny_model", "tiny_model()")
     out, err = third.communicate(timeout=300)
     assert third.returncode == 0 and "Building" not in err, err  # built once, imported afterwards
 
