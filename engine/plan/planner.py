@@ -284,30 +284,71 @@ def pipeline_send_us(setup: Setup, message_bytes: float) -> float:
                              + message_bytes / (link_gbps(setup) * setup.efficiency.link * 1e3))
 
 
+@dataclass(frozen=True)
+class Work:
+    """What one forward of a batch does, summed over its sequences: new tokens (rows), cached token-layers
+    read (after sliding windows), attention key positions, sequences and the largest new-token count."""
+    rows: int
+    kv_token_layers: int
+    key_positions: int
+    sequences: int
+    widest: int
+
+
+def batch_work(spec: kvcalc.AttentionSpec, new_tokens, contexts) -> Work:
+    """Work of a forward where sequence i adds new_tokens[i] after contexts[i] cached ones (a sequence with no
+    cache reads none: its keys are its own new tokens)."""
+    kv = keys = 0
+    for n, c in zip(new_tokens, contexts):
+        if c:
+            kv += kvcalc.stored_token_layers(spec, c + n)
+        keys += n * c + n * (n + 1) // 2
+    return Work(rows=sum(new_tokens), kv_token_layers=kv, key_positions=keys, sequences=len(new_tokens),
+                widest=max(new_tokens, default=0))
+
+
 def step_buckets(setup: Setup, tokens: int, context: int) -> dict:
     """The five buckets (ms) of one forward over `tokens` new tokens per sequence after `context` cached ones."""
+    one = batch_work(setup.model.spec, [tokens], [context])
+    b = setup.batch
+    return forward_buckets(setup, Work(one.rows * b, one.kv_token_layers * b, one.key_positions * b, b, tokens))
+
+
+def forward_buckets(setup: Setup, work: Work) -> dict:
+    """The five buckets (ms) of one forward doing `work` (a decode step, a prefill, or a continuous batch of both)."""
     m, gpu, eff = setup.model, setup.gpu, setup.efficiency
     t = tp_degree(setup)
-    weight_bytes = m.read_params() * weight_bits(setup) / 8 / t
-    kv_read = kvcalc.kv_bytes(m.spec, context + tokens, setup.kv_dtype, setup.batch, t) if context else 0.0
+    read = read_params_at(m, work.rows)
+    weight_bytes = read * weight_bits(setup) / 8 / t
+    kv_read = (kvcalc.values_per_token_per_layer(m.spec, t) * work.kv_token_layers
+               * kvcalc.bits_per_value(setup.kv_dtype) / 8)
     memory = (weight_bytes + kv_read) / (gpu["bandwidth_gbps"] * eff.bandwidth * 1e9) * 1e3
-    rows = setup.batch * tokens
-    key_positions = tokens * context + tokens * (tokens + 1) // 2
-    attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * key_positions * setup.batch
-    flops = (2 * m.read_params() * rows + attention) / t
-    compute_dtype = "fp32" if weight_format(setup) == "fp32" else "fp8" if weight_format(setup) == "fp8" else "bf16"
-    compute_eff = eff.compute if tokens == 1 else eff.prefill_compute
+    attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * work.key_positions
+    flops = (2 * m.read_params() * work.rows + attention) / t
+    compute_dtype = compute_format(setup)
+    compute_eff = eff.compute if work.widest <= 1 else eff.prefill_compute
     compute = flops / (peak_tflops(gpu, compute_dtype) * compute_eff * 1e12) * 1e3
     dequant = dequant_ms(setup, weight_bytes / (weight_bits(setup) / 8))
-    message = rows * m.hidden * ACT_BYTES
+    message = work.rows * m.hidden * ACT_BYTES
     physical_us = (2 * m.spec.layers * all_reduce_us(setup, message) + pipeline_send_us(setup, message)
                    + eff.host_sync_us)
-    kernels, layers_us = step_kernels(setup, tokens)
+    kernels, layers_us = step_kernels(setup, work.widest)
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
     return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
             "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3,
             "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_flops": flops, "_roofline_ms": max(memory, compute)}
+
+
+def compute_format(setup: Setup) -> str:
+    """The tensor-core format the matrix products run in."""
+    fmt = weight_format(setup)
+    return "fp32" if fmt == "fp32" else "fp8" if fmt == "fp8" else "bf16"
+
+
+def read_params_at(m: Model, rows: int) -> float:
+    """Parameters a forward of `rows` tokens reads (see Model.read_params; mixture-of-experts below)."""
+    return m.read_params()
 
 
 def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
