@@ -1,0 +1,287 @@
+"""Continuous batching as a discrete-event simulation: requests arrive, a vLLM-like scheduler batches them while
+KV memory lasts, and every step lasts what the planner's five-bucket forward of that batch costs.
+
+Each iteration: the running sequences first (a decode token each, or their next prefill chunk), preempting the
+newest running sequence by recomputation when the KV blocks run out; then waiting requests while the token budget,
+the sequence limit and the blocks allow. A request's first token comes at the end of the step that completes its
+prefill. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
+takes the rest (waiting in the queue, steps it sat out)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine.measure import slo as slos
+from engine.measure.distances import BUCKETS
+from engine.plan import kvcalc
+from engine.plan import planner
+from engine.plan.planner import PlanError, Setup
+
+BLOCK_TOKENS = 16  # vLLM's default KV block size
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Arrivals and lengths: `rate` requests/s (inf: all at time 0, the offline scenario), gamma gaps of shape
+    `burstiness` (1 = Poisson), mean prompt and output tokens spread uniformly by +/- `length_spread`."""
+    requests: int = 200
+    rate: float = math.inf
+    burstiness: float = 1.0
+    prompt_tokens: int = 128
+    new_tokens: int = 256
+    length_spread: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    """The engine's limits: sequences per step, tokens per step, chunked prefill, the share of GPU memory it takes."""
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    memory_utilization: float = 0.9
+
+
+def check_rate(rate: float, name: str = "rate") -> float:
+    """A request rate: positive and a number (inf allowed: every request at once)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or math.isnan(rate) or rate <= 0:
+        raise PlanError(f"The {name} must be a positive number of requests per second, not {rate}.")
+    return float(rate)
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Send times (s) as `vllm bench serve` makes them: gamma gaps with shape b and scale 1 / (rate x b), summed and
+    scaled so the last request goes at n / rate; all zero at an infinite rate."""
+    rate = check_rate(rate)
+    if not burstiness > 0 or math.isnan(burstiness):
+        raise PlanError(f"The burstiness must be a positive number (1 is Poisson), not {burstiness}.")
+    if math.isinf(rate):
+        return np.zeros(n)
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    return times * (n / rate / times[-1])
+
+
+def lengths(mean: int, spread: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n lengths uniform within mean x (1 +/- spread), at least 1 token."""
+    if spread == 0:
+        return np.full(n, mean, dtype=int)
+    return np.maximum(np.rint(rng.uniform(mean * (1 - spread), mean * (1 + spread), n)), 1).astype(int)
+
+
+def kv_blocks(setup: Setup, scheduler: Scheduler) -> int:
+    """KV blocks that fit beside the weights on one GPU of the model's group (every sequence's cache is split over
+    tensor-parallel GPUs and pipeline stages alike); a sliding window is not credited (conservative)."""
+    memory = planner.memory_per_gpu(replace(setup, batch=1))
+    free = memory["capacity_bytes"] * scheduler.memory_utilization - memory["weights_bytes"] - planner.RESERVE_BYTES
+    per_block = kvcalc.kv_bytes(kvcalc.with_window(setup.model.spec, None), BLOCK_TOKENS, setup.kv_dtype, 1,
+                                planner.tp_degree(setup)) / setup.pp
+    return int(free // per_block) if free > 0 else 0
+
+
+class _Request:
+    __slots__ = ("i", "arrival", "prompt", "output", "computed", "emitted", "blocks", "first", "last", "max_gap",
+                 "finish", "started", "buckets", "busy_ms", "seg_start", "last_step", "preemptions")
+
+    def __init__(self, i: int, arrival: float, prompt: int, output: int):
+        self.i, self.arrival, self.prompt, self.output = i, arrival, prompt, output
+        self.computed = self.emitted = self.blocks = self.preemptions = 0
+        self.first = self.last = self.finish = self.started = None
+        self.max_gap = 0.0
+        self.buckets = np.zeros(len(BUCKETS))
+        self.seg_start = self.last_step = -2
+
+    def pending(self) -> int:
+        """Tokens to compute before the next one comes out: the prompt and every emitted token not yet in the cache
+        (all of them again after a preemption, which recomputes)."""
+        return self.prompt + self.emitted - self.computed
+
+
+def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(), max_steps: int = 2_000_000) -> dict:
+    """Run the workload through the scheduler on this setup; per-request metrics and the level's summary."""
+    planner.check_setup(setup)
+    rng = np.random.default_rng(workload.seed + 1)
+    arrivals = arrival_times(workload.requests, workload.rate, workload.burstiness, workload.seed)
+    prompts = lengths(workload.prompt_tokens, workload.length_spread, workload.requests, rng)
+    outputs = lengths(workload.new_tokens, workload.length_spread, workload.requests, rng)
+    total_blocks = kv_blocks(setup, scheduler)
+    widest = int(prompts.max() + outputs.max())
+    if total_blocks * BLOCK_TOKENS < widest:
+        raise PlanError(f"{setup.model.name} leaves room for {total_blocks * BLOCK_TOKENS:,} KV tokens per GPU on "
+                        f"{setup.gpus} x {setup.gpu['name']}, fewer than one request's {widest:,}: add GPUs or use "
+                        "fewer bits per weight.")
+    requests = [_Request(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+    waiting: list[_Request] = []
+    running: list[_Request] = []
+    pending = iter(requests)
+    upcoming = next(pending, None)
+    free_blocks, now, step = total_blocks, 0.0, 0
+    cumulative = [np.zeros(len(BUCKETS))]  # bucket sums after each step
+    busy = batch_time = 0.0
+    preemptions = finished = 0
+
+    def close_segment(r: _Request) -> None:
+        if r.seg_start >= 0:
+            r.buckets += cumulative[r.last_step + 1] - cumulative[r.seg_start]
+        r.seg_start = -2
+
+    def preempt(r: _Request) -> None:
+        nonlocal free_blocks, preemptions
+        running.remove(r)
+        close_segment(r)
+        free_blocks += r.blocks
+        r.blocks, r.computed = -1, 0  # -1: out of the running set for the rest of this iteration
+        r.preemptions += 1
+        preemptions += 1
+        waiting.insert(0, r)
+
+    while finished < len(requests):
+        if step >= max_steps:
+            raise PlanError("The simulation ran past its step limit: give fewer requests or a lower rate.")
+        while upcoming is not None and upcoming.arrival <= now:
+            waiting.append(upcoming)
+            upcoming = next(pending, None)
+        if not running and not waiting:
+            now = upcoming.arrival
+            continue
+        batch = schedule(running, waiting, scheduler, preempt, blocks_free=lambda: free_blocks)
+        for r in waiting:
+            r.blocks = max(r.blocks, 0)
+        for r, n in batch:
+            grown = -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks
+            free_blocks -= grown
+            r.blocks += grown
+        if not batch:
+            if upcoming is None:
+                raise PlanError("A request cannot be scheduled: its prompt exceeds the token budget per step.")
+            now = max(now, upcoming.arrival)
+            continue
+        contexts = [r.computed for r, _ in batch]
+        counts = [n for _, n in batch]
+        buckets = planner.forward_buckets(setup, planner.batch_work(setup.model.spec, counts, contexts))
+        duration = sum(buckets[b] for b in BUCKETS) / 1e3
+        cumulative.append(cumulative[-1] + [buckets[b] for b in BUCKETS])
+        now += duration
+        busy += duration
+        batch_time += duration * len(batch)
+        for r, n in batch:
+            if r.started is None:
+                r.started = now - duration
+            if r.last_step != step - 1:
+                close_segment(r)
+                r.seg_start = step
+            r.last_step = step
+            r.computed += n
+            if r.pending() == 0:
+                if r.emitted == 0:
+                    r.first = now
+                else:
+                    r.max_gap = max(r.max_gap, now - r.last)
+                r.last = now
+                r.emitted += 1
+                if r.emitted >= r.output:
+                    close_segment(r)
+                    r.finish = now
+                    running.remove(r)
+                    free_blocks += r.blocks
+                    r.blocks = 0
+                    finished += 1
+        step += 1
+    return summarise(requests, workload, busy, batch_time, step, preemptions, total_blocks)
+
+
+def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks_free) -> list[tuple]:
+    """One iteration's batch as (request, new tokens) pairs; admits and preempts in place. With chunked prefill
+    (vLLM's V1 engine) running sequences go first and prefill chunks fill the token budget; without it a step is
+    either the prefills of newly admitted requests or one decode token for every running sequence."""
+    budget, batch, claimed = scheduler.max_batched_tokens, [], 0
+
+    def blocks_for(r, n):
+        return -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks
+
+    def admit() -> None:
+        nonlocal budget, claimed
+        while waiting and len(running) < scheduler.max_num_seqs and budget > 0:
+            r = waiting[0]
+            n = min(r.pending(), budget) if scheduler.chunked_prefill else r.pending()
+            if n > budget or blocks_for(r, n) > blocks_free() - claimed:
+                break
+            waiting.pop(0)
+            running.append(r)
+            batch.append((r, n))
+            budget -= n
+            claimed += blocks_for(r, n)
+
+    if not scheduler.chunked_prefill:
+        admit()
+        if batch:
+            return batch
+    preempted = False
+    for r in list(running):
+        if r.blocks < 0 or budget <= 0:  # preempted earlier in this iteration
+            continue
+        pending = r.prompt + r.emitted - r.computed
+        n = pending if pending <= budget else budget
+        if not scheduler.chunked_prefill and n < pending:
+            continue
+        while -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks > blocks_free() - claimed:
+            victim = running[-1]
+            preempt(victim)
+            preempted = True
+            if victim is r:
+                break
+        if r.blocks >= 0:
+            claimed += blocks_for(r, n)
+            batch.append((r, n))
+            budget -= n
+    if scheduler.chunked_prefill and not preempted:
+        admit()
+    return batch
+
+
+def request_rows(requests: list[_Request]) -> list[dict]:
+    """Each request's metrics (ms, from its arrival) and its buckets (ms, the whole request)."""
+    rows = []
+    for r in requests:
+        e2e = (r.finish - r.arrival) * 1e3
+        ttft = (r.first - r.arrival) * 1e3
+        stepped = dict(zip(BUCKETS, r.buckets))
+        stepped["time"] += e2e - float(r.buckets.sum())  # queued, preempted or sitting steps out
+        rows.append({"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_ms": ttft,
+                     "tpot_ms": (e2e - ttft) / (r.output - 1) if r.output > 1 else 0.0,
+                     "itl_ms": r.max_gap * 1e3, "e2e_ms": e2e, "queued_ms": (r.started - r.arrival) * 1e3,
+                     "in_steps_ms": float(r.buckets.sum()), "preemptions": r.preemptions, "buckets_ms": stepped})
+    return rows
+
+
+def summarise(requests, workload: Workload, busy: float, batch_time: float, steps: int, preemptions: int,
+              blocks: int) -> dict:
+    rows = request_rows(requests)
+    start = min(r.arrival for r in requests)
+    duration = max(r.finish for r in requests) - start
+    out_tokens = sum(r["output_tokens"] for r in rows)
+    per_token = {b: float(np.mean([r["buckets_ms"][b] / r["output_tokens"] for r in rows])) for b in BUCKETS}
+    summary = {"requests": len(rows), "duration_s": duration, "requests_per_s": len(rows) / duration,
+               "output_tokens_per_s": out_tokens / duration, "steps": steps, "preemptions": preemptions,
+               "mean_batch": batch_time / busy if busy else 0.0, "busy_fraction": busy / duration if duration else 0.0,
+               "kv_blocks": blocks, "kv_tokens": blocks * BLOCK_TOKENS,
+               "mean_in_system": sum(r["e2e_ms"] for r in rows) / 1e3 / duration,
+               "distances_ms_per_token": per_token, "e2e_ms_per_token": sum(per_token.values())}
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        values = [r[name] for r in rows]
+        summary[f"{name}_mean"] = float(np.mean(values))
+        for q in PERCENTILES:
+            summary[f"{name}_p{q}"] = float(np.percentile(values, q))
+    return {"summary": summary, "requests": rows}
+
+
+def score(result: dict, slo: dict[str, float]) -> dict:
+    """Goodput and attainment of a simulated level at an SLO."""
+    s = result["summary"]
+    return slos.goodput(result["requests"], slo, s["duration_s"])
