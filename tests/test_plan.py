@@ -1,5 +1,6 @@
 """The planner's formulas on hand-computed cases, its inputs, its command line and its calibration set."""
 import importlib.util
+import math
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -234,3 +235,93 @@ def test_the_calibration_set_is_met_within_the_aims():
     assert len(rows) >= 30 and all(r["source"]["url"].startswith("https://") for r in rows)
     assert median <= 0.20
     assert max(abs(r["error"]) for r in rows) <= 0.50
+
+
+LOAD = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-sxm", "--prompt-tokens", "200", "--new-tokens", "32",
+        "--requests", "40"]
+
+
+def run_json(capsys, *args):
+    from engine.cli.main import main
+
+    assert main([*LOAD, *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_offline_json_has_the_documented_fields(capsys):
+    out = run_json(capsys, "--offline")
+    for key in ("output_tokens_per_s", "requests_per_s", "batch", "distances_ms_per_token"):
+        assert key in out
+    assert out["output_tokens_per_s"] == pytest.approx(out["requests_per_s"] * 32)
+    assert out["estimate"] is True
+
+
+def test_plan_at_a_rate_json_has_the_documented_fields_and_instances_share_the_rate(capsys):
+    one = run_json(capsys, "--rate", "8", "--slo", "ttft_ms=2000,tpot_ms=200")
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "goodput_requests_per_s", "attainment",
+                "output_tokens_per_s"):
+        assert key in one
+    assert one["attainment"] == 1.0 and one["goodput_requests_per_s"] > 0
+    two = run_json(capsys, "--rate", "16", "--slo", "ttft_ms=2000,tpot_ms=200", "--instances", "2")
+    assert two["gpus"] == 2 and two["ttft_ms_p50"] == pytest.approx(one["ttft_ms_p50"])
+    assert two["output_tokens_per_s"] == pytest.approx(2 * one["output_tokens_per_s"])
+
+
+def test_plan_capacity_json_has_cost_energy_and_gpus_for_the_target(capsys):
+    out = run_json(capsys, "--capacity", "--slo", "ttft_ms=1000,tpot_ms=15", "--target-rate", "500",
+                   "--price-per-gpu-hour", "2")
+    for key in ("capacity_requests_per_s", "output_tokens_per_s", "limiting_metric", "limiting_bucket",
+                "replicas_for_target", "gpus_for_target", "usd_per_million_output_tokens", "joules_per_output_token"):
+        assert key in out
+    assert out["gpus_for_target"] == out["replicas_for_target"] == math.ceil(500 / out["capacity_requests_per_s"])
+    assert out["usd_per_million_output_tokens"] == pytest.approx(2 / (out["output_tokens_per_s"] * 3600) * 1e6)
+    assert out["limiting_bucket"] in plan.BUCKETS and out["limiting_metric"] in ("ttft_ms", "tpot_ms", "throughput")
+    power = json.loads((plan.DATA / "gpu_prices.json").read_text())["power"]["h100-80gb-sxm"]["board_power_w"]
+    assert 0.25 * power / out["output_tokens_per_s"] <= out["joules_per_output_token"] <= power / out["output_tokens_per_s"]
+
+
+def test_a_tighter_slo_never_gives_more_capacity(capsys):
+    loose = run_json(capsys, "--capacity", "--slo", "tpot_ms=40")
+    tight = run_json(capsys, "--capacity", "--slo", "tpot_ms=9")
+    assert tight["capacity_requests_per_s"] < loose["capacity_requests_per_s"]
+    assert tight["limiting_metric"] == "tpot_ms"
+
+
+def test_a_comparison_lists_the_cheapest_for_the_target_first(capsys):
+    from engine.cli.main import main
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-sxm,a100-80gb-sxm", "--gpus", "1,2",
+                 "--prompt-tokens", "200", "--new-tokens", "32", "--requests", "40", "--capacity", "--slo",
+                 "ttft_ms=1000,tpot_ms=30", "--target-rate", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    costs = [r["usd_per_hour_for_target"] for r in out["configurations"]]
+    assert len(costs) == 4 and costs == sorted(costs)
+
+
+BAD_LOAD = {
+    "rate 0": ["--rate", "0", "--slo", "ttft_ms=100"],
+    "negative rate": ["--rate", "-2", "--slo", "ttft_ms=100"],
+    "nan rate": ["--rate", "nan", "--slo", "ttft_ms=100"],
+    "slo that does not parse": ["--rate", "1", "--slo", "ttft_ms:100"],
+    "slo with an unknown metric": ["--rate", "1", "--slo", "latency_ms=100"],
+    "no slo": ["--capacity"],
+    "target no configuration reaches": ["--capacity", "--slo", "tpot_ms=1"],
+    "missing price": ["--capacity", "--slo", "tpot_ms=50", "--gpu", "b200"],
+    "zero target rate": ["--capacity", "--slo", "tpot_ms=50", "--target-rate", "0"],
+    "zero instances": ["--offline", "--instances", "0"],
+    "several modes": ["--offline", "--capacity", "--slo", "tpot_ms=50"],
+    "comparison without capacity": ["--offline", "--gpus", "1,2"],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LOAD))
+def test_bad_load_input_exits_2_with_one_sentence(case, capsys):
+    from engine.cli.main import main
+
+    assert main([*LOAD, *BAD_LOAD[case]]) == 2  # a second --gpu replaces the first
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), out.err
+    assert out.out == ""
+    if case == "target no configuration reaches":
+        assert "tpot_ms" in lines[0] and "memory distance" in lines[0]

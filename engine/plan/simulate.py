@@ -267,18 +267,31 @@ def summarise(requests, workload: Workload, busy: float, batch_time: float, step
     duration = max(r.finish for r in requests) - start
     out_tokens = sum(r["output_tokens"] for r in rows)
     per_token = {b: float(np.mean([r["buckets_ms"][b] / r["output_tokens"] for r in rows])) for b in BUCKETS}
+    in_steps = {b: float(np.mean([q.buckets[i] / q.output for q in requests])) for i, b in enumerate(BUCKETS)}
     summary = {"requests": len(rows), "duration_s": duration, "requests_per_s": len(rows) / duration,
+               "steady_requests_per_s": steady_rate([r.finish for r in requests]),
                "output_tokens_per_s": out_tokens / duration, "steps": steps, "preemptions": preemptions,
                "mean_batch": batch_time / busy if busy else 0.0, "busy_fraction": busy / duration if duration else 0.0,
                "kv_blocks": blocks, "kv_tokens": blocks * BLOCK_TOKENS,
                "mean_in_system": sum(r["e2e_ms"] for r in rows) / 1e3 / duration,
-               "distances_ms_per_token": per_token, "e2e_ms_per_token": sum(per_token.values())}
+               "distances_ms_per_token": per_token, "step_distances_ms_per_token": in_steps,
+               "e2e_ms_per_token": sum(per_token.values())}
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         values = [r[name] for r in rows]
         summary[f"{name}_mean"] = float(np.mean(values))
         for q in PERCENTILES:
             summary[f"{name}_p{q}"] = float(np.percentile(values, q))
     return {"summary": summary, "requests": rows}
+
+
+def steady_rate(finishes: list[float], trim: float = 0.2) -> float:
+    """Completions per second between the first and last `trim` share of them: the rate a level sustains
+    without its start (the batch filling) and its end (the batch draining)."""
+    times = sorted(finishes)
+    lo, hi = int(len(times) * trim), int(len(times) * (1 - trim)) - 1
+    if hi <= lo or times[hi] == times[lo]:
+        return len(times) / (times[-1] - min(times)) if times[-1] > min(times) else math.inf
+    return (hi - lo) / (times[hi] - times[lo])
 
 
 def score(result: dict, slo: dict[str, float]) -> dict:
