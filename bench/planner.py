@@ -1,5 +1,6 @@
-"""The planner against published batch-1 decode speeds: predicted and measured tokens/s for every point of
-data/plan_calibration.json, each error and the median absolute error, written to bench/results/planner.md.
+"""The planner against published batch-1 decode speeds and published serving throughput: predicted and measured
+tokens/s for every point of data/plan_calibration.json, each error and the median absolute error, written to
+bench/results/planner.md.
 With --local N it also runs the default model N times on this machine (a fresh calibration before each run)
 and sets the planner's prediction for each run beside its measured time per output token.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 from engine.measure import hardware
 from engine.plan import planner as plan
+from engine.plan import simulate
 
 
 def predict(point: dict) -> float:
@@ -35,6 +37,51 @@ def table() -> tuple[list[dict], float]:
         predicted = predict(p)
         rows.append({**p, "predicted": predicted, "error": predicted / p["measured_tokens_per_s"] - 1})
     return rows, statistics.median(abs(r["error"]) for r in rows)
+
+
+def predict_serving(point: dict) -> dict:
+    """Output tokens/s for a published serving point: the full engine's closed form (offline, or held at a
+    concurrency) or a static batch run start to finish."""
+    setup = plan.Setup(model=plan.resolve_model(point["model"]), gpu=plan.get_gpu(point["gpu"]), gpus=point["gpus"],
+                       interconnect=point["interconnect"], weights=point["weights"], kv_dtype=point["kv_dtype"])
+    if point["scenario"] == "static":
+        return simulate.static_batch(setup, point["batch"], point["prompt_tokens"], point["new_tokens"])
+    return simulate.steady_state(setup, point["prompt_tokens"], point["new_tokens"],
+                                 simulate.Scheduler(**point["scheduler"]), concurrency=point.get("concurrency"))
+
+
+def serving_table() -> tuple[list[dict], float]:
+    points = json.loads((ROOT / "data" / "plan_calibration.json").read_text())["serving_points"]
+    rows = []
+    for p in points:
+        predicted = predict_serving(p)
+        rows.append({**p, "predicted": predicted["output_tokens_per_s"], "batch_settled": predicted.get("batch"),
+                     "limited_by": predicted.get("limited_by", "the batch"),
+                     "error": predicted["output_tokens_per_s"] / p["measured_output_tokens_per_s"] - 1})
+    return rows, statistics.median(abs(r["error"]) for r in rows)
+
+
+def render_serving(rows: list[dict], median: float) -> str:
+    lines = ["", "## Published serving throughput (batched, continuous batching)", "",
+             "Predicted by `engine/plan/simulate.py`'s closed form of a full engine (`steady_state`: the batch the "
+             "sequence limit, KV memory, token budget or concurrency allows, prompts spread over the decode steps) or "
+             "a static batch (`static_batch`); measured as published (sources and assumptions in "
+             "`data/plan_calibration.json`, `serving_points`). Error = predicted / measured - 1.", "",
+             "| model | GPU | GPUs | weights | scenario | in / out tokens | batch (what limits it) | measured tok/s | "
+             "predicted tok/s | error |",
+             "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        scenario = r["scenario"] + (f" {r['concurrency']}" if "concurrency" in r else f" {r['batch']}" if "batch" in r
+                                    else "")
+        batch = f"{r['batch_settled']} ({r['limited_by']})" if r["batch_settled"] else "fixed"
+        lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} | {r['weights']} | {scenario} | "
+                     f"{r['prompt_tokens']} / {r['new_tokens']} | {batch} | {r['measured_output_tokens_per_s']:,.0f} | "
+                     f"{r['predicted']:,.0f} | {r['error']:+.1%} |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines += ["", f"Median absolute error {median:.1%} over {len(rows)} points; largest {worst['error']:+.1%} "
+              f"({worst['model']}, {worst['gpus']} x {worst['gpu']}, {worst['prompt_tokens']} / {worst['new_tokens']} "
+              f"tokens, {worst['engine']})."]
+    return "\n".join(lines) + "\n"
 
 
 def local_runs(n: int) -> list[dict]:
@@ -108,7 +155,7 @@ def main() -> int:
     parser.add_argument("--local", type=int, default=0, help="also plan and measure N real runs on this machine")
     args = parser.parse_args()
     rows, median = table()
-    text = render(rows, median)
+    text = render(rows, median) + render_serving(*serving_table())
     if args.local:
         text += render_local(local_runs(args.local))
     print(text)

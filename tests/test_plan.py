@@ -325,3 +325,28 @@ def test_bad_load_input_exits_2_with_one_sentence(case, capsys):
     assert out.out == ""
     if case == "target no configuration reaches":
         assert "tpot_ms" in lines[0] and "memory distance" in lines[0]
+
+
+def test_the_published_serving_set_is_met_within_the_aims():
+    path = Path(__file__).resolve().parent.parent / "bench" / "planner.py"
+    spec = importlib.util.spec_from_file_location("bench_planner", path)
+    planner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planner)
+
+    rows, median = planner.serving_table()
+    assert len(rows) >= 40 and all(r["source"]["url"].startswith("https://") for r in rows)
+    assert {r["scenario"] for r in rows} == {"offline", "concurrency", "static"}
+    assert median <= 0.20
+    assert max(abs(r["error"]) for r in rows) <= 0.60
+
+
+def test_the_simulation_settles_where_the_closed_form_of_a_full_engine_says():
+    from engine.plan import simulate as sim
+
+    s = Setup(model=plan.resolve_model("llama-3.1-8b"), gpu=plan.get_gpu("h100-80gb-sxm"))
+    scheduler = sim.Scheduler(max_num_seqs=48)
+    closed = sim.steady_state(s, 200, 400, scheduler)
+    level = sim.simulate(s, sim.Workload(requests=600, prompt_tokens=200, new_tokens=400, length_spread=0.5), scheduler)
+    assert closed["batch"] == 48 and closed["limited_by"] == "sequence limit"
+    steady_tokens_per_s = level["summary"]["steady_requests_per_s"] * 400  # without the batch filling and draining
+    assert steady_tokens_per_s == pytest.approx(closed["output_tokens_per_s"], rel=0.05)

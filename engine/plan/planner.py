@@ -5,7 +5,7 @@ Pure functions of the model's shape, data/gpus.json and a few efficiency factors
 Per decode step of `batch` sequences at context C, on tensor-parallel degree t and pipeline degree p
 (the stages of one step run one after another, so a step crosses every layer once):
 
-    memory   = (weight bytes / t + KV bytes read / t) / (bandwidth x bandwidth_efficiency)
+    memory   = (weight bytes / t / bandwidth_efficiency + KV bytes read / t / kv_bandwidth_efficiency) / bandwidth
     compute  = max(FLOPs / t / (peak x compute_efficiency) - memory, 0)     (overlapped, as a roofline)
                + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
                  unpack each weight on the vector units between loads, which adds to the step)
@@ -44,8 +44,9 @@ class PlanError(ShapeError):
 class Efficiency:
     """The factors that turn data-sheet peaks into achieved figures; `ORIGIN` says where each default came from."""
     bandwidth: float = 0.72
+    kv_bandwidth: float = 0.4
     compute: float = 0.6
-    prefill_compute: float = 0.6
+    prefill_compute: float = 0.45
     link: float = 0.8
     collective_fixed_us: float = 15.0
     step_fixed_us: float = 150.0
@@ -61,7 +62,11 @@ class Efficiency:
 ORIGIN = {
     "bandwidth": "fitted: gpt-fast's bf16 rows on A100-80GB read 1,397-1,482 GB/s of the data sheet's 2,039 (0.69-0.73)",
     "compute": "assumption: large bf16 GEMMs reach about 60% of dense peak; no batch-1 calibration point depends on it",
-    "prefill_compute": "assumption, as compute: a prefill is a few large GEMMs",
+    "kv_bandwidth": "fitted: the KV-bound rows of the published serving set (long outputs at full memory, TensorRT-LLM "
+                    "and NIM on H100/H200) read their paged cache at about 40% of the data sheet's bandwidth: "
+                    "attention gathers it in small blocks per sequence, unlike one weight matrix streamed whole",
+    "prefill_compute": "fitted: the compute-bound rows of the published serving set (short outputs, prompts mixed into "
+                       "the decode batch) reach about 45% of the dense tensor-core peak",
     "link": "assumption: nccl-tests bus bandwidth reaches about 80% of an NVLink or PCIe link's peak",
     "collective_fixed_us": "fitted: the per-all-reduce cost in gpt-fast's tensor-parallel rows (about 19 us on 2 GPUs, "
                            "29 us on 8) less the hop latencies",
@@ -322,7 +327,7 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     weight_bytes = read * weight_bits(setup) / 8 / t
     kv_read = (kvcalc.values_per_token_per_layer(m.spec, t) * work.kv_token_layers
                * kvcalc.bits_per_value(setup.kv_dtype) / 8)
-    memory = (weight_bytes + kv_read) / (gpu["bandwidth_gbps"] * eff.bandwidth * 1e9) * 1e3
+    memory = (weight_bytes / eff.bandwidth + kv_read / eff.kv_bandwidth) / (gpu["bandwidth_gbps"] * 1e9) * 1e3
     attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * work.key_positions
     flops = (2 * m.read_params() * work.rows + attention) / t
     compute_dtype = compute_format(setup)

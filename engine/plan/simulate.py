@@ -294,6 +294,42 @@ def steady_rate(finishes: list[float], trim: float = 0.2) -> float:
     return (hi - lo) / (times[hi] - times[lo])
 
 
+def steady_state(setup: Setup, prompt: int, new: int, scheduler: Scheduler = Scheduler(),
+                 concurrency: int | None = None) -> dict:
+    """The closed form of a full engine: a batch held at the largest size the sequence limit, the KV blocks (at the
+    mean context prompt + new / 2), the token budget and the `concurrency` allow; each step carries a decode token
+    per sequence and, spread over the steps, the prompts of the sequences that replace finished ones."""
+    planner.check_setup(setup)
+    mean_context = prompt + new // 2
+    by_memory = kv_blocks(setup, scheduler) * BLOCK_TOKENS // mean_context
+    by_budget = int(scheduler.max_batched_tokens // (1 + prompt / new))
+    limits = {"sequence limit": scheduler.max_num_seqs, "KV memory": by_memory, "token budget": by_budget}
+    if concurrency is not None:
+        limits["concurrency"] = concurrency
+    batch = max(min(limits.values()), 1)
+    spec = setup.model.spec
+    work = planner.Work(rows=round(batch * (1 + prompt / new)),
+                        kv_token_layers=batch * kvcalc.stored_token_layers(spec, mean_context),
+                        key_positions=batch * mean_context + round(batch / new * prompt * (prompt + 1) / 2),
+                        sequences=batch, widest=min(prompt, scheduler.max_batched_tokens))
+    buckets = planner.forward_buckets(setup, work)
+    step_ms = sum(buckets[b] for b in BUCKETS)
+    return {"batch": batch, "limited_by": min(limits, key=limits.get), "step_ms": step_ms,
+            "output_tokens_per_s": batch * 1e3 / step_ms, "requests_per_s": batch * 1e3 / step_ms / new,
+            "step_distances_ms": {b: buckets[b] for b in BUCKETS}}
+
+
+def static_batch(setup: Setup, batch: int, prompt: int, new: int) -> dict:
+    """A fixed batch run start to finish (static batching): one prefill of every prompt, then `new` - 1 decode
+    steps at the mean context."""
+    s = replace(setup, batch=batch, prompt_tokens=prompt, new_tokens=new)
+    planner.check_setup(s)
+    prefill = planner.step_buckets(s, prompt, 0)
+    decode = planner.step_buckets(s, 1, prompt + new // 2)
+    e2e_ms = sum(prefill[b] for b in BUCKETS) + (new - 1) * sum(decode[b] for b in BUCKETS)
+    return {"e2e_ms": e2e_ms, "output_tokens_per_s": batch * new * 1e3 / e2e_ms}
+
+
 def score(result: dict, slo: dict[str, float]) -> dict:
     """Goodput and attainment of a simulated level at an SLO."""
     s = result["summary"]
