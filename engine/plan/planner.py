@@ -610,7 +610,8 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
     calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
     runs in one call pays its layers' own work and the Python around the call instead of dispatches."""
     one_call = one_call_decode(calibration, weights, kv_dtype)
-    return Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, launch_us=calibration["dispatch_us"],
+    return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0,
+                      launch_us=calibration["dispatch_us"],
                       kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
                       one_call_layer_us=LOCAL_ONE_CALL_LAYER_US if one_call else None,
                       step_fixed_us=LOCAL_ONE_CALL_HOST_US if one_call else LOCAL_HOST_US, host_sync_us=0.0)
