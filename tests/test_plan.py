@@ -18,7 +18,7 @@ TOY_GPU = {"id": "toy", "name": "toy GPU", "memory_mib": 1024, "bandwidth_gbps":
            "peak_tflops": {"fp32": 1.0, "bf16": 10.0, "fp16": 10.0, "fp8": None, "int8": 20.0},
            "gpu_link": {"name": "none", "gbps_per_direction": None},
            "host_link": {"name": "slow bus", "gbps_per_direction": 1.0}}
-EXACT = Efficiency(bandwidth=1.0, compute=1.0, prefill_compute=1.0, link=1.0, collective_fixed_us=10.0,
+EXACT = Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0, link=1.0, collective_fixed_us=10.0,
                    step_fixed_us=0.0, host_sync_us=10.0)
 
 
