@@ -50,8 +50,10 @@ def predict_serving(point: dict) -> dict:
                                  simulate.Scheduler(**point["scheduler"]), concurrency=point.get("concurrency"))
 
 
-def serving_table() -> tuple[list[dict], float]:
-    points = json.loads((ROOT / "data" / "plan_calibration.json").read_text())["serving_points"]
+def serving_table(held_out: bool = False) -> tuple[list[dict], float]:
+    """The serving points the efficiency factors were fitted to, or (held_out) those kept apart to check them."""
+    points = [p for p in json.loads((ROOT / "data" / "plan_calibration.json").read_text())["serving_points"]
+              if p.get("held_out", False) == held_out]
     rows = []
     for p in points:
         predicted = predict_serving(p)
@@ -61,8 +63,9 @@ def serving_table() -> tuple[list[dict], float]:
     return rows, statistics.median(abs(r["error"]) for r in rows)
 
 
-def render_serving(rows: list[dict], median: float) -> str:
-    lines = ["", "## Published serving throughput (batched, continuous batching)", "",
+def render_serving(rows: list[dict], median: float, title: str = "Published serving throughput (batched, continuous "
+                                                                   "batching)") -> str:
+    lines = ["", f"## {title}", "",
              "Predicted by `engine/plan/simulate.py`'s closed form of a full engine (`steady_state`: the batch the "
              "sequence limit, KV memory, token budget or concurrency allows, prompts spread over the decode steps) or "
              "a static batch (`static_batch`); measured as published (sources and assumptions in "
@@ -155,7 +158,9 @@ def main() -> int:
     parser.add_argument("--local", type=int, default=0, help="also plan and measure N real runs on this machine")
     args = parser.parse_args()
     rows, median = table()
-    text = render(rows, median) + render_serving(*serving_table())
+    text = (render(rows, median) + render_serving(*serving_table())
+            + render_serving(*serving_table(held_out=True), title="Held out of the fit: NVFP4 on B200 and mixtures of "
+                                                                  "experts"))
     if args.local:
         text += render_local(local_runs(args.local))
     print(text)

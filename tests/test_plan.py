@@ -338,6 +338,8 @@ def test_the_published_serving_set_is_met_within_the_aims():
     assert {r["scenario"] for r in rows} == {"offline", "concurrency", "static"}
     assert median <= 0.20
     assert max(abs(r["error"]) for r in rows) <= 0.60
+    held_out, _ = planner.serving_table(held_out=True)
+    assert {r["weights"] for r in held_out} >= {"nvfp4"} and {"qwen3-30b-a3b", "mixtral-8x7b"} <= {r["model"] for r in held_out}
 
 
 def test_the_simulation_settles_where_the_closed_form_of_a_full_engine_says():
@@ -350,3 +352,27 @@ def test_the_simulation_settles_where_the_closed_form_of_a_full_engine_says():
     assert closed["batch"] == 48 and closed["limited_by"] == "sequence limit"
     steady_tokens_per_s = level["summary"]["steady_requests_per_s"] * 400  # without the batch filling and draining
     assert steady_tokens_per_s == pytest.approx(closed["output_tokens_per_s"], rel=0.05)
+
+
+def test_a_mixture_of_experts_reads_the_expected_distinct_experts_of_its_batch():
+    m = plan.resolve_model("mixtral-8x7b")
+    assert (m.experts, m.experts_per_token) == (8, 2)
+    assert m.expert_params == 32 * 8 * 3 * 4096 * 14336
+    assert plan.read_params_at(m, 1) == pytest.approx(m.read_params())
+    two = m.read_params() - m.expert_params / 4 + m.expert_params * (1 - 0.75 ** 2)  # two tokens: 1 - (3/4)^2
+    assert plan.read_params_at(m, 2) == pytest.approx(two)
+    assert plan.read_params_at(m, 10_000) == pytest.approx(m.read_params() + m.expert_params * 3 / 4)
+    dense = plan.resolve_model("llama-3.1-8b")
+    assert plan.read_params_at(dense, 64) == dense.read_params()
+    s = Setup(model=m, gpu=plan.get_gpu("h100-80gb-sxm"), gpus=2, batch=64)
+    assert plan.plan(s)["distances_ms"]["memory"] > 3 * plan.plan(replace(s, batch=1))["distances_ms"]["memory"]
+
+
+def test_fp4_weights_use_blackwell_s_fp4_peak_and_pay_unpacking_elsewhere():
+    m = plan.resolve_model("llama-3.1-70b")
+    b200 = Setup(model=m, gpu=plan.get_gpu("b200"), weights="nvfp4", batch=256, prompt_tokens=2048)
+    assert plan.weight_bits(b200) == 4.5 and plan.weight_bits(replace(b200, weights="mxfp4")) == 4.25
+    assert plan.dequant_ms(b200, 1e9) == 0 and plan.compute_format(b200) == "fp4"
+    assert plan.peak_tflops(b200.gpu, "fp4") == 9000
+    h200 = replace(b200, gpu=plan.get_gpu("h200-141gb-sxm"))
+    assert plan.peak_tflops(h200.gpu, "fp4") == h200.gpu["peak_tflops"]["fp8"] and plan.dequant_ms(h200, 1e9) > 0

@@ -31,7 +31,10 @@ from engine.plan.shapes import ShapeError
 from engine.measure.distances import BUCKETS
 
 DATA = kvcalc.DATA
-LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5}  # int4: 16-bit scale per 32
+# int4: a 16-bit scale per 32 weights; NVFP4: 4-bit E2M1 with an FP8 scale per 16; MXFP4: with an 8-bit scale per 32
+LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5, "nvfp4": 4.5,
+              "mxfp4": 4.25}
+FP4 = ("nvfp4", "mxfp4")
 ACT_BYTES = 2  # activations cross links in 16 bits
 NODE_GPUS = 8
 
@@ -56,7 +59,8 @@ class Efficiency:
     matvecs_per_layer: int = 4
     one_call_layer_us: float | None = None
     host_sync_us: float = 10.0
-    dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0})
+    dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0, "nvfp4": 2.0,
+                                                       "mxfp4": 2.0})
 
 
 ORIGIN = {
@@ -85,7 +89,8 @@ ORIGIN = {
                          "rotary, the cache append, attention, residuals), timed inside that call",
     "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
     "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
-                   "are few beside its bandwidth), in fp32 vector operations per weight",
+                   "are few beside its bandwidth), in fp32 vector operations per weight; NVFP4 and MXFP4 on GPUs "
+                   "without FP4 tensor cores: assumed as fp8's (one scale multiply and a conversion per weight)",
 }
 
 
@@ -98,6 +103,9 @@ class Model:
     tied: bool
     params: float
     active_params: float
+    experts: int = 0  # routed experts per mixture-of-experts layer (0: a dense model)
+    experts_per_token: int = 0
+    expert_params: float = 0.0  # every routed expert's parameters, over all layers
 
     @property
     def name(self) -> str:
@@ -173,8 +181,22 @@ def model_from_config(config: dict, name: str, params: float | None = None,
     tied = text.get("tie_word_embeddings", True) is not False
     total = shapes.number("params", params) if params is not None else estimate_params(s, hidden, vocab, tied, text)
     active = shapes.number("active_params", active_params) if active_params is not None else total
+    experts, per_token, expert_params = moe_shape(text, s.layers, hidden)
     return Model(spec=replace(s, params=total), hidden=hidden, vocab=vocab, tied=tied, params=total,
-                 active_params=min(active, total))
+                 active_params=min(active, total), experts=experts, experts_per_token=per_token,
+                 expert_params=min(expert_params, total))
+
+
+def moe_shape(text: dict, layers: int, hidden: int) -> tuple[int, int, float]:
+    """(routed experts, experts per token, all routed experts' parameters) from a mixture-of-experts config
+    (Mixtral's, DeepSeek's and Qwen's field names: a gated MLP of the expert width per expert); zeros if dense."""
+    experts = kvcalc._first(text, "num_local_experts", "n_routed_experts", "num_experts")
+    per_token = text.get("num_experts_per_tok")
+    if not experts or not per_token:
+        return 0, 0, 0.0
+    width = kvcalc._first(text, "moe_intermediate_size", "intermediate_size")
+    moe_layers = layers - (text.get("first_k_dense_replace") or 0)
+    return int(experts), int(per_token), float(moe_layers * experts * 3 * hidden * width)
 
 
 def estimate_params(s: kvcalc.AttentionSpec, hidden: int, vocab: int | None, tied: bool, text: dict) -> float:
@@ -246,7 +268,8 @@ def weight_format(setup: Setup) -> str:
 def peak_tflops(gpu: dict, dtype: str) -> float:
     """Dense peak at this dtype, falling back to the next wider format the GPU has."""
     table = gpu["peak_tflops"]
-    for name in {"fp8": ("fp8", "bf16"), "int8": ("bf16",), "int4": ("bf16",)}.get(dtype, (dtype, "bf16")):
+    for name in {"fp4": ("fp4", "fp8", "bf16"), "fp8": ("fp8", "bf16"), "int8": ("bf16",),
+                 "int4": ("bf16",)}.get(dtype, (dtype, "bf16")):
         if table.get(name):
             return table[name]
     return table["fp32"]
@@ -348,12 +371,18 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
 def compute_format(setup: Setup) -> str:
     """The tensor-core format the matrix products run in."""
     fmt = weight_format(setup)
-    return "fp32" if fmt == "fp32" else "fp8" if fmt == "fp8" else "bf16"
+    return "fp4" if fmt in FP4 else fmt if fmt in ("fp32", "fp8") else "bf16"
 
 
 def read_params_at(m: Model, rows: int) -> float:
-    """Parameters a forward of `rows` tokens reads (see Model.read_params; mixture-of-experts below)."""
-    return m.read_params()
+    """Parameters a forward of `rows` tokens reads (see Model.read_params). A mixture of experts reads each expert
+    that at least one token picks: with k of E experts per token, an expert is left out by all rows with
+    probability (1 - k / E) ^ rows, so the routed weights read are their total x (1 - (1 - k / E) ^ rows)
+    (routing taken as uniform; 1 row reads the active k)."""
+    if not m.experts or rows < 1:
+        return m.read_params()
+    share = m.experts_per_token / m.experts
+    return m.read_params() - m.expert_params * share + m.expert_params * (1 - (1 - share) ** rows)
 
 
 def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
@@ -368,7 +397,7 @@ def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
 def dequant_ms(setup: Setup, weights: float) -> float:
     """Unpacking weight-only formats on the vector units (none where the GPU computes in the stored format)."""
     fmt = weight_format(setup)
-    if fmt == "fp8" and setup.gpu["peak_tflops"].get("fp8"):
+    if (fmt == "fp8" and setup.gpu["peak_tflops"].get("fp8")) or (fmt in FP4 and setup.gpu["peak_tflops"].get("fp4")):
         return 0.0
     ops = setup.efficiency.dequant_ops.get(fmt, 0.0)
     return weights * ops / (setup.gpu["peak_tflops"]["fp32"] * 1e12) * 1e3 if ops else 0.0
