@@ -218,3 +218,65 @@ if store is not None:
         st.info("No recorded local runs yet: generate one on the Live page or with `python -m engine generate`.")
     else:
         st.dataframe(table, hide_index=True, width="stretch")
+
+
+st.subheader("Capacity: how many requests a second at a latency target (estimates)")
+st.markdown("Requests arrive at random (Poisson); a simulated engine batches them continuously while KV memory "
+            "lasts, each step lasting what the planner's five buckets say at that batch. The capacity is the highest "
+            "rate at which every metric's 99th percentile meets its target; the table lists each configuration "
+            "(GPUs tensor-parallel), cheapest for the target rate first.")
+answer = st.container()
+with st.form("capacity"):
+    c = st.columns(4)
+    cap_model = c[0].selectbox("Model", list(plan.preset_ids()), index=list(plan.preset_ids()).index("llama-3.1-8b"),
+                               key="cap-model")
+    cap_gpus = c[1].multiselect("GPUs", plan.gpu_ids(), default=["h100-80gb-sxm", "a100-80gb-sxm"], key="cap-gpu")
+    cap_counts = c[2].multiselect("GPU counts", [1, 2, 4, 8], default=[1, 2], key="cap-counts")
+    cap_weights = c[3].selectbox("Weights", list(plan.LEVEL_BITS), index=list(plan.LEVEL_BITS).index("bf16"),
+                                 key="cap-weights")
+    c = st.columns(5)
+    cap_prompt = c[0].number_input("Prompt tokens (mean)", value=512, step=64, key="cap-prompt")
+    cap_new = c[1].number_input("Output tokens (mean)", value=128, step=32, key="cap-new")
+    cap_slo = c[2].text_input("SLO (ms)", value="ttft_ms=1000,tpot_ms=50", key="cap-slo")
+    cap_target = c[3].number_input("Target requests/s", value=50.0, step=5.0, key="cap-target")
+    cap_price = c[4].number_input("$ per GPU-hour (0 = data/gpu_prices.json)", value=0.0, step=0.1, key="cap-price")
+    submitted = st.form_submit_button("Plan capacity")
+if submitted:
+    from engine.measure import slo as slos
+    from engine.plan import capacity as cap
+    from engine.plan import simulate as sim
+
+    try:
+        base = plan.Setup(model=plan.resolve_model(cap_model), gpu=plan.get_gpu(cap_gpus[0] if cap_gpus else "l4"),
+                          weights=cap_weights, kv_dtype="fp8" if cap_weights in ("fp8", *plan.FP4) else "bf16",
+                          prompt_tokens=cap_prompt, new_tokens=cap_new)
+        if not cap_gpus or not cap_counts:
+            raise ShapeError("Choose at least one GPU type and one GPU count.")
+        with st.spinner("Simulating each configuration at rising request rates..."):
+            found = cap.compare(base, cap_gpus, sorted(cap_counts),
+                                sim.Workload(requests=100, prompt_tokens=cap_prompt, new_tokens=cap_new),
+                                sim.Scheduler(), slos.parse_slo(cap_slo), 99, None, 1, cap_target, cap_price or None,
+                                interconnect=lambda g: "nvlink" if g["gpu_link"]["gbps_per_direction"] else "pcie")
+    except (ShapeError, slos.SLOError) as exc:
+        answer.error(md_escape(exc))
+    else:
+        best = found["configurations"][0]
+        answer.success(md_escape(
+            f"Cheapest for {cap_target:g} requests/s: {best['gpus_for_target']} x {best['gpu']} "
+            f"({best['replicas_for_target']} replicas of {best['gpus_per_instance']}), "
+            f"${best['usd_per_hour_for_target']:.2f} per hour. One replica holds {best['capacity_requests_per_s']:.1f} "
+            f"requests/s; " + (f"{best['limiting_metric']} fails first" if best["limiting_metric"] != "throughput"
+                               else "the SLO holds until the engine saturates")
+            + f", with the {best['limiting_bucket']} distance the largest part of a token's time (estimates)."))
+        answer.dataframe(pd.DataFrame([{
+            "configuration": f"{r['gpus_per_instance']} x {r['gpu']}",
+            "capacity req/s (estimate)": round(r["capacity_requests_per_s"], 2),
+            "output tokens/s (estimate)": round(r["output_tokens_per_s"]),
+            "GPUs for the target": r["gpus_for_target"], "$ per hour for the target": round(r["usd_per_hour_for_target"], 2),
+            "$ per million output tokens (estimate)": round(r["usd_per_million_output_tokens"], 4),
+            "J per output token (estimate)": round(r["joules_per_output_token"], 4),
+            "what ends capacity": f"{r['limiting_metric']} ({r['limiting_bucket']})",
+            **{f"{b} ms per token (estimate)": round(v, 3) for b, v in r["distances_ms_per_token"].items()},
+        } for r in found["configurations"]]), hide_index=True, width="stretch")
+        for s in found["skipped"]:
+            answer.caption(md_escape(f"Not planned: {s['gpus']} x {s['gpu']}: {s['why']}"))

@@ -92,3 +92,25 @@ def test_planned_against_measured_for_recorded_runs(page_db):
     assert list(table["run"]) == [run_id]
     assert table["planned ms (estimate)"].iloc[0] == round(expected["decode_ms_per_token"], 2)
     assert table["measured TPOT ms"].iloc[0] == 40.0
+
+
+def test_the_capacity_view_answers_above_its_form_cheapest_first():
+    at = open_page(timeout=600)
+    at.multiselect(key="cap-gpu").set_value(["h100-80gb-sxm"])
+    at.multiselect(key="cap-counts").set_value([1, 2])
+    at.number_input(key="cap-new").set_value(32)
+    at.button[-1].click().run()
+    assert not at.exception and not at.error
+    assert "Cheapest for 50 requests/s" in at.success[0].value.replace("\\", "")
+    table = at.dataframe[-1].value
+    costs = list(table["$ per hour for the target"])
+    assert len(costs) == 2 and costs == sorted(costs)
+    assert all("(estimate)" in c for c in table.columns if "ms" in c or "tokens" in c)
+
+
+def test_the_capacity_view_says_one_sentence_for_a_bad_slo():
+    at = open_page(timeout=600)
+    at.text_input(key="cap-slo").set_value("latency=5")
+    at.button[-1].click().run()
+    assert not at.exception
+    assert "Unknown SLO metric" in at.error[0].value.replace("\\", "")
