@@ -365,7 +365,7 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
             "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3,
             "decision": 0.0,
-            "_bytes": weight_bytes + kv_read, "_flops": flops, "_roofline_ms": max(memory, compute)}
+            "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_roofline_ms": max(memory, compute)}
 
 
 def compute_format(setup: Setup) -> str:
@@ -543,8 +543,9 @@ def formulas(setup: Setup) -> dict:
     link = interconnects()[setup.interconnect]
     ar = all_reduce_us(setup, setup.batch * m.hidden * ACT_BYTES)
     return {
-        "memory": f"({kvcalc.human(step['_bytes'])} read per GPU) / ({gpu['bandwidth_gbps']:,} GB/s x "
-                  f"{eff.bandwidth}) = {step['memory']:.3f} ms",
+        "memory": f"({kvcalc.human(step['_weight_bytes'])} of weights / {eff.bandwidth} + "
+                  f"{kvcalc.human(step['_bytes'] - step['_weight_bytes'])} of KV cache / {eff.kv_bandwidth}, read per "
+                  f"GPU) / {gpu['bandwidth_gbps']:,} GB/s = {step['memory']:.3f} ms",
         "compute": f"max({step['_flops']:.3g} FLOPs per GPU / (peak x {eff.compute}) - memory, 0) + dequantization "
                    f"= {step['compute']:.3f} ms",
         "physical": f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
