@@ -85,8 +85,7 @@ def efficiency_form() -> plan.Efficiency:
     with st.expander("Efficiency factors: the defaults and where each came from"):
         values = {}
         for name in ("bandwidth", "kv_bandwidth", "compute", "prefill_compute", "link", "collective_fixed_us",
-                     "step_fixed_us",
-                     "host_sync_us"):
+                     "step_fixed_us", "host_sync_us"):
             values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if
                                            getattr(base, name) <= 1 else 1.0, key=f"eff-{name}")
             st.caption(md_escape(plan.ORIGIN[name]))
