@@ -376,3 +376,22 @@ def test_fp4_weights_use_blackwell_s_fp4_peak_and_pay_unpacking_elsewhere():
     assert plan.peak_tflops(b200.gpu, "fp4") == 9000
     h200 = replace(b200, gpu=plan.get_gpu("h200-141gb-sxm"))
     assert plan.peak_tflops(h200.gpu, "fp4") == h200.gpu["peak_tflops"]["fp8"] and plan.dequant_ms(h200, 1e9) > 0
+
+
+def test_expert_parallelism_splits_the_experts_and_pays_all_to_alls_on_the_links():
+    m = plan.resolve_model("mixtral-8x7b")
+    tp2 = Setup(model=m, gpu=plan.get_gpu("h100-80gb-sxm"), gpus=2, batch=64)
+    ep2 = replace(tp2, ep=2)
+    attention_only = plan.all_reduce_us(tp2, 64 * m.hidden * 2)
+    a2a = plan.all_to_all_us(ep2, 64 * 2 * m.hidden * 2)
+    assert a2a > 0 and m.moe_layers == 32
+    step_tp, step_ep = plan.step_buckets(tp2, 1, 200), plan.step_buckets(ep2, 1, 200)
+    assert step_ep["physical"] - step_tp["physical"] == pytest.approx(32 * (2 * a2a - attention_only) / 1e3)
+    assert step_ep["memory"] == pytest.approx(step_tp["memory"])  # the experts split two ways either way
+    dp_attention = replace(tp2, tp=1, ep=2)  # attention whole on each GPU, experts split
+    assert plan.memory_per_gpu(dp_attention)["weights_bytes"] == pytest.approx(
+        ((m.params - m.expert_params) + m.expert_params / 2) * 2)
+    with pytest.raises(PlanError):
+        plan.check_setup(replace(tp2, model=plan.resolve_model("llama-3.1-8b"), ep=2))
+    with pytest.raises(PlanError):
+        plan.check_setup(replace(tp2, ep=3))

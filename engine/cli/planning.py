@@ -25,7 +25,7 @@ def setup_from_args(args) -> plan.Setup:
                       bits_per_weight=args.bits_per_weight, kv_dtype=args.kv_dtype, batch=args.batch,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                       spec_acceptance=args.spec_acceptance, spec_draft_length=args.spec_draft_length,
-                      spec_draft_cost=args.spec_draft_cost)
+                      spec_draft_cost=args.spec_draft_cost, ep=args.ep)
 
 
 def default_interconnect(gpu: dict) -> str:
@@ -189,6 +189,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--gpus", type=listed(int), help="GPU count (default: tp x pp; several with --capacity)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default: all GPUs / pp)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: a mixture of experts' routed experts "
+                                                     "spread over this many of the GPUs (all-to-all on the links)")
     p.add_argument("--interconnect", help="nvlink, nvswitch, pcie, infinity-fabric, infiniband or ethernet "
                                           "(default: the GPU's own link)")
     p.add_argument("--weights", default="bf16", help="fp32 bf16 fp16 fp8 int8 int4 nvfp4 mxfp4")

@@ -106,6 +106,7 @@ class Model:
     experts: int = 0  # routed experts per mixture-of-experts layer (0: a dense model)
     experts_per_token: int = 0
     expert_params: float = 0.0  # every routed expert's parameters, over all layers
+    moe_layers: int = 0  # layers with routed experts
 
     @property
     def name(self) -> str:
@@ -136,6 +137,7 @@ class Setup:
     spec_acceptance: float | None = None
     spec_draft_length: int = 4
     spec_draft_cost: float = 0.05
+    ep: int = 1  # expert parallelism: a mixture of experts' routed experts spread over this many of the GPUs
     efficiency: Efficiency = Efficiency()
 
 
@@ -181,22 +183,22 @@ def model_from_config(config: dict, name: str, params: float | None = None,
     tied = text.get("tie_word_embeddings", True) is not False
     total = shapes.number("params", params) if params is not None else estimate_params(s, hidden, vocab, tied, text)
     active = shapes.number("active_params", active_params) if active_params is not None else total
-    experts, per_token, expert_params = moe_shape(text, s.layers, hidden)
+    experts, per_token, expert_params, moe_layers = moe_shape(text, s.layers, hidden)
     return Model(spec=replace(s, params=total), hidden=hidden, vocab=vocab, tied=tied, params=total,
                  active_params=min(active, total), experts=experts, experts_per_token=per_token,
-                 expert_params=min(expert_params, total))
+                 expert_params=min(expert_params, total), moe_layers=moe_layers)
 
 
-def moe_shape(text: dict, layers: int, hidden: int) -> tuple[int, int, float]:
-    """(routed experts, experts per token, all routed experts' parameters) from a mixture-of-experts config
+def moe_shape(text: dict, layers: int, hidden: int) -> tuple[int, int, float, int]:
+    """(routed experts, experts per token, all routed experts' parameters, layers with them) from a mixture-of-experts config
     (Mixtral's, DeepSeek's and Qwen's field names: a gated MLP of the expert width per expert); zeros if dense."""
     experts = kvcalc._first(text, "num_local_experts", "n_routed_experts", "num_experts")
     per_token = text.get("num_experts_per_tok")
     if not experts or not per_token:
-        return 0, 0, 0.0
+        return 0, 0, 0.0, 0
     width = kvcalc._first(text, "moe_intermediate_size", "intermediate_size")
     moe_layers = layers - (text.get("first_k_dense_replace") or 0)
-    return int(experts), int(per_token), float(moe_layers * experts * 3 * hidden * width)
+    return int(experts), int(per_token), float(moe_layers * experts * 3 * hidden * width), moe_layers
 
 
 def estimate_params(s: kvcalc.AttentionSpec, hidden: int, vocab: int | None, tied: bool, text: dict) -> float:
@@ -304,6 +306,25 @@ def link_gbps(setup: Setup) -> float:
     return setup.gpu["host_link"]["gbps_per_direction"]
 
 
+def per_gpu_params(setup: Setup, params: float, routed: float) -> float:
+    """Parameters one GPU holds or reads of `params`, `routed` of them in routed experts: the routed ones split
+    over the expert-parallel GPUs where there are several, the rest (and else all) over the tensor-parallel ones."""
+    t = tp_degree(setup)
+    return (params - routed) / t + routed / (setup.ep if setup.ep > 1 else t)
+
+
+def all_to_all_us(setup: Setup, message_bytes: float) -> float:
+    """Dispatching (or combining) a batch's routed token copies over the expert-parallel GPUs: each sends the
+    (ep - 1) / ep of its share that lives elsewhere, all at once over its own link."""
+    e = setup.ep
+    if e == 1:
+        return 0.0
+    link = interconnects()[setup.interconnect]
+    gbps = link_gbps(setup) * setup.efficiency.link
+    return (setup.efficiency.collective_fixed_us + link["hop_latency_us"]
+            + message_bytes / e * (e - 1) / e / (gbps * 1e3))
+
+
 def pipeline_send_us(setup: Setup, message_bytes: float) -> float:
     if setup.pp == 1:
         return 0.0
@@ -347,7 +368,7 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     m, gpu, eff = setup.model, setup.gpu, setup.efficiency
     t = tp_degree(setup)
     read = read_params_at(m, work.rows)
-    weight_bytes = read * weight_bits(setup) / 8 / t
+    weight_bytes = per_gpu_params(setup, read, routed_read_params(m, work.rows)) * weight_bits(setup) / 8
     kv_read = (kvcalc.values_per_token_per_layer(m.spec, t) * work.kv_token_layers
                * kvcalc.bits_per_value(setup.kv_dtype) / 8)
     memory = (weight_bytes / eff.bandwidth + kv_read / eff.kv_bandwidth) / (gpu["bandwidth_gbps"] * 1e9) * 1e3
@@ -358,7 +379,10 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     compute = flops / (peak_tflops(gpu, compute_dtype) * compute_eff * 1e12) * 1e3
     dequant = dequant_ms(setup, weight_bytes / (weight_bits(setup) / 8))
     message = work.rows * m.hidden * ACT_BYTES
-    physical_us = (2 * m.spec.layers * all_reduce_us(setup, message) + pipeline_send_us(setup, message)
+    moe_layers = m.moe_layers if setup.ep > 1 else 0  # their expert output travels by all-to-all instead
+    physical_us = ((2 * m.spec.layers - moe_layers) * all_reduce_us(setup, message)
+                   + 2 * moe_layers * all_to_all_us(setup, work.rows * m.experts_per_token * m.hidden * ACT_BYTES)
+                   + pipeline_send_us(setup, message)
                    + eff.host_sync_us)
     kernels, layers_us = step_kernels(setup, work.widest)
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
@@ -379,10 +403,16 @@ def read_params_at(m: Model, rows: int) -> float:
     that at least one token picks: with k of E experts per token, an expert is left out by all rows with
     probability (1 - k / E) ^ rows, so the routed weights read are their total x (1 - (1 - k / E) ^ rows)
     (routing taken as uniform; 1 row reads the active k)."""
-    if not m.experts or rows < 1:
+    if not m.experts:
         return m.read_params()
-    share = m.experts_per_token / m.experts
-    return m.read_params() - m.expert_params * share + m.expert_params * (1 - (1 - share) ** rows)
+    return m.read_params() - m.expert_params * m.experts_per_token / m.experts + routed_read_params(m, rows)
+
+
+def routed_read_params(m: Model, rows: int) -> float:
+    """The routed experts' parameters a forward of `rows` tokens reads (see read_params_at); 0 for a dense model."""
+    if not m.experts:
+        return 0.0
+    return m.expert_params * (1 - (1 - m.experts_per_token / m.experts) ** max(rows, 1))
 
 
 def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
@@ -451,6 +481,13 @@ def check_setup(setup: Setup) -> Setup:
         whole("draft_length", setup.spec_draft_length)
         shapes.fraction("spec_draft_cost", setup.spec_draft_cost, 0.0, 10.0)
     t = tp or gpus // pp
+    ep = whole("ep", setup.ep)
+    if ep > 1 and not setup.model.experts:
+        raise PlanError(f"{setup.model.name} has no routed experts to spread: expert parallelism needs a mixture of "
+                        "experts.")
+    if ep > 1 and (gpus % ep or setup.model.experts % ep):
+        raise PlanError(f"Expert parallel {ep} must divide the {gpus} GPUs and the model's {setup.model.experts} "
+                        "experts.")
     if t > 1 and setup.model.spec.attention_heads % t:
         raise PlanError(f"Tensor parallel {t} does not divide the model's {setup.model.spec.attention_heads} attention "
                         "heads: choose a degree that divides them.")
@@ -462,7 +499,7 @@ def check_setup(setup: Setup) -> Setup:
 def memory_per_gpu(setup: Setup, batch: int | None = None) -> dict:
     """Weights (all of them: every expert is resident) and the KV cache at the full context, per GPU."""
     t, m = tp_degree(setup), setup.model
-    weights = m.params * weight_bits(setup) / 8 / (t * setup.pp)
+    weights = per_gpu_params(setup, m.params, m.expert_params) * weight_bits(setup) / 8 / setup.pp
     context = setup.prompt_tokens + setup.new_tokens
     kv = kvcalc.kv_bytes(m.spec, context, setup.kv_dtype, batch or setup.batch, t) / setup.pp
     capacity = setup.gpu["memory_mib"] * 2**20
@@ -548,8 +585,12 @@ def formulas(setup: Setup) -> dict:
                   f"GPU) / {gpu['bandwidth_gbps']:,} GB/s = {step['memory']:.3f} ms",
         "compute": f"max({step['_flops']:.3g} FLOPs per GPU / (peak x {eff.compute}) - memory, 0) + dequantization "
                    f"= {step['compute']:.3f} ms",
-        "physical": f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
-                    f"{setup.pp - 1} pipeline sends + {eff.host_sync_us:g} us host round trip = {step['physical']:.3f} ms",
+        "physical": (f"{2 * m.spec.layers - m.moe_layers} all-reduces ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
+                     f"2 x {m.moe_layers} expert all-to-alls over {setup.ep} GPUs "
+                     f"({all_to_all_us(setup, setup.batch * m.experts_per_token * m.hidden * ACT_BYTES):.1f} us) + "
+                     if setup.ep > 1 else
+                     f"2 x {m.spec.layers} layers x all-reduce ({link['topology']}, {t} GPUs: {ar:.1f} us) + ")
+                    + f"{setup.pp - 1} pipeline sends + {eff.host_sync_us:g} us host round trip = {step['physical']:.3f} ms",
         "time": f"{eff.step_fixed_us:g} us per step + {step_kernels(setup, 1)[0]} kernels x "
                 f"{eff.launch_us:g} us" + (f" + {m.spec.layers * eff.matvecs_per_layer + 1} matrix-vector products x "
                                           f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
