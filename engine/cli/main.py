@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli.reporting import add_parser as add_report_parser
 
     add_report_parser(sub)
+    from engine.cli.tracing import add_parser as add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 
