@@ -1,10 +1,9 @@
 """Reading a set of measured runs the seed's way: is decode here bound by compute, by movement
-(memory and links) or by waiting, and which switch helped most?"""
+(memory and links) or by waiting, and which switch helped most, as far as the repeats' 95% intervals show?"""
 from __future__ import annotations
 
+from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
-
-SAME = 1.05  # speed ratios within this factor of 1 count as unchanged
 
 
 def shares(run: dict) -> dict:
@@ -35,19 +34,27 @@ def advise(runs: list[dict], baseline: dict) -> list[str]:
     elif kind == "movement":
         lines.append("Fewer bytes per token pays here: lower-precision weights with a kernel that reads them, "
                      "or sparsity that skips weight loads.")
-    rated = [r for r in runs if r is not baseline and r.get("decode_tokens_per_s")]
-    if rated and baseline.get("decode_tokens_per_s"):
-        base_rate = baseline["decode_tokens_per_s"]
-        # within 5% of the baseline counts as no change: runs on a shared machine wander that much
-        faster = [r for r in rated if r["decode_tokens_per_s"] > SAME * base_rate]
-        slower = [r["label"] for r in rated if r["decode_tokens_per_s"] < base_rate / SAME]
+    base_rates = rates(baseline)
+    rated = [(r, compare(base_rates, rates(r))) for r in runs if r is not baseline and rates(r)] if base_rates else []
+    if rated:
+        faster = [(r, c) for r, c in rated if c.measurable and c.ratio > 1]
+        slower = [f"{r['label']}: {c.text()}" for r, c in rated if c.measurable and c.ratio < 1]
+        unclear = [f"{r['label']}: {c.text()}" for r, c in rated if not c.measurable]
         if faster:
-            best = max(faster, key=lambda r: r["decode_tokens_per_s"])
-            lines.append(f"The lever that helped most here: {best['label']}, "
-                         f"{best['decode_tokens_per_s'] / base_rate:.2f}x the baseline's decode speed.")
+            best, c = max(faster, key=lambda rc: rc[1].ratio)
+            lines.append(f"The lever that helped most here: {best['label']}, decode speed against the baseline "
+                         f"{c.text()}.")
         else:
-            lines.append("No setting decoded faster than the baseline here (none beat it by more than "
-                         f"{SAME - 1:.0%}), so no lever helped on this workload and machine.")
+            lines.append("No setting decoded measurably faster than the baseline here (no 95% interval of a "
+                         "speed ratio lies above 1), so no lever is shown to help on this workload and machine.")
         if slower:
             lines.append("Slower than the baseline here: " + "; ".join(slower) + ".")
+        if unclear:
+            lines.append("Not shown to differ from the baseline: " + "; ".join(unclear) + ".")
     return lines
+
+
+def rates(run: dict) -> list[float]:
+    """A setting's decode speeds: one per repeat (decode_rates), else its single run's."""
+    found = run.get("decode_rates") or [run.get("decode_tokens_per_s")]
+    return [r for r in found if r]
