@@ -29,6 +29,12 @@ if not chosen:
     st.info("Choose one or more runs.")
     st.stop()
 
+from engine.report.trace import trace_json  # noqa: E402
+
+st.download_button("Download trace", lambda: trace_json(store, sorted(chosen)), mime="application/json",
+                   file_name=f"tokenpath-trace-{'-'.join(map(str, sorted(chosen)[:8]))}.json", on_click="ignore",
+                   help="These runs as a Chrome trace-event file for ui.perfetto.dev or chrome://tracing "
+                        "(also `python -m engine trace --run ID --out FILE.json`).")
 st.subheader("Bucket totals per run")
 totals = runs[runs["run_id"].isin(chosen)].set_index("run_id")
 per_token = st.toggle("Per token (divide by the tokens each run produced)", True)

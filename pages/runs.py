@@ -2,8 +2,12 @@
 import io
 import json
 
+import pandas as pd
 import streamlit as st
 
+from engine.measure.compare import compare
+from engine.report.advisor import settings
+from engine.run.reproduce import command, spec_of
 from ui import csv_safe, flash, open_store, page_setup, show_flash
 
 
@@ -71,6 +75,23 @@ st.subheader(f"{len(ids)} selected")
 compare = picked.set_index("run_id")[["model", "quant", "kv_cache", "sparsity", "spec", "n_new_tokens", "ttft_ms", "tpot_ms",
                                        "tokens_per_s", "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms"]]
 st.dataframe(compare.T, width="stretch")
+SETTING = ["model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "backend"]
+rows = picked.sort_values("run_id").to_dict("records")
+arms = settings([{**r, "label": " · ".join(str(r[k]) for k in SETTING)} for r in rows])
+if len(arms) > 1:  # repeats of one setting are one arm; the oldest selected run's setting is the baseline
+    base = arms[0]["decode_rates"]
+    st.markdown("**Decode speed against the oldest selected run's setting**, each setting's runs taken as repeats")
+    st.dataframe(pd.DataFrame([{"setting": a["label"], "runs": ", ".join(f"#{i}" for i in a["run_ids"]),
+                                "decode tok/s (mean)": a["decode_tokens_per_s"],
+                                "decode vs baseline": compare(base, a["decode_rates"]).text()
+                                if base and a["decode_rates"] else "no decode speed"} for a in arms]),
+                 hide_index=True, width="stretch")
+    st.caption("The 95% interval is Welch's t over the repeats' log speeds; where it includes 1 there is no "
+               "measurable difference. Repeat a run with `--repeat N` or `--from-run ID` to narrow it.")
+with st.expander("The command that makes each run again"):
+    for row in picked.itertuples():
+        st.caption(f"#{row.run_id}")
+        st.code(command(spec_of(row._asdict())), language="bash")
 st.page_link("pages/distances.py", label="Open the selected runs on Distances",
              query_params={"run": [str(i) for i in ids]})
 
@@ -82,6 +103,12 @@ st.download_button("Download report", lambda: runs_report(store, report_ids), mi
                    help="One HTML file to hand over: machine and calibration, each run's settings, the five-bucket "
                         "pictures, speedups against the oldest selected run, quality, definitions. It opens "
                         "without a network.")
+from engine.report.trace import trace_json  # noqa: E402
+
+st.download_button("Download trace", lambda: trace_json(store, report_ids), mime="application/json",
+                   file_name=f"tokenpath-trace-{'-'.join(map(str, report_ids[:8]))}.json", on_click="ignore",
+                   help="The selected runs as a Chrome trace-event file: open it in ui.perfetto.dev or "
+                        "chrome://tracing to see each step's phases, each token and the telemetry on one clock.")
 
 c = st.columns(3)
 c[0].download_button("Export CSV", csv_safe(picked[columns]).to_csv(index=False), file_name="tokenpath-runs.csv",

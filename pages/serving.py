@@ -9,6 +9,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine.report.trace import trace_json
 from engine.serve import client as served
 from engine.serve import records as served_store
 from engine.report import sweep_views
@@ -119,6 +120,11 @@ if not levels[label[first]].empty:  # the report is built when the button is pre
                        file_name=f"tokenpath-load-sweep-{first}.html", on_click="ignore",
                        help=f"One HTML file of sweep #{first} (also `python -m engine report --load-sweep {first} "
                             "--out FILE.html`).")
+st.download_button("Download trace", lambda: trace_json(store, sweep_ids=sorted(int(s) for s in chosen)),
+                   mime="application/json", file_name=f"tokenpath-load-sweep-trace-{first}.json", on_click="ignore",
+                   help="The chosen sweeps as a Chrome trace-event file for ui.perfetto.dev or chrome://tracing: a "
+                        "track per request with each chunk, the server's gauges as counters (also `python -m engine "
+                        f"trace --load-sweep {first} --out FILE.json`).")
 
 st.subheader("Per level")
 table = levels[label[first]]

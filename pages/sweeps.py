@@ -7,7 +7,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine.report.advisor import advise
+from engine.measure.compare import compare, interleaved
+from engine.report.advisor import advise, settings
 from engine.report.sweeps import sweep_report, sweep_tag
 from engine.measure.distances import BUCKETS
 from engine.paths import workloads
@@ -29,13 +30,16 @@ SPEC = {name: dict(spec=name, **m.sweep) if name != "none" else {} for name, m i
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
-    c = st.columns(5)
+    c = st.columns(6)
     runnable = available_levels(pick_device(device))
     levels = c[0].multiselect("Weights", runnable, default=[lv for lv in ("fp32", "int8-dyn", "int4-wo") if lv in runnable])
     kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
     sparsities = c[2].multiselect("Sparsity (fp32 only)", ["dense", "mask 50%", "skip 50%"], default=["dense"])
     specs = c[3].multiselect("Speculative", list(SPEC), default=["none"])
     tokens = c[4].number_input("New tokens per run", 4, 512, 32)
+    repeats = c[5].number_input("Repeats", 1, 10, 3, help="Each setting runs this many times, the settings "
+                                "interleaved (A B A B), so a speed ratio gets a 95% interval and a drift of the "
+                                "machine falls on every setting alike; the sweep takes this many times longer.")
     go_button = st.form_submit_button("Run the sweep", type="primary")
 
 store = open_store()
@@ -53,9 +57,10 @@ if go_button and store is not None:
         st.error("Choose at least one value in every list.")
         st.stop()
     bar = st.progress(0.0, text="Starting...")
-    results, started = [], time.monotonic()
+    runs, started = [], time.monotonic()
     sweep_id = time.strftime("%Y%m%d-%H%M%S")  # its runs are tagged sweep:<id>, for its report
-    for i, (lv, k, sp, sd) in enumerate(grid):
+    order = interleaved(grid, int(repeats))
+    for i, (lv, k, sp, sd) in enumerate(order):
         name = label(lv, k, sp, sd)
         cfg = GenConfig(shipped[workload]["prompt"], max_new_tokens=int(tokens), kv_cache=k == "on", ignore_eos=True,
                         **SPEC[sd])
@@ -63,18 +68,18 @@ if go_button and store is not None:
                        sparsity_mode=SPARSITY[sp][1], tag=sweep_tag(sweep_id))
         try:
             result = run_in_worker(worker_request(spec, store), on_wait=lambda pos: bar.progress(
-                i / len(grid), text=f"Waiting: {pos} generation(s) ahead."))["result"]
+                i / len(order), text=f"Waiting: {pos} generation(s) ahead."))["result"]
         except (WorkerRefused, WorkerFailed) as exc:
             st.error(md_escape(f"{name}: {exc}"))
             continue
-        results.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
-                        / result["n_new_tokens"] for b in BUCKETS},
-                        "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_ms": result["ttft_ms"],
-                        "tokens_per_s": result["tokens_per_s"]})
+        runs.append({"label": name, "run_id": result["run_id"], **{f"{b}_ms": result["distances_ms"][b]
+                     / result["n_new_tokens"] for b in BUCKETS},
+                     "decode_tokens_per_s": result["decode_tokens_per_s"], "ttft_ms": result["ttft_ms"],
+                     "tokens_per_s": result["tokens_per_s"]})
         elapsed = time.monotonic() - started
-        left = elapsed / (i + 1) * (len(grid) - i - 1)
-        bar.progress((i + 1) / len(grid), text=f"{i + 1} of {len(grid)} done; about {left:.0f} s left")
-    st.session_state["sweep_results"] = results
+        left = elapsed / (i + 1) * (len(order) - i - 1)
+        bar.progress((i + 1) / len(order), text=f"{i + 1} of {len(order)} done; about {left:.0f} s left")
+    st.session_state["sweep_results"] = settings(runs)
     st.session_state["sweep_id"] = sweep_id
 
 results = st.session_state.get("sweep_results")
@@ -87,9 +92,10 @@ if results:
     fig.update_layout(barmode="stack", xaxis_title="ms per token (all steps, prefill included)",
                       height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
-    base_rate = frame["decode_tokens_per_s"].iloc[0]
-    frame["decode vs baseline"] = (frame["decode_tokens_per_s"] / base_rate).round(2)
-    st.dataframe(frame, hide_index=True, width="stretch")
+    frame["decode vs baseline"] = [compare(results[0]["decode_rates"], r["decode_rates"]).text() for r in results]
+    st.dataframe(frame.drop(columns=["decode_rates"]), hide_index=True, width="stretch")
+    st.caption("Figures are means over each setting's repeats; the ratio's 95% interval is Welch's t over the "
+               "repeats' log speeds, and where it includes 1 there is no measurable difference.")
     st.subheader("Advisor")
     for line in advise(results, results[0]):
         st.markdown(f"- {line}")

@@ -1,6 +1,6 @@
 """The advisor reads bucket shares and speed ratios with their 95% intervals, nothing else: it names a
 lever only where the repeats show a difference."""
-from engine.report.advisor import advise, bound_by
+from engine.report.advisor import advise, bound_by, settings
 
 
 def run(label, rate, repeats=(), **ms):
@@ -42,3 +42,11 @@ def test_a_faster_mean_inside_the_noise_or_a_single_run_is_no_win():
         lines = advise(runs, b)
         assert not any("lever that helped" in line for line in lines)
         assert any("Not shown to differ" in line for line in lines)
+
+
+def test_repeats_of_one_setting_become_one_row_in_first_seen_order():
+    runs = [{**run(name, rate), "run_id": i} for i, (name, rate) in
+            enumerate([("fp32", 20.0), ("int8", 25.0), ("fp32", 21.0), ("int8", float("nan")), ("int8", 26.0)])]
+    rows = settings(runs)
+    assert [(r["label"], r["repeats"], r["run_ids"], r["decode_rates"]) for r in rows] == [
+        ("fp32", 2, [0, 2], [20.0, 21.0]), ("int8", 3, [1, 3, 4], [25.0, 26.0])]

@@ -107,10 +107,13 @@ def test_sweep_runs_the_grid_and_advises(page_db):
     at = open_page("pages/sweeps.py", timeout=300)
     at.multiselect[0].set_value(["fp32", "int4-wo"])
     at.number_input[0].set_value(4)
+    at.number_input[1].set_value(2)  # repeats
     at.button[0].click().run()
     assert not at.exception and not at.error
-    runs = Store(page_db).runs()
-    assert len(runs) == 2 and runs["tag"].nunique() == 1 and runs["tag"].iloc[0].startswith("sweep:")
+    runs = Store(page_db).runs().sort_values("run_id")
+    assert len(runs) == 4 and runs["tag"].nunique() == 1 and runs["tag"].iloc[0].startswith("sweep:")
+    assert [q.split()[0] for q in runs["quant"]] == ["fp32", "int4-wo", "fp32", "int4-wo"]  # interleaved
+    assert any("95% interval" in str(df.value) for df in at.dataframe)
     assert any("bound by" in m.value for m in at.markdown)
 
 

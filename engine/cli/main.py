@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 
@@ -42,23 +43,56 @@ def spec_from_args(args):
                      for dest in SPEC_FLAGS}
     gen = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                    raw=args.raw, stop=args.stop or [], spec=args.spec, kv_dtype=args.kv_dtype, **spec_settings)
+                    raw=args.raw, stop=args.stop or [], ignore_eos=args.ignore_eos, spec=args.spec,
+                    kv_dtype=args.kv_dtype, **spec_settings)
     return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
                    sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
 
 
 def cmd_generate(args) -> int:
+    """One run, or --repeat N of them one after another; --from-run takes every setting from a stored run."""
+    from engine.run.spec import GenerationError
+
+    if args.from_run is not None:
+        return generate_again(args)
+    if args.prompt is None:
+        raise GenerationError("Give the prompt with --prompt TEXT, or make a stored run again with --from-run ID.")
+    single = served_cli.cmd_generate if args.endpoint else generate_once  # served: the run goes to the server
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            print(f"repeat {i + 1} of {args.repeat}", file=sys.stderr)
+        code = single(args)
+        if code:
+            return code
+    return 0
+
+
+def generate_again(args) -> int:
+    """generate --from-run ID: the stored run's own command, parsed and run against --db."""
+    from engine.run.reproduce import arguments, stored_spec
+    from engine.run.spec import GenerationError
+    from engine.store.db import Store
+
+    if args.prompt is not None:
+        raise GenerationError("--from-run takes every setting from the stored run: leave out --prompt.")
+    spec = stored_spec(Store(args.from_db or args.db), args.from_run)
+    argv = ["generate", *arguments(spec), "--repeat", str(args.repeat)]
+    argv += [flag for flag, on in (("--json", args.json), ("--tokens", args.tokens)) if on]
+    again = build_parser().parse_args(argv + (["--db", args.db] if args.db else []))
+    print("running: python -m engine " + shlex.join(argv), file=sys.stderr)
+    return again.func(again)
+
+
+def generate_once(args) -> int:
     from engine.run.generate import Generation
     from engine.run.prepare import prepare
     from engine.run.record import RecordDeferred
     from engine.store.db import Store
 
-    if args.endpoint:  # a served model: the run goes to the server
-        return served_cli.cmd_generate(args)
     spec = spec_from_args(args)
     spec.check()
     store = Store(args.db)
-    gen = Generation(prepare(spec, store), spec.gen, store=store)
+    gen = Generation(prepare(spec, store), spec.gen, store=store, spec=spec)
     try:
         for event in gen:
             if not args.json:
@@ -279,6 +313,24 @@ def run_limit(text: str) -> int:
     return value
 
 
+MAX_REPEAT = 100
+
+
+def repeat_count(text: str) -> int:
+    """--repeat: a whole number of runs from 1 to MAX_REPEAT."""
+    value = int(text) if text.strip().isdigit() else 0
+    if not 1 <= value <= MAX_REPEAT:
+        raise argparse.ArgumentTypeError(f"--repeat takes a whole number from 1 to {MAX_REPEAT}, not '{text[:40]}'")
+    return value
+
+
+def run_id(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a run id is a whole number from 1, not '{text[:40]}'")
+    return value
+
+
 def common(p, device=True) -> None:
     p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
     if device:
@@ -292,7 +344,12 @@ def add_generate_parser(sub) -> None:
     from engine.switches.speculative import METHODS
 
     g = sub.add_parser("generate", help="generate text token by token and record the run")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", help="the text to continue (required unless --from-run)")
+    g.add_argument("--from-run", type=run_id, help="make this stored run again, with every setting it had")
+    g.add_argument("--from-db", help="with --from-run: the database that holds it (default: --db)")
+    g.add_argument("--repeat", type=repeat_count, default=1,
+                   help=f"run it this many times, one after another (1 to {MAX_REPEAT})")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
     add_quant_args(g)
     g.add_argument("--max-new-tokens", type=int, default=64)

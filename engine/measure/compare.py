@@ -43,8 +43,7 @@ class Comparison:
 
 def compare(baseline: list[float], candidate: list[float]) -> Comparison:
     """The ratio candidate/baseline of the geometric means of positive measurements, with its 95% interval."""
-    a = [math.log(v) for v in baseline if v and v > 0 and math.isfinite(v)]
-    b = [math.log(v) for v in candidate if v and v > 0 and math.isfinite(v)]
+    a, b = [math.log(v) for v in usable(baseline)], [math.log(v) for v in usable(candidate)]
     if not a or not b:
         raise ValueError("each arm needs at least one positive measurement")
     ratio = math.exp(sum(b) / len(b) - sum(a) / len(a))
@@ -54,6 +53,11 @@ def compare(baseline: list[float], candidate: list[float]) -> Comparison:
         return Comparison(ratio, ratio, ratio, len(a), len(b))
     interval = stats.ttest_ind(b, a, equal_var=False).confidence_interval(LEVEL)
     return Comparison(ratio, math.exp(interval.low), math.exp(interval.high), len(a), len(b))
+
+
+def usable(values) -> list[float]:
+    """The positive, finite measurements among values (a missing figure arrives as None or NaN)."""
+    return [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
 
 
 def interleaved(arms: list, repeats: int) -> list:

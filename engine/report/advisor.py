@@ -2,7 +2,7 @@
 (memory and links) or by waiting, and which switch helped most, as far as the repeats' 95% intervals show?"""
 from __future__ import annotations
 
-from engine.measure.compare import compare
+from engine.measure.compare import compare, usable
 from engine.measure.distances import BUCKETS
 
 
@@ -56,5 +56,21 @@ def advise(runs: list[dict], baseline: dict) -> list[str]:
 
 def rates(run: dict) -> list[float]:
     """A setting's decode speeds: one per repeat (decode_rates), else its single run's."""
-    found = run.get("decode_rates") or [run.get("decode_tokens_per_s")]
-    return [r for r in found if r]
+    return usable(run.get("decode_rates") or [run.get("decode_tokens_per_s")])
+
+
+def settings(runs: list[dict]) -> list[dict]:
+    """Runs with the same label (the repeats of one setting) as one row, in the order labels first appear:
+    the mean of each figure, every repeat's decode speed in decode_rates and the run ids in run_ids."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["label"], []).append(r)
+    rows = []
+    for label, group in groups.items():
+        mean = lambda key: (sum(r[key] for r in group) / len(group)  # noqa: E731
+                            if all(r.get(key) is not None for r in group) else None)
+        rows.append({"label": label, "repeats": len(group), **{f"{b}_ms": mean(f"{b}_ms") for b in BUCKETS},
+                     "decode_tokens_per_s": mean("decode_tokens_per_s"), "ttft_ms": mean("ttft_ms"),
+                     "tokens_per_s": mean("tokens_per_s"), "decode_rates": usable(r["decode_tokens_per_s"] for r in group),
+                     "run_ids": [r["run_id"] for r in group if "run_id" in r]})
+    return rows

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from engine.run.reproduce import command, spec_of
 from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
 from engine.measure.distances import FORMULAS
@@ -196,7 +197,7 @@ def pictures_section(runs: list[dict], token_rows: dict[int, list[dict]]) -> Sec
 def settings_section(runs: list[dict]) -> Section:
     """Every setting of every run side by side, values that differ from the first run in bold;
     then each run's prompt and output."""
-    keys = list(dict.fromkeys(k for run in runs for k in run["config"] if k != "prompt"))
+    keys = list(dict.fromkeys(k for run in runs for k in run["config"] if k not in ("prompt", "run_spec")))
 
     def cell(run, key):
         value = run["config"].get(key)
@@ -211,7 +212,8 @@ def settings_section(runs: list[dict]) -> Section:
         error = f"<p><b>error:</b> {html.escape(run['error'])}</p>" if run["error"] else ""
         texts.append(f"<details><summary>{html.escape(label(run))}: prompt and output</summary>{error}"
                      f"<p>prompt</p><pre>{html.escape(run['prompt'] or '')}</pre>"
-                     f"<p>output</p><pre>{html.escape(run['output'] or '')}</pre></details>")
+                     f"<p>output</p><pre>{html.escape(run['output'] or '')}</pre>"
+                     f"<p>the command that makes it again</p><pre>{html.escape(command(spec_of(run)))}</pre></details>")
     note = '<p class="note">Values that differ from the first run are in bold.</p>'
     return Section("Each run's settings", note + table(["setting", *(f"#{run['run_id']}" for run in runs)], rows)
                    + "".join(texts))

@@ -6,8 +6,8 @@ import html
 
 import plotly.graph_objects as go
 
-from engine.report.advisor import advise
-from engine.report.charts import readable, run_label
+from engine.report.advisor import advise, settings
+from engine.report.charts import readable, run_switches
 from engine.measure.distances import BUCKETS
 from engine.report.html import ReportError, Section, build_html, definitions_section, runs_report, table
 from engine.serve.records import sweeps
@@ -26,14 +26,15 @@ def sweep_runs(store, sweep_id: str) -> list[dict]:
 
 
 def advisor_rows(runs: list[dict]) -> list[dict]:
-    """The advisor's view of stored runs: a label, the buckets per token, the rates."""
-    class Row:  # run_label reads attributes
+    """The advisor's view of stored runs: one row per setting (its repeats together), the buckets per token, the rates."""
+    class Row:  # run_switches reads attributes
         def __init__(self, run):
             self.__dict__.update(run)
 
-    return [{"label": run_label(Row(r)), **{f"{b}_ms": (r[f"{b}_ms"] or 0.0) / (r["n_new_tokens"] or 1) for b in BUCKETS},
-             "decode_tokens_per_s": r["decode_tokens_per_s"], "ttft_ms": r["ttft_ms"],
-             "tokens_per_s": r["tokens_per_s"]} for r in runs]
+    return settings([{"label": f"{r['model']} · {' · '.join(run_switches(Row(r)))}", "run_id": r["run_id"],
+                      **{f"{b}_ms": (r[f"{b}_ms"] or 0.0) / (r["n_new_tokens"] or 1) for b in BUCKETS},
+                      "decode_tokens_per_s": r["decode_tokens_per_s"], "ttft_ms": r["ttft_ms"],
+                      "tokens_per_s": r["tokens_per_s"]} for r in runs])
 
 
 def sweep_report(store, sweep_id: str) -> str:

@@ -29,7 +29,7 @@ from engine.run.record import Recorder
 from engine.run.rows import Attribution, account, columns
 from engine.switches.sparsity import sparse_layers
 from engine.switches.drafters import MAX_K, SpeculativeError
-from engine.run.spec import GenConfig, GenerationError
+from engine.run.spec import GenConfig, GenerationError, RunSpec
 from engine.run.step import DecodeState, decode_step
 from engine.store.db import Store
 from engine.run.text import Output, prompt_ids
@@ -73,9 +73,11 @@ class Generation:
     After iteration: status, text, token_ids, steps, tokens, result (the run summary)."""
 
     def __init__(self, lm: LoadedModel, cfg: GenConfig, store: Store | None = None,
-                 calibration: dict | None = None, telemetry: bool = True, tag: str | None = None):
+                 calibration: dict | None = None, telemetry: bool = True, tag: str | None = None,
+                 spec: RunSpec | None = None):
         cfg.check()
         self.lm, self.cfg, self.telemetry, self.tag = lm, cfg, telemetry, tag
+        self.spec = spec  # stored whole with the run, so the run can be made again from it
         self.prompt_ids = prompt_ids(lm, cfg.prompt, cfg.raw)
         needed = len(self.prompt_ids) + cfg.max_new_tokens
         if needed > lm.max_context:
@@ -128,7 +130,7 @@ class Generation:
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
                 "quant": self.lm.quant, "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode,
-                **asdict(self.cfg)}
+                **asdict(self.cfg), **({"run_spec": self.spec.to_dict()} if self.spec else {})}
 
     def __iter__(self):
         if self.recorder is not None:

@@ -189,7 +189,7 @@ def start(spec: RunSpec, store: Store):
         if text and not access.model_choice_allowed(text, draft):
             raise access.AccessError(access.refusal(text))
     lm = prepare(spec, store)
-    return Generation(lm, spec.gen, store=store, tag=spec.tag), sorted(lm.tokenizer.all_special_ids)
+    return Generation(lm, spec.gen, store=store, tag=spec.tag, spec=spec), sorted(lm.tokenizer.all_special_ids)
 
 
 def run(conn, request: dict) -> None:

@@ -1,0 +1,85 @@
+"""The command that reproduces a run: a run made through the worker (as the pages make them) and its
+reproduction by `generate --from-run` give the same tokens and the same settings; the command the Runs
+page shows is that same command; bad ids and repeat counts are refused in one sentence."""
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.run.generate import Generation
+from engine.run.reproduce import ReproduceError, arguments, command, stored_spec
+from engine.run.spec import GenConfig, RunSpec
+from engine.run.worker import GenerationWorker
+from engine.store.db import Store
+
+REPO = Path(__file__).resolve().parent.parent
+SETTINGS = ["model", "device", "dtype", "kv_cache", "temperature", "quant", "sparsity", "sparsity_mode", "spec"]
+
+
+def cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_a_worker_run_and_its_reproduction_from_the_command_line_give_the_same_tokens(tiny_folder, tmp_path):
+    page_db, other_db = tmp_path / "page.duckdb", tmp_path / "other.duckdb"
+    spec = RunSpec(gen=GenConfig("Name three colours.", max_new_tokens=9, kv_cache=False, stop=["zz"],
+                                 ignore_eos=True, kv_dtype="bf16"),
+                   model=str(tiny_folder), device="cpu", weights="int8-dyn")
+    events = list(GenerationWorker().generate({"db": str(page_db), "spec": spec.to_dict()}, every_s=0.05))
+    assert events[-1][0] == "done"
+    original = Store(page_db).run(1)
+    assert original["status"] == "ok" and stored_spec(Store(page_db), 1) == spec
+
+    for db in (page_db, other_db):  # into the same database and into another
+        code, _, stderr = cli("generate", "--from-run", 1, "--from-db", page_db, "--db", db, "--json")
+        assert code == 0, stderr
+        store = Store(db)
+        again = store.runs(1).iloc[0].to_dict()
+        assert list(again["token_ids"]) == list(original["token_ids"]) and again["output"] == original["output"]
+        assert {k: again[k] for k in SETTINGS} == {k: original[k] for k in SETTINGS}
+        assert stored_spec(store, again["run_id"]) == spec
+
+
+def test_the_command_shown_is_the_one_that_runs(tiny_folder, tmp_path, tiny_lm, calibration):
+    spec = RunSpec(gen=GenConfig("It's \"quoted\"; $HOME stays text.", max_new_tokens=4, temperature=0.7, seed=11,
+                                 top_k=5), model=str(tiny_folder), sparsity=0.5, sparsity_mode="skip")
+    text = command(spec, db=tmp_path / "x.duckdb")
+    words = shlex.split(text)
+    assert words[:4] == ["python", "-m", "engine", "generate"] and words[4:-2] == arguments(spec)
+    assert words[words.index("--prompt") + 1] == spec.gen.prompt
+    assert "--sparsity-mode" in words and "--quant" not in words  # defaults are left out
+    db = tmp_path / "x.duckdb"
+    code, stdout, stderr = cli(*words[3:-2], "--db", db, "--json")
+    assert code == 0, stderr
+    assert stored_spec(Store(db), json.loads(stdout)["run_id"]) == spec
+
+
+def test_a_run_stored_without_its_specification_is_read_back_from_its_settings(store, tiny_lm, calibration):
+    cfg = GenConfig("Hello.", max_new_tokens=3, top_p=0.9, temperature=0.5, seed=3)
+    run_id = Generation(tiny_lm, cfg, store=store, calibration=calibration).run()["run_id"]
+    spec = stored_spec(store, run_id)
+    assert spec.gen == cfg and spec.model == tiny_lm.name and spec.weights == "fp32"
+
+
+def test_repeat_runs_the_same_settings_n_times(tiny_folder, tmp_path):
+    db = tmp_path / "r.duckdb"
+    code, _, stderr = cli("generate", "--prompt", "Hi.", "--model", tiny_folder, "--max-new-tokens", 3,
+                          "--repeat", 3, "--db", db)
+    assert code == 0, stderr
+    runs = Store(db).runs()
+    assert len(runs) == 3 and len({tuple(t) for t in runs["token_ids"]}) == 1
+
+
+def test_unknown_runs_and_bad_repeat_counts_are_one_sentence(tmp_path, store):
+    with pytest.raises(ReproduceError, match="Run 5 is not in"):
+        stored_spec(store, 5)
+    for args in (["--from-run", 5, "--db", store.path], ["--prompt", "x", "--repeat", 0],
+                 ["--prompt", "x", "--repeat", 100_000], ["--from-run", "one"], ["--db", store.path],
+                 ["--from-run", 1, "--prompt", "x", "--db", store.path]):
+        code, _, stderr = cli("generate", *args)
+        assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, (args, stderr)
