@@ -54,7 +54,8 @@ def server_url_problem(url: str) -> str | None:
 
 top = st.columns([1, 1, 2])
 play_all = top[0].button("Run the whole story", type="primary", help=f"{sum(len(story.chapter_specs(c)) for c in story.CHAPTERS)} "
-                         f"short runs of {story.NEW_TOKENS} tokens each, one after another, plus the served run when "
+                         f"short runs of {story.NEW_TOKENS} tokens each ({story.REPEATS} interleaved repeats of every "
+                         "arm), one after another, plus the served run when "
                          "a server URL is given below.")
 if play_all:
     play(story.CHAPTERS, st.progress(0.0, text="Starting..."))
@@ -83,18 +84,18 @@ def per_token(comparison, runs: dict) -> None:
 
 def comparison_view(comparison, runs: dict) -> None:
     st.subheader(comparison.title)
-    st.caption(f"Measures {comparison.measures}. Speedup: decode tokens per second against the first row.")
+    st.caption(f"Measures {comparison.measures}. Against the baseline: decode tokens per second over "
+               f"{story.REPEATS} interleaved repeats per arm, the ratio with its 95% interval; where the interval "
+               "includes 1 there is no measurable difference.")
     rows = story.comparison_rows(store, comparison, runs)
     if not rows:
         st.info("Not played yet: press the chapter's button.")
         return
     cols = st.columns(len(rows))
     for column, row in zip(cols, rows):
-        speedup = row.get("speedup")
         column.metric(row["arm"], f"{story.show('decode tok/s', row['decode tok/s'])} tok/s")
-        if speedup is not None:  # a plain ratio: a metric's delta arrow would point up for a slowdown too
-            column.caption("the baseline" if row["arm"] == comparison.baseline.label else
-                           f"**{speedup:.2f}x** the baseline's decode rate")
+        if row.get("vs baseline"):  # a ratio and its interval: a metric's delta arrow would claim a direction
+            column.caption(row["vs baseline"])
     st.plotly_chart(story.picture(comparison, runs, rows), width="stretch", key=f"tot-{comparison.title}")
     st.dataframe(figures_table(rows, comparison), hide_index=True, width="stretch")
     for level in story.missing_quality(rows, comparison):

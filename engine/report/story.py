@@ -1,7 +1,8 @@
 """The story: the seed's four distances as four chapters of experiments, each a lever against its baseline.
 
-Each chapter's runs are RunSpecs tagged story:<chapter>:<arm>, run through the normal worker and stored as
-ordinary runs; the physical chapter adds the planner's deployment estimates and, given a server, one served run."""
+Each chapter's runs are RunSpecs tagged story:<chapter>:<arm>, REPEATS of each arm interleaved, run through the
+normal worker and stored as ordinary runs; a lever's speed ratio comes with its 95% interval over the repeats. The
+physical chapter adds the planner's deployment estimates and, given a server, one served run."""
 from __future__ import annotations
 
 import html
@@ -14,11 +15,15 @@ from engine.report.charts import totals_chart
 from engine.measure.distances import BUCKETS
 from engine.report.html import (FIGURE_CONFIG, ReportError, Section, build_html, definitions_section, fmt, latest_quality,
                      load_runs, run_sections, table)
+from engine.measure.compare import compare, interleaved, usable
 from engine.store.sql import utcnow
 from engine.run.spec import GenConfig, RunSpec
 
 TAG = "story"
-NEW_TOKENS = 16  # enough decode steps for a steady rate, few enough that the whole story takes about a minute
+# Three interleaved repeats of 6 tokens decode about as many tokens per arm as one run of 16 did, so a play
+# costs about the same decode time plus two more prefills and run starts per arm; the repeats give the interval.
+REPEATS = 3
+NEW_TOKENS = 6
 SHORT_PROMPT = "Name three colours of the sea."
 # a prompt the answer copies from: prompt lookup finds its continuation in it
 COPY_PROMPT = ("Repeat this list exactly:\nred apples, green pears, yellow lemons, purple plums, orange peaches.\n"
@@ -73,19 +78,19 @@ CHAPTERS = (
                         "bytes read per token, tokens per second, and what the fewer bits cost in quality",
                         FP32, (Arm("int8-dyn", "int8 (int8-dyn)", weights="int8-dyn"),
                                Arm("int4-wo", "int4 (int4-wo)", weights="int4-wo")),
-                        ("decode tok/s", "speedup", "weights MB per token", "perplexity", "KL", "top-1")),)),
+                        ("decode tok/s", "vs baseline", "weights MB per token", "perplexity", "KL", "top-1")),)),
     Chapter("time", "Time distance: fewer serial steps",
             "A token waits for every serial step before it: recomputing the whole prefix at each step, or one "
             "forward per token when several could be checked in one.",
             "Fewer serial steps: keep the KV cache, and guess tokens the prompt already holds.",
             (Comparison("KV cache off against on", "work per token when each step recomputes the prefix",
                         Arm("kv-off", "KV cache off", kv_cache=False), (Arm("kv-on", "KV cache on"),),
-                        ("decode tok/s", "speedup", "TPOT ms", "decision share")),
+                        ("decode tok/s", "vs baseline", "TPOT ms", "decision share")),
              Comparison("plain greedy against prompt lookup, on a prompt the answer copies",
                         "tokens per target forward: serial steps saved by guesses the model confirms",
                         Arm("greedy", "greedy", prompt=COPY_PROMPT),
                         (Arm("prompt-lookup", "prompt lookup", prompt=COPY_PROMPT, gen=dict(spec="prompt-lookup")),),
-                        ("decode tok/s", "speedup", "tokens per forward", "acceptance")))),
+                        ("decode tok/s", "vs baseline", "tokens per forward", "acceptance")))),
     Chapter("decision", "Decision distance: less wasted work",
             "Speculation pays only when guesses are accepted and verification is cheap; sparsity saves time only "
             "when it skips weight loads, not just multiplications.",
@@ -93,12 +98,12 @@ CHAPTERS = (
             (Comparison("plain greedy against a speculative draft (self-int8)",
                         "acceptance rate and the drafted tokens thrown away (the decision bucket)",
                         Arm("greedy", "greedy"), (Arm("draft", "draft self-int8, K=3", gen=SPEC_DRAFT),),
-                        ("decode tok/s", "speedup", "acceptance", "thrown away", "decision share")),
+                        ("decode tok/s", "vs baseline", "acceptance", "thrown away", "decision share")),
              Comparison("sparsity 50%: mask (reads every weight) against skip (does not)",
                         "weights read per token and the time the zeros cost",
                         Arm("mask", "mask 50% (reads everything)", sparsity=0.5, sparsity_mode="mask"),
                         (Arm("skip", "skip 50% (skips the loads)", sparsity=0.5, sparsity_mode="skip"),),
-                        ("decode tok/s", "speedup", "weights MB per token", "decision share")))),
+                        ("decode tok/s", "vs baseline", "weights MB per token", "decision share")))),
     Chapter("physical", "Physical distance: shorter links",
             "Multi-layer low-loss boards and switches exist to make signal paths short: once a model spans "
             "several GPUs, every token crosses the links between them.",
@@ -126,9 +131,16 @@ def arm_spec(chapter: Chapter, arm: Arm, model: str = "default", device: str = "
 
 
 def chapter_specs(chapter: Chapter, model: str = "default", device: str = "auto") -> list[RunSpec]:
-    """Every run the chapter makes, each arm once (an arm in two comparisons is one run)."""
+    """Every run the chapter makes: each arm (an arm in two comparisons is one) REPEATS times, interleaved."""
     arms = {arm.key: arm for comparison in chapter.comparisons for arm in comparison.arms}
-    return [arm_spec(chapter, arm, model, device) for arm in arms.values()]
+    return interleaved([arm_spec(chapter, arm, model, device) for arm in arms.values()], REPEATS)
+
+
+def arm_rates(store, run_tag: str) -> list[float]:
+    """The decode speeds of an arm's newest REPEATS finished runs: the latest play's repeats."""
+    frame = store.query("SELECT decode_tokens_per_s FROM runs WHERE tag = ? AND status = 'ok' ORDER BY run_id DESC "
+                        "LIMIT ?", [run_tag, REPEATS])
+    return usable(frame["decode_tokens_per_s"])
 
 
 def served_spec(endpoint: str, served_model: str | None = None) -> RunSpec:
@@ -191,6 +203,8 @@ FORMATS = {"decode tok/s": ".1f", "speedup": ".2f", "TPOT ms": ".1f", "TTFT ms":
 
 
 def show(name: str, value) -> str:
+    if name == "vs baseline":  # already a phrase: the ratio, its interval and the verdict
+        return value
     return fmt(value, FORMATS[name], "x" if name == "speedup" else "")
 
 
@@ -199,11 +213,18 @@ def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> lis
     present = [arm for arm in comparison.arms if arm.key in runs]
     quality = latest_quality(store, [runs[arm.key] for arm in present])
     baseline = runs.get(comparison.baseline.key)
+    base_rates = arm_rates(store, baseline["tag"]) if baseline else []
     rows = []
     for arm in present:
         run = runs[arm.key]
         values = figures(run, baseline, quality.get(run["run_id"]), weight_bytes_per_token(store, run["run_id"]))
-        rows.append({"arm": arm.label, "run": run["run_id"], **{name: values[name] for name in comparison.figures}})
+        rates = arm_rates(store, run["tag"])
+        against = compare(base_rates, rates) if base_rates and rates and arm is not comparison.baseline else None
+        values["speedup"] = against.ratio if against else values["speedup"]
+        values["vs baseline"] = "the baseline" if arm is comparison.baseline else (
+            against.text() if against else "no decode speed to compare")
+        rows.append({"arm": arm.label, "run": run["run_id"], "speedup": values["speedup"], "measurable":
+                     bool(against and against.measurable), **{name: values[name] for name in comparison.figures}})
     return rows
 
 
@@ -222,6 +243,7 @@ def quality_command(level: str, model: str = "default") -> str:
 def picture(comparison: Comparison, runs: dict[str, dict], rows: list[dict]):
     """The comparison's runs as one stacked bar each (ms per token, prefill included), baseline on top."""
     labels = [f"{row['arm']} · #{row['run']}" + (f" · {row['speedup']:.2f}x" if row.get("speedup") else "")
+              + ("" if row.get("measurable") or row["arm"] == comparison.baseline.label else " (no measurable difference)")
               for row in rows]
     arm_runs = [runs[arm.key] for arm in comparison.arms if arm.key in runs]
     return totals_chart(labels, arm_runs, per_token=True, title=comparison.title)
@@ -269,7 +291,9 @@ def chapter_section(store, chapter: Chapter) -> Section:
     for comparison in chapter.comparisons:
         rows = comparison_rows(store, comparison, runs)
         parts.append(f"<h3>{html.escape(comparison.title)}</h3><p class=note>Measures {html.escape(comparison.measures)}."
-                     " Speedup: decode tokens/s against the first row.</p>")
+                     f" Against the baseline: decode tokens/s over {REPEATS} interleaved repeats per arm, the ratio of "
+                     "their geometric means with its 95% interval (Welch's t on the log speeds); where the interval "
+                     "includes 1 there is no measurable difference.</p>")
         if not rows:
             parts.append("<p>Not played yet.</p>")
             continue
