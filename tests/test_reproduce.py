@@ -14,6 +14,7 @@ from engine.run.reproduce import ReproduceError, arguments, command, stored_spec
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import GenerationWorker
 from engine.store.db import Store
+from test_served import stream_server  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = ["model", "device", "dtype", "kv_cache", "temperature", "quant", "sparsity", "sparsity_mode", "spec"]
@@ -83,3 +84,21 @@ def test_unknown_runs_and_bad_repeat_counts_are_one_sentence(tmp_path, store):
                  ["--from-run", 1, "--prompt", "x", "--db", store.path]):
         code, _, stderr = cli("generate", *args)
         assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, (args, stderr)
+
+
+def test_a_load_sweep_is_made_again_from_its_stored_parameters(stream_server, tmp_path):  # noqa: F811
+    from engine.serve.load import Sweep, SweepConfig, load_prompts
+
+    url, _ = stream_server("ok", delay=0.01)
+    first, other = tmp_path / "a.duckdb", tmp_path / "b.duckdb"
+    cfg = SweepConfig(url, [1, 2], 2, 5, load_prompts("summary"), temperature=0.5, timeout_s=30.0)
+    sweep_id = Sweep(cfg, Store(first)).run()["sweep_id"]
+    code, _, stderr = cli("load", "--from-sweep", sweep_id, "--from-db", first, "--db", other, "--json")
+    assert code == 0, stderr
+    stored = {db: json.loads(Store(db).query("SELECT config FROM load_sweeps")["config"].iloc[-1]) for db in (first, other)}
+    for config in stored.values():
+        config.pop("rtt_ms")  # measured by each sweep
+    assert stored[first] == stored[other]
+    assert len(Store(other).query("SELECT * FROM requests")) == 4
+    code, _, stderr = cli("load", "--from-sweep", 9, "--db", other)
+    assert code == 2 and "Load sweep 9 is not in" in stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import time
@@ -81,6 +82,12 @@ def cmd_load(args) -> int:
     from engine.serve.client import ServedError
     from engine.store.db import Store, StoreError
 
+    if args.from_sweep is not None:
+        return load_again(args)
+    if not args.endpoint:
+        print("error: give the server with --endpoint URL, or make a stored sweep again with --from-sweep ID.",
+              file=sys.stderr)
+        return USER_ERROR
     try:
         cfg = load.SweepConfig(endpoint=args.endpoint, concurrency=load.parse_concurrency(args.concurrency),
                                requests=args.requests, max_new_tokens=args.max_new_tokens,
@@ -102,6 +109,27 @@ def cmd_load(args) -> int:
         print(level_table(summary["levels"]))
         print(f"sweep {summary['sweep_id']} {summary['status']}", file=sys.stderr)
     return 0 if summary["status"] in ("ok", "stopped") else 1
+
+
+def load_again(args) -> int:
+    """load --from-sweep ID: the stored sweep's parameters as `load`'s options, run against --db."""
+    from engine.run.reproduce import ReproduceError, sweep_arguments
+    from engine.store.db import Store, StoreError
+
+    try:
+        store = Store(args.from_db or args.db)
+        found = store.query("SELECT config FROM load_sweeps WHERE sweep_id = ?", [args.from_sweep])
+        if found.empty:
+            raise ReproduceError(f"Load sweep {args.from_sweep} is not in {store.path}; the Serving page lists them.")
+        options = {flag for action in args.parser._actions for flag in action.option_strings}
+        argv = sweep_arguments(json.loads(found["config"].iloc[0]), options)
+    except (ReproduceError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    print("running: python -m engine load " + shlex.join(argv), file=sys.stderr)
+    passed = [flag for flag, on in (("--json", args.json),) if on] + (["--db", args.db] if args.db else [])
+    again = args.parser.parse_args(argv + passed)
+    return again.func(again)
 
 
 def _print_progress(state: dict) -> None:
@@ -151,7 +179,9 @@ def cmd_serve_vllm(args) -> int:
 def add_parsers(sub) -> None:
     """The `load` and `serve-vllm` commands."""
     lp = sub.add_parser("load", help="a load sweep against an OpenAI-compatible server")
-    lp.add_argument("--endpoint", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    lp.add_argument("--endpoint", help="the server, e.g. http://127.0.0.1:8000 (required unless --from-sweep)")
+    lp.add_argument("--from-sweep", type=int, help="make this stored load sweep again, with its parameters")
+    lp.add_argument("--from-db", help="with --from-sweep: the database that holds it (default: --db)")
     lp.add_argument("--concurrency", default="1,2,4,8", help="levels, comma-separated")
     lp.add_argument("--requests", type=int, default=16, help="requests per level")
     lp.add_argument("--max-new-tokens", type=int, default=64)
@@ -163,7 +193,7 @@ def add_parsers(sub) -> None:
     lp.add_argument("--progress", help="a JSON file the sweep keeps its progress in")
     lp.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
     lp.add_argument("--json", action="store_true", help="print one JSON object")
-    lp.set_defaults(func=cmd_load)
+    lp.set_defaults(func=cmd_load, parser=lp)
 
     sp = sub.add_parser("serve-vllm", help="start vLLM's CPU build with the default model on 127.0.0.1")
     sp.add_argument("--port", type=int, help="default: a free port")

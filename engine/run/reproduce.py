@@ -84,3 +84,27 @@ def arguments(spec: RunSpec) -> list[str]:
 def command(spec: RunSpec, db: str | None = None) -> str:
     """The shell command that runs this specification again, copyable as it is."""
     return shlex.join(["python", "-m", "engine", "generate", *arguments(spec), *(["--db", str(db)] if db else [])])
+
+
+def sweep_arguments(config: dict, options: set[str]) -> list[str]:
+    """`load`'s arguments for a stored load sweep's config: each stored parameter whose name is one of the
+    command's options (`timeout_s` is --timeout), lists joined by commas, booleans as bare flags."""
+    from engine.paths import workloads
+
+    args = []
+    for key, value in config.items():
+        flag = next((f for f in ("--" + key.replace("_", "-"), "--" + key.removesuffix("_s").replace("_", "-"))
+                     if f in options), None)
+        if flag is None or value is None or value is False:
+            continue
+        if key == "prompts":
+            shipped = list(workloads())
+            if value == shipped:
+                continue  # every shipped workload: the default
+            if len(value) != 1 or value[0] not in shipped:
+                raise ReproduceError("This sweep's prompts came from a file, which the store does not keep: run "
+                                     "`load` again with that file as --prompts.")
+            value = value[0]
+        args += [flag] if value is True else [flag, ",".join(map(str, value)) if isinstance(value, list) else
+                                              f"{value:g}" if isinstance(value, float) else str(value)]
+    return args
