@@ -13,6 +13,7 @@ from engine.run.generate import Generation
 from engine.run.reproduce import ReproduceError, arguments, command, stored_spec
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import GenerationWorker
+from engine.switches.quant import variant
 from engine.store.db import Store
 from test_served import stream_server  # noqa: F401 (a fixture)
 
@@ -65,6 +66,9 @@ def test_a_run_stored_without_its_specification_is_read_back_from_its_settings(s
     run_id = Generation(tiny_lm, cfg, store=store, calibration=calibration).run()["run_id"]
     spec = stored_spec(store, run_id)
     assert spec.gen == cfg and spec.model == tiny_lm.name and spec.weights == "fp32"
+    grouped = stored_spec(store, Generation(variant(tiny_lm, "int4-wo", 64), cfg, store=store,
+                                            calibration=calibration).run()["run_id"])
+    assert (grouped.weights, grouped.group_size) == ("int4-wo", 64)
 
 
 def test_repeat_runs_the_same_settings_n_times(tiny_folder, tmp_path):

@@ -46,7 +46,9 @@ def spec_of(run: dict) -> RunSpec:
     gen = GenConfig(**{k: v for k, v in config.items() if k in gen_fields and k != "prompt"}, prompt=run["prompt"])
     if run.get("backend") == "served":
         return RunSpec(gen=gen, backend="served", **{k: config.get(k) for k in SERVED_KEYS})
-    return RunSpec(gen=gen, model=config.get("model", run["model"]), weights=config.get("quant") or "fp32",
+    level, *group = (config.get("quant") or "fp32").split()  # a grouped level is stored as "int4-wo g32"
+    return RunSpec(gen=gen, model=config.get("model", run["model"]), weights=level,
+                   group_size=int(group[0].removeprefix("g")) if group else 32,
                    sparsity=float(config.get("sparsity") or 0.0), sparsity_mode=config.get("sparsity_mode") or "mask")
 
 
