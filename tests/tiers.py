@@ -11,7 +11,7 @@ import pytest
 
 # marker: (fixtures that bring the cost, source patterns that bring it)
 COSTS = {
-    "model": ({"default_lm", "hf_lm"}, [r"\bload_model\(\)", r"\bdefault_model_dir\(", r"\bmodel=\"default\""]),
+    "model": ({"default_lm", "hf_lm"}, [r"\bload_model\((\)|\w+=)", r"\bdefault_model_dir\(", r"\bmodel=\"default\""]),
     "subprocess": (set(), [r"\bsubprocess\.", r"\bPopen\(", r"\bsys\.executable\b", r"\bGenerationWorker\b",
                            r"\bserve_app\b"]),
     "page": (set(), [r"\bAppTest\b"]),
@@ -79,6 +79,8 @@ def costs(item) -> set[str]:
     source = "\n".join([_module_imports(module), _function_source(item.function, module, seen),
                         *(_function_source(d.func, module, seen) for d in fixtures)])
     found = {m.name for m in item.iter_markers() if m.name in COSTS}
+    if item.get_closest_marker("integration"):  # the hand-set marker for the real default model
+        found.add("model")
     for marker, (names, patterns) in COSTS.items():
         if names & set(item.fixturenames) or any(re.search(p, source, re.M) for p in patterns):
             found.add(marker)
