@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli.reporting import add_parser as add_report_parser
 
     add_report_parser(sub)
+    from engine.cli.doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 
