@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def doctor(*args):
     return subprocess.run([sys.executable, "-m", "engine", "doctor", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=1700)
 
 
 def test_the_doctor_runs_every_switch_on_the_cpu_and_reads_each_run_back():
