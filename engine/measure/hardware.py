@@ -439,11 +439,28 @@ def find_calibration(store, summary: dict | None) -> dict | None:
                  if r["memory_gbps"] == summary["memory_gbps"]), None)
 
 
+FIXED_CALIBRATION_ENV = "TOKENPATH_CALIBRATION"
+
+
+def fixed_calibration(device: torch.device) -> dict | None:
+    """The calibration in the JSON file $TOKENPATH_CALIBRATION names, as this device's, or None when
+    it is unset: tests (and their subprocesses and pages) attribute runs with one fixed calibration
+    instead of measuring the machine in every process."""
+    path = os.environ.get(FIXED_CALIBRATION_ENV)
+    if not path:
+        return None
+    with open(path) as f:
+        return {**json.load(f), "device_key": device_key(device)}
+
+
 def calibration_for(device: torch.device, store=None, fresh: bool = False) -> dict:
     """The calibration to attribute a run with: the stored one choose_calibration picks, else one
-    this process already made, else a new one (stored, flagged when it disagrees, when a store is given)."""
+    this process already made (or the fixed one $TOKENPATH_CALIBRATION names), else a new one
+    (stored, flagged when it disagrees, when a store is given). fresh=True always measures."""
     key = device_key(device)
     if not fresh:
+        if key not in _session_calibrations and (fixed := fixed_calibration(device)):
+            _session_calibrations[key] = fixed
         chosen = choose_calibration(recent_calibrations(store, key)) if store is not None else None
         if chosen:
             return chosen

@@ -1,0 +1,106 @@
+"""Test tiers: each test is marked by what it costs, read from the fixtures it uses and the source
+of its function, its module's fixtures and the module's helpers it calls, so no one marks by hand."""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+
+import pytest
+
+# marker: (fixtures that bring the cost, source patterns that bring it)
+COSTS = {
+    "model": ({"default_lm", "hf_lm"}, [r"\bload_model\((\)|\w+=)", r"\bdefault_model_dir\(", r"\bmodel=\"default\""]),
+    "subprocess": (set(), [r"\bsubprocess\.", r"\bPopen\(", r"\bsys\.executable\b", r"\bGenerationWorker\b",
+                           r"\bserve_app\b"]),
+    "page": (set(), [r"\bAppTest\b"]),
+    "browser": (set(), [r"\bplaywright\b", r"^from browser import", r"\bbrowser_page\b"]),
+    "vllm": ({"vllm_url"}, [r"\bVLLMServer\b"]),
+    "kernel_build": (set(), [r"\bTOKENPATH_BUILD\b", r"\bcpp_extension\b", r"\bcpu_kernels\.build\("]),
+}
+MARKERS = {
+    "slow": "costs seconds or more: any of the markers below (the fast tier is -m 'not slow')",
+    "model": "loads the real default model (SmolLM2-135M-Instruct)",
+    "subprocess": "starts a process (a command, a server)",
+    "page": "runs a page under Streamlit's AppTest",
+    "browser": "drives a real browser through Playwright",
+    "vllm": "uses the real vLLM server (CPU build, .venv-vllm), started once per session",
+    "kernel_build": "builds the C++ kernels",
+}
+_sources: dict = {}
+
+
+def _names(source: str) -> set[str]:
+    return {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
+
+
+def _function_source(fn, module, seen: set) -> str:
+    """fn's source and, recursively, that of the functions of its own module it names."""
+    if fn in seen:
+        return ""
+    seen.add(fn)
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return ""
+    parts = [source]
+    for name in _names(source):
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__ == module.__name__:
+            parts.append(_function_source(helper, module, seen))
+    return "\n".join(parts)
+
+
+def _module_imports(module) -> str:
+    """The module's import lines: a module that imports Playwright drives a browser in every test."""
+    if module not in _sources:
+        try:
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError):
+            tree = ast.Module(body=[], type_ignores=[])
+        _sources[module] = "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return _sources[module]
+
+
+def _module_fixtures(item):
+    """The fixture definitions of the test's own module among those it uses."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return []
+    return [d for name in item.fixturenames for d in defs.name2fixturedefs.get(name, ())
+            if getattr(d.func, "__module__", None) == item.module.__name__]
+
+
+def costs(item) -> set[str]:
+    """The cost markers that apply to one collected test."""
+    module, seen = item.module, set()
+    fixtures = _module_fixtures(item)
+    source = "\n".join([_module_imports(module), _function_source(item.function, module, seen),
+                        *(_function_source(d.func, module, seen) for d in fixtures)])
+    found = {m.name for m in item.iter_markers() if m.name in COSTS}
+    if item.get_closest_marker("integration"):  # the hand-set marker for the real default model
+        found.add("model")
+    for marker, (names, patterns) in COSTS.items():
+        if names & set(item.fixturenames) or any(re.search(p, source, re.M) for p in patterns):
+            found.add(marker)
+    return found
+
+
+def classify(item) -> None:
+    """Add the test's cost markers, `slow` when it has any, and an xdist group where its tests must
+    share one process: the vLLM server, or a fixture of its module computed once for all of them."""
+    found = costs(item)
+    for marker in sorted(found):
+        item.add_marker(marker)
+    if found:
+        item.add_marker("slow")
+    if "vllm" in found:
+        item.add_marker(pytest.mark.xdist_group("vllm"))
+    elif any(d.scope in ("module", "class", "package") for d in _module_fixtures(item)):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def register(config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
