@@ -53,6 +53,8 @@ class Handler(BaseHTTPRequestHandler):
                 STATE["running"] += 1
             try:
                 self._stream(body)
+            except ConnectionError:  # the client cut the stream (Stop, a deadline)
+                self.close_connection = True
             finally:
                 with LOCK:
                     STATE["running"] -= 1

@@ -141,13 +141,12 @@ def _ending(summary: dict, quiet: bool) -> int:
     Non-zero when a level broke or no request succeeded."""
     ok, failed = summary["requests_ok"], summary["requests_failed"]
     sent = f"{ok + failed} requests, {failed} failed" if failed else f"{ok} requests"
-    code = 0
+    if failed and not ok:
+        sent = f"none of its {failed} requests succeeded"
+    code = 1 if summary["status"] == "error" or (failed and not ok) else 0
     if summary["status"] == "error":
         kept = sum(lv["status"] == "ok" for lv in summary["levels"])
-        line, code = (f"sweep {summary['sweep_id']} ended early: {summary['error']} ({kept} level(s) before it "
-                      f"stored; {sent})"), 1
-    elif not ok and failed:
-        line, code = f"sweep {summary['sweep_id']} {summary['status']}: none of its {failed} requests succeeded", 1
+        line = f"sweep {summary['sweep_id']} ended early: {summary['error']} ({kept} level(s) before it stored; {sent})"
     else:
         line = f"sweep {summary['sweep_id']} {summary['status']}: {sent}"
     if not quiet or code:

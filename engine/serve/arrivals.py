@@ -133,9 +133,9 @@ def _whole(x, top: int) -> bool:
 
 
 def trace_rate(rows: list[dict]) -> float | None:
-    """The trace's own rate: requests over the span of their arrivals (None when all arrive at once)."""
+    """The trace's own rate, one over its mean gap between arrivals (None when all arrive at once)."""
     span = rows[-1]["t_s"] - rows[0]["t_s"]
-    return len(rows) / span if span > 0 else None
+    return (len(rows) - 1) / span if span > 0 else None
 
 
 def trace_items(rows: list[dict], rate: float | None) -> list[Item]:

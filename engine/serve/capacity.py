@@ -9,15 +9,21 @@ MAX_BRACKET_LEVELS = 10  # doublings or halvings before the search gives up on f
 
 
 def holds(level: dict, attainment: float) -> bool:
-    return level["status"] == "ok" and (level.get("attainment") or 0.0) >= attainment
+    """Met the attainment, and kept up: a level shorter than the queue it builds can meet a loose target
+    while the server falls further behind with every request."""
+    return level["status"] == "ok" and (level.get("attainment") or 0.0) >= attainment and level.get("kept_up") is not False
 
 
-def limiting_metric(level: dict) -> str:
-    """The target that the fewest requests of a failing level met (the server itself when it broke)."""
+def limiting_metric(level: dict, attainment: float = 1.0) -> str:
+    """The target that the fewest requests of a failing level met; 'throughput' when every target held
+    but the server fell behind the arrivals; 'server' when it broke."""
     if level["status"] != "ok":
         return "server"
     shares = level.get("metric_attainment") or {}
-    return min(shares, key=shares.get) if shares else "server"
+    worst = min(shares, key=shares.get) if shares else None
+    if worst is None or (shares[worst] >= attainment and level.get("kept_up") is False):
+        return "throughput"
+    return worst
 
 
 def search(sweep: Sweep, *, attainment: float = 0.9, start_rate: float = 1.0, steps: int = 3,
@@ -80,5 +86,5 @@ def answer(good: dict | None, bad: dict | None, *, attainment: float, think_time
         "response_time_s": response_s,
         "users": rate * (response_s + think_time_s) if rate and response_s is not None else None,
         "first_failing_rate": bad["rate"] if bad else None,
-        "limiting_metric": limiting_metric(bad) if bad else None,
+        "limiting_metric": limiting_metric(bad, attainment) if bad else None,
     }

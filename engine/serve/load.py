@@ -29,6 +29,7 @@ from engine.store.db import Store
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = arrivals.MAX_REQUESTS
 MAX_WARMUP = 100
+KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the arrival rate is overloaded
 
 
 @dataclass
@@ -213,7 +214,7 @@ class ServerTarget:
                 reply.tokens.append(len(counter.count(chunk)))
             if reply.result.finish_reason is None:
                 reply.status, reply.error = "interrupted", "the stream ended without a finish reason"
-        except (openai.APIError, httpx2.HTTPError) as exc:
+        except (openai.APIError, httpx2.HTTPError, httpx2.StreamError) as exc:  # StreamError: closed by Stop or a deadline
             reply.status = "interrupted" if reply.times else "error"
             reply.error = explain(exc, self.root, cfg.timeout_s, cfg.api_key_env)
         finally:
@@ -365,7 +366,8 @@ class Sweep:
         start = time.monotonic()
         if spec["kind"] == "concurrency":
             with ThreadPoolExecutor(max_workers=spec["concurrency"], thread_name_prefix="tokenpath-load") as pool:
-                records = list(pool.map(lambda i: self._request(spec, index, i, items[i], None), range(len(items))))
+                sent = pool.map(lambda i: self._request(spec, index, i, items[i], None), range(len(items)))
+                records = [r for r in sent if r is not None]
         else:
             records = self._open_loop(spec, index, items, start)
         wall = time.monotonic() - start
@@ -379,9 +381,10 @@ class Sweep:
         level["server"] = server_metrics.delta(before, after)
         if level["failed"] and not self.stopping.is_set():
             why = self.target.why_down()
-            if why or not level["completed"]:
-                errors = Counter(r["error"] for r in records if r["error"] and r["status"] != "ok")
-                level["status"], level["error"] = "broken", why or errors.most_common(1)[0][0]
+            # missed deadlines are a measurement; a server down, or nothing but faults, breaks the level
+            faults = Counter(r["error"] for r in records if r["status"] in ("error", "interrupted"))
+            if why or (faults and not level["completed"]):
+                level["status"], level["error"] = "broken", why or faults.most_common(1)[0][0]
         self.levels.append(level)
         served_store.update_sweep(self.store, self.sweep_id, levels=self.levels)
         return level
@@ -394,9 +397,10 @@ class Sweep:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenpath-load") as pool:
             for i, item in enumerate(items):
                 due = start + item.offset_s
-                self.stopping.wait(max(0.0, due - time.monotonic()))
+                if self.stopping.wait(max(0.0, due - time.monotonic())):
+                    break
                 futures.append(pool.submit(self._request, spec, index, i, item, due))
-        return [f.result() for f in futures]
+        return [r for r in (f.result() for f in futures) if r is not None]
 
     def _items(self, spec: dict, index: int) -> list[arrivals.Item]:
         """The level's requests, the same for the same seed: prompts, output lengths, arrival offsets."""
@@ -428,25 +432,24 @@ class Sweep:
         spec = self.specs[0]
         items = self._items(spec, 0)
         records = [self._request(spec, -1, i, items[i % len(items)], None) for i in range(self.cfg.warmup)]
-        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records]})
+        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records if r]})
 
-    def _request(self, spec: dict, index: int, idx: int, item: arrivals.Item, due: float | None) -> dict:
+    def _request(self, spec: dict, index: int, idx: int, item: arrivals.Item, due: float | None) -> dict | None:
         sent = time.monotonic()
         record = {"sweep_id": self.sweep_id, "level": index, "concurrency": spec.get("concurrency"),
                   "rate": spec.get("rate"), "warmup": index < 0, "idx": idx, "prompt_name": item.name,
                   "sent_ms": (sent - self.t0) * 1e3,
                   "scheduled_ms": ((due if due is not None else sent) - self.t0) * 1e3}
-        if self.stopping.is_set():
-            reply = Reply(status="cancelled", error="the sweep was stopped before it was sent")
-        else:
+        if self.stopping.is_set():  # Stop: what was never sent is not a request
+            return None
+        with self._count_lock:
+            self._in_flight += 1
+        try:
+            exact = bool(self.cfg.output_tokens or self.cfg.trace)
+            reply = self.target.send(self._prompt(item, index, idx), item.max_tokens, exact, self.cfg.deadline_s)
+        finally:
             with self._count_lock:
-                self._in_flight += 1
-            try:
-                exact = bool(self.cfg.output_tokens or self.cfg.trace)
-                reply = self.target.send(self._prompt(item, index, idx), item.max_tokens, exact, self.cfg.deadline_s)
-            finally:
-                with self._count_lock:
-                    self._in_flight -= 1
+                self._in_flight -= 1
         metrics = request_metrics(reply.times, reply.tokens,
                                   reply.result.usage_completion if reply.status == "ok" else None)
         record.update({"status": reply.status, "error": reply.error, "n_prompt_tokens": reply.result.usage_prompt,
@@ -462,14 +465,18 @@ class Sweep:
     def _summarise(self, spec: dict, index: int, records: list[dict], wall: float, samples: list[dict]) -> dict:
         done = [r for r in records if r["status"] == "ok"]
         in_flight = [s["in_flight"] for s in samples]
+        ends = sorted(r["sent_ms"] + r["e2e_ms"] for r in done)
+        # a server that keeps up lets requests leave as fast as they arrive; one that does not, at its own pace
+        departures = (len(ends) - 1) / (ends[-1] - ends[0]) * 1e3 if len(ends) >= 3 and ends[-1] > ends[0] else None
         return {"level": index, "label": level_label(spec), **spec, "burstiness": self.cfg.burstiness,
                 "max_concurrency": self.cfg.max_concurrency, "requests": len(records),
                 **level_summary(records, wall),
                 "deadline_missed": sum(r["status"] == "deadline" for r in records),
-                "cancelled": sum(r["status"] == "cancelled" for r in records),
                 "client_queue_ms": spread(r["sent_ms"] - r["scheduled_ms"] for r in records),
                 "e2e_mean_ms": sum(r["e2e_ms"] for r in done) / len(done) if done else None,
                 "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else None,
+                "departures_per_s": departures,
+                "kept_up": departures >= KEPT_UP * spec["rate"] if departures and spec.get("rate") else None,
                 **slo_figures(records, self.cfg.slo, wall),
                 "kv_cache_usage_max": max((s.get("kv_cache_usage", 0.0) for s in samples), default=None),
                 "waiting_max": max((s.get("waiting", 0.0) for s in samples), default=None),
