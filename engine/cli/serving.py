@@ -177,21 +177,8 @@ def cmd_capacity(args) -> int:
     else:
         print(file=sys.stderr)
         print(level_table(summary["levels"]))
-        print(capacity_line(summary))
+        print(capacity.describe(summary))
     return _ending(summary, args.json)
-
-
-def capacity_line(s: dict) -> str:
-    target = ", ".join(f"{k} {v:g}" for k, v in s["slo"].items())
-    share = f"{s['attainment_target']:.0%} of requests within {target}"
-    if s["capacity_requests_per_s"] is None:
-        return (f"capacity: below the lowest rate tried ({s['first_failing_rate']:.3g} req/s) for {share}; "
-                f"{s['limiting_metric']} failed first")
-    users = (f", about {s['users']:.1f} users at {s['think_time_s']:g} s think time (Little's law: rate x (response "
-             f"{s['response_time_s']:.2f} s + think time))") if s["users"] is not None else ""
-    edge = (f"; at {s['first_failing_rate']:.3g} req/s {s['limiting_metric']} failed first"
-            if s["first_failing_rate"] else "; it held at every rate tried")
-    return f"capacity: {s['capacity_requests_per_s']:.3g} req/s for {share}{users}{edge}"
 
 
 def _print_progress(state: dict) -> None:
