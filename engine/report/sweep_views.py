@@ -43,16 +43,6 @@ def user_and_server_rates(frame: pd.DataFrame, gpus: int = 1) -> pd.DataFrame:
                          "tokens/s per GPU": part["output tokens/s"] / gpus})
 
 
-def capacity_curve(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per-user latency (TPOT p50, E2E p50) against total output throughput, one line per sweep."""
-    parts = []
-    for label, frame in frames.items():
-        if not frame.empty:
-            parts.append(frame.assign(sweep=label)[["sweep", "level", "output tokens/s", "tpot p50 ms",
-                                                    "e2e p50 ms", "ttft p50 ms"]])
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-
-
 def request_level(row) -> str:
     """A stored request's level as the tables name it: '2 req/s' or '4 at once'."""
     rate = getattr(row, "rate", None)
