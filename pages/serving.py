@@ -1,6 +1,7 @@
 """Serving: load sweeps against an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI), run in a
 subprocess of their own, and the latency, throughput and server figures of every stored sweep."""
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,20 +14,26 @@ from engine.report.trace import trace_json
 from engine.serve import client as served
 from engine.serve import records as served_store
 from engine.report import sweep_views
+from engine.errors import UserError
+from engine.measure.slo import parse_slo
+from engine.serve.arrivals import parse_rates
 from engine.serve.load import load_prompts, parse_concurrency
 from engine.paths import workloads
 from engine.paths import REPO_ROOT
 from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
-from ui import open_store, page_setup
+from engine.serve.capacity import describe
+from ui import open_store, plot_escape, page_setup
 
 page_setup("Serving")
 st.title("Serving")
 st.markdown("Point Tokenpath at a server that speaks the OpenAI API and measure it under load: for each "
-            "concurrency level, that many streamed requests at once, until each level has sent its share. "
-            "Every request is stored, so two servers or configurations can be compared below. Load goes only "
-            "to the address given.")
+            "level, either that many streamed requests kept in flight, or requests arriving at that rate (a Poisson "
+            "process, as `vllm bench serve` sends them) whatever is still running. With a latency target (SLO) each "
+            "level also gets its goodput: the requests per second that met every target. Every request is stored, "
+            "so two servers or configurations can be compared below. Load goes only to the address given. "
+            "`python -m engine capacity` searches the highest rate that holds a target; its sweeps show here too.")
 store = open_store()
 if store is None:
     st.stop()
@@ -43,17 +50,28 @@ with st.form("sweep"):
                               "runs; the key itself is never typed here, stored or logged")
     model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
     c = st.columns(4)
-    levels_text = c[0].text_input("Concurrency levels", "1,2,4,8")
+    levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
+                                  "comma-separated")
     n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
     new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
     prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
+    c = st.columns([2, 3])
+    arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
+    slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
+                               help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
+                                    "when it meets every one")
     start = st.form_submit_button("Start the sweep", type="primary")
 
 
+RATES = arrival.startswith("arrivals")
+
+
 def launch(progress: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "engine", "load", "--endpoint", endpoint, "--concurrency", levels_text,
-               "--requests", str(int(n_requests)), "--max-new-tokens", str(int(new_tokens)), "--db", str(store.path),
-               "--progress", str(progress), "--json"]
+    command = [sys.executable, "-m", "engine", "load", "--endpoint", endpoint, "--rate" if RATES else "--concurrency",
+               levels_text, "--requests", str(int(n_requests)), "--max-new-tokens", str(int(new_tokens)),
+               "--db", str(store.path), "--progress", str(progress), "--json"]
+    if slo_text.strip():
+        command += ["--slo", slo_text.strip()]
     if prompt_set != "every shipped workload":
         command += ["--prompts", prompt_set]
     if model.strip():
@@ -66,12 +84,14 @@ def launch(progress: Path) -> subprocess.Popen:
 
 if start:
     try:  # the quick checks here, so a mistake reads as one sentence before anything starts
-        parse_concurrency(levels_text)
+        parse_rates(levels_text) if RATES else parse_concurrency(levels_text)
+        if slo_text.strip():
+            parse_slo(slo_text)
         load_prompts(None if prompt_set == "every shipped workload" else prompt_set)
         names = served.list_models(endpoint, key_env.strip() or None)
         if model.strip() and model.strip() not in names:
             raise ServedError(f"The server has no model '{model.strip()}'; it serves: {', '.join(names[:8])}.")
-    except ServedError as exc:
+    except (ServedError, UserError) as exc:
         st.error(str(exc))
     else:
         progress = Path(tempfile.mkdtemp(prefix="tokenpath-load-")) / "progress.json"
@@ -95,12 +115,15 @@ def progress_panel() -> None:
     if not running:
         log = path.with_suffix(".log")
         if process.returncode not in (0, None) and log.exists() and log.read_text().strip():
-            st.error(log.read_text().strip().splitlines()[-1].removeprefix("error: "))
+            st.session_state["load_error"] = log.read_text().strip().splitlines()[-1].removeprefix("error: ")
+        shutil.rmtree(path.parent, ignore_errors=True)  # the sweep's folder in the temp directory
         st.session_state.pop("load")
         st.rerun()
 
 
 progress_panel()
+if "load_error" in st.session_state:
+    st.error(st.session_state.pop("load_error"))
 
 frame = served_store.sweeps(store)
 if frame.empty:
@@ -108,7 +131,7 @@ if frame.empty:
     st.stop()
 label = {r.sweep_id: f"#{r.sweep_id} {r.server_model} at {r.endpoint} · {r.status} · {r.started_at:%Y-%m-%d %H:%M}"
          for r in frame.itertuples()}
-chosen = st.multiselect("Sweeps to show (the first in detail, all on the capacity curve)", list(label),
+chosen = st.multiselect("Sweeps to show (the first in detail, all on the per-user against per-GPU curve)", list(label),
                         default=[frame["sweep_id"].iloc[0]], format_func=label.get)
 if not chosen:
     st.stop()
@@ -132,20 +155,50 @@ help_for = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E", "request
             "output tokens/s": "output tokens/s"}
 columns = {col: st.column_config.NumberColumn(col, format="%.1f", help=DEFINITIONS[help_for[key]])
            for col in table.columns for key in help_for if col.startswith(key)}
+columns["attainment"] = st.column_config.NumberColumn("attainment", format="percent",
+                                                      help="the share of the level's requests that met every target")
+columns["goodput req/s"] = st.column_config.NumberColumn("goodput req/s", format="%.2f",
+                                                         help="requests that met every target, per second of the level")
 columns["KV cache max"] = st.column_config.NumberColumn("KV cache max", format="percent",
                                                         help="the server's KV-cache use at its highest in the level")
 st.dataframe(table, hide_index=True, width="stretch", column_config=columns)
 st.caption("Client figures are measured by Tokenpath's clock; the 'server ... mean' columns are the server's own "
            "histograms (sum / count between the level's first and last scrape of /metrics).")
 
-curve = sweep_views.capacity_curve(levels)
+sweep_row = rows[first]
+result = json.loads(sweep_row.result) if isinstance(getattr(sweep_row, "result", None), str) else None
+if result:
+    st.success(describe(result))  # built from validated figures and metric names only
+if table["rate"].notna().any():
+    by_rate = table[table["completed"] > 0].sort_values("rate")
+    fig = go.Figure()
+    for metric, dash in (("ttft", "solid"), ("tpot", "dot"), ("e2e", "dash")):
+        for q in (50, 99):
+            fig.add_scatter(x=by_rate["rate"], y=by_rate[f"{metric} p{q} ms"], mode="lines+markers",
+                            name=f"{metric.upper()} p{q}", line=dict(dash=dash, width=3 if q == 50 else 1))
+    if by_rate["goodput req/s"].notna().any():
+        fig.add_scatter(x=by_rate["rate"], y=by_rate["goodput req/s"], name="goodput (req/s)", yaxis="y2",
+                        mode="lines+markers", line=dict(color="black"))
+    if result and result.get("capacity_requests_per_s"):
+        fig.add_vline(x=result["capacity_requests_per_s"], line_dash="dash", line_color="green",
+                      annotation_text=f"capacity {result['capacity_requests_per_s']:.3g} req/s")
+    fig.update_layout(title="Latency percentiles and goodput against request rate", xaxis_title="offered requests/s",
+                      yaxis=dict(title="ms", type="log"), yaxis2=dict(title="good requests/s", overlaying="y",
+                                                                       side="right", rangemode="tozero"),
+                      height=400, margin=dict(l=40, r=40, t=60, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+    st.plotly_chart(fig, width="stretch")
+
+gpus = st.number_input("GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
+                       "per-GPU axis below")
 fig = go.Figure()
-for name, part in curve.groupby("sweep", sort=False):
-    fig.add_scatter(x=part["output tokens/s"], y=part["tpot p50 ms"], mode="lines+markers+text", name=name,
-                    text=[f"{c} at once" for c in part["concurrency"]], textposition="top center")
-fig.update_layout(title="Per-user latency against total throughput", xaxis_title="output tokens/s, all users",
-                  yaxis_title="TPOT p50 (ms per token, one user)", height=380, margin=dict(l=40, r=10, t=60, b=40),
-                  legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+for name, frame in levels.items():
+    rates = sweep_views.user_and_server_rates(frame, int(gpus))
+    fig.add_scatter(x=rates["tokens/s per GPU"], y=rates["tokens/s per user"], mode="lines+markers+text",
+                    name=plot_escape(name), text=list(rates["level"]), textposition="top center")
+fig.update_layout(title="Tokens/s per user against tokens/s per GPU", xaxis_title="output tokens/s per GPU, all users",
+                  yaxis_title="tokens/s one user sees (1000 / TPOT p50)", height=380,
+                  margin=dict(l=40, r=10, t=60, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 st.plotly_chart(fig, width="stretch")
 
 requests = served_store.sweep_requests(store, first)
@@ -155,17 +208,17 @@ if requests.empty:
 c = st.columns(2)
 itl = sweep_views.itl_by_position(requests)
 fig = go.Figure()
-for level, part in itl.groupby("concurrency"):
-    fig.add_scatter(x=part["position"], y=part["mean ms"], mode="lines", name=f"{level} at once")
+for level, part in itl.groupby("level", sort=False):
+    fig.add_scatter(x=part["position"], y=part["mean ms"], mode="lines", name=level)
 fig.update_layout(title="ITL by output position (mean over requests)", xaxis_title="output chunk position",
                   yaxis_title="gap before the chunk (ms)", height=340, margin=dict(l=40, r=10, t=60, b=40))
 c[0].plotly_chart(fig, width="stretch")
 
 spans = sweep_views.timeline(requests)
 fig = go.Figure()
-for level, part in spans.groupby("concurrency"):
+for level, part in spans.groupby("level", sort=False):
     fig.add_bar(y=part["label"], x=part["end_s"] - part["start_s"], base=part["start_s"], orientation="h",
-                name=f"{level} at once", hovertext=part["status"])
+                name=level, hovertext=part["status"])
 fig.add_scatter(y=spans["label"], x=spans["first_s"], mode="markers", marker=dict(symbol="line-ns-open", size=10),
                 name="first token")
 fig.update_layout(title="Requests over time", xaxis_title="seconds since the sweep started", yaxis=dict(
@@ -174,15 +227,22 @@ c[1].plotly_chart(fig, width="stretch")
 
 samples = served_store.sweep_samples(store, first)
 if samples.empty:
-    st.caption("The server publishes no queue or KV-cache gauges on /metrics, so none are drawn.")
+    st.caption("This sweep stored no samples over time.")
 else:
     fig = go.Figure()
-    fig.add_scatter(x=samples["t_ms"] / 1e3, y=samples["running"], name="running", mode="lines")
-    fig.add_scatter(x=samples["t_ms"] / 1e3, y=samples["waiting"], name="waiting (queued)", mode="lines")
-    fig.add_scatter(x=samples["t_ms"] / 1e3, y=samples["kv_cache_usage"] * 100, name="KV cache used (%)",
-                    mode="lines", yaxis="y2")
-    fig.update_layout(title="The server's queue and KV cache during the sweep", xaxis_title="seconds since the sweep started",
-                      yaxis_title="requests", yaxis2=dict(title="KV cache %", overlaying="y", side="right", rangemode="tozero"),
+    t_s = samples["t_ms"] / 1e3
+    if "in_flight" in samples and samples["in_flight"].notna().any():
+        fig.add_scatter(x=t_s, y=samples["in_flight"], name="in flight (client)", mode="lines")
+    for column, name in (("running", "running (server)"), ("waiting", "waiting (server queue)")):
+        if samples[column].notna().any():
+            fig.add_scatter(x=t_s, y=samples[column], name=name, mode="lines")
+    if samples["kv_cache_usage"].notna().any():
+        fig.add_scatter(x=t_s, y=samples["kv_cache_usage"] * 100, name="KV cache used (%)", mode="lines", yaxis="y2")
+    else:
+        st.caption("The server publishes no queue or KV-cache gauges on /metrics: only the client's count is drawn.")
+    fig.update_layout(title="Requests in flight, the server's queue and KV cache over time",
+                      xaxis_title="seconds since the sweep started", yaxis_title="requests",
+                      yaxis2=dict(title="KV cache %", overlaying="y", side="right", rangemode="tozero"),
                       height=320, margin=dict(l=40, r=40, t=60, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
 failed = requests[requests["status"] != "ok"]

@@ -57,17 +57,21 @@ def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, str
     assert not at.error
     process = at.session_state["load"]["process"]
     assert process.wait(timeout=600) == 0
+    folder = at.session_state["load"]["progress"].parent
+    at.run()  # the progress panel sees the sweep ended
+    assert not folder.exists()  # the sweep's folder in the temp directory went with it
     sweeps = served_store.sweeps(Store(page_db))
     assert list(sweeps["status"]) == ["ok"]
     assert len(served_store.sweep_requests(Store(page_db), sweeps["sweep_id"].iloc[0])) == 4
     at = open_page()
     assert not at.exception
     table = at.dataframe[0].value
-    assert list(table["concurrency"]) == [1, 2] and list(table["completed"]) == [2, 2]
-    assert len(at.get("plotly_chart")) == 3  # capacity curve, ITL by position, timeline (no gauges here)
+    assert list(table["level"]) == ["1 at once", "2 at once"] and list(table["completed"]) == [2, 2]
+    # per user against per GPU, ITL by position, timeline, in flight over time (no server gauges here)
+    assert len(at.get("plotly_chart")) == 4
 
 
-def test_two_sweeps_share_the_capacity_curve(page_db, stream_url):
+def test_two_sweeps_share_the_per_user_per_gpu_curve(page_db, stream_url):
     store = Store(page_db)
     for levels in ([1], [1, 2]):
         Sweep(SweepConfig(stream_url, levels, 2, 4, load_prompts("summary")), store).run()
@@ -78,3 +82,31 @@ def test_two_sweeps_share_the_capacity_curve(page_db, stream_url):
     assert not at.exception
     curve = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert len(curve["data"]) == 2  # one line per sweep
+
+
+def test_a_rate_sweep_with_an_slo_draws_latency_and_goodput_against_rate_and_marks_capacity(page_db, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("load_server.py")), str(port), "1", "0.01"])
+    try:
+        wait_for_port(port, proc)
+        from engine.serve.capacity import search
+
+        cfg = SweepConfig(f"http://127.0.0.1:{port}", rates=[4.0], requests=6, output_tokens=4, input_tokens=5,
+                          slo={"e2e_ms": 400.0}, poll_s=0.2)
+        summary = search(Sweep(cfg, Store(page_db)), attainment=0.9, start_rate=4.0, steps=1)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    at = open_page()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert table["rate"].notna().all() and table["attainment"].notna().all()
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    titles = [c["layout"]["title"]["text"] for c in charts]
+    assert titles[0] == "Latency percentiles and goodput against request rate"
+    if summary["capacity_requests_per_s"]:
+        assert any("capacity" in a.get("text", "") for a in charts[0]["layout"].get("annotations", []))
+    assert any("capacity:" in s.value for s in at.success)
+    samples = [c for c in charts if c["layout"]["title"]["text"].startswith("Requests in flight")]
+    assert {t["name"] for t in samples[0]["data"]} >= {"in flight (client)", "waiting (server queue)", "KV cache used (%)"}
+

@@ -45,9 +45,26 @@ def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):
         proc.wait(timeout=30)
     page = load_sweep_report(store, summary["sweep_id"])
     assert f"load sweep #{summary['sweep_id']}" in page and "Per-user latency against total throughput" in page
-    assert "<td>1</td>" in page.replace(' class="num"', "") and "<td>2</td>" in page.replace(' class="num"', "")
+    assert "<td>1 at once</td>" in page and "<td>2 at once</td>" in page
     out = tmp_path / "load.html"
     assert main(["report", "--load-sweep", str(summary["sweep_id"]), "--out", str(out), "--db", str(store.path)]) == 0
     assert "<html" in out.read_text()[:300]
     assert main(["report", "--load-sweep", "999", "--out", str(tmp_path / "x.html"), "--db", str(store.path)]) == 2
     assert not (tmp_path / "x.html").exists()
+
+
+def test_a_load_sweep_report_holds_a_level_that_completed_nothing(store):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("load_server.py")), str(port), "1", "0.05"])
+    try:
+        wait_for_port(port, proc)
+        cfg = SweepConfig(f"http://127.0.0.1:{port}", rates=[4.0], requests=3, output_tokens=40, input_tokens=5,
+                          deadline_s=0.02, slo={"ttft_ms": 100.0})
+        summary = Sweep(cfg, store).run()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert summary["levels"][0]["completed"] == 0 and summary["levels"][0]["deadline_missed"] == 3
+    page = load_sweep_report(store, summary["sweep_id"])
+    assert "<td>4 req/s</td>" in page and "<td class=n>-</td>" in page and "<td class=n>0%</td>" in page
+

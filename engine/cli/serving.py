@@ -1,5 +1,5 @@
-"""Command-line side of served models: `generate --endpoint URL`, `load` (a load sweep) and
-`serve-vllm` (vLLM's CPU build on 127.0.0.1), as parser builders and command functions."""
+"""Command-line side of served models: `generate --endpoint URL`, `load` (a load sweep), `capacity`
+(a search over request rates) and `serve-vllm` (vLLM's CPU build on 127.0.0.1), as parser builders and command functions."""
 from __future__ import annotations
 
 import json
@@ -77,38 +77,115 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_load(args) -> int:
+def _sweep_config(args, **levels):
+    """The sweep's settings from the command line; every fault is a ServedError or an SLOError."""
+    from engine.measure.slo import parse_slo
+    from engine.serve import arrivals, load
+
+    trace = arrivals.read_trace(args.trace) if args.trace else None
+    return load.SweepConfig(
+        endpoint=args.endpoint, requests=args.requests, max_new_tokens=args.max_new_tokens,
+        prompts=[] if args.input_tokens or trace else load.load_prompts(args.prompts), served_model=args.served_model,
+        api_key_env=args.api_key_env, temperature=args.temperature, timeout_s=args.timeout,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+        input_tokens=args.input_tokens, output_tokens=args.output_tokens, length_spread=args.length_spread,
+        trace=trace, trace_name=args.trace, duration_s=args.duration, warmup=args.warmup,
+        slo=parse_slo(args.slo) if args.slo else {}, deadline_s=args.deadline, **levels)
+
+
+def _start(args, make_levels, on_progress):
+    """The sweep, checked and ready (nothing stored yet), or the exit code of a refusal."""
+    from engine.errors import UserError
     from engine.serve import load
     from engine.serve.client import ServedError
     from engine.store.db import Store, StoreError
 
-    if args.from_sweep is not None:
+    if getattr(args, "from_sweep", None) is not None:
         return load_again(args)
     if not args.endpoint:
         print("error: give the server with --endpoint URL, or make a stored sweep again with --from-sweep ID.",
               file=sys.stderr)
         return USER_ERROR
     try:
-        cfg = load.SweepConfig(endpoint=args.endpoint, concurrency=load.parse_concurrency(args.concurrency),
-                               requests=args.requests, max_new_tokens=args.max_new_tokens,
-                               prompts=load.load_prompts(args.prompts), served_model=args.served_model,
-                               api_key_env=args.api_key_env, temperature=args.temperature, timeout_s=args.timeout)
-        sweep = load.Sweep(cfg, Store(args.db), progress_path=args.progress,
-                           on_progress=None if args.json else _print_progress)
-    except (ServedError, StoreError) as exc:
+        cfg = _sweep_config(args, **make_levels())
+        sweep = load.Sweep(cfg, Store(args.db), progress_path=args.progress, on_progress=on_progress)
+    except (ServedError, StoreError, UserError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
     # Stop (the page's button, or Ctrl-C) cuts the requests in flight and keeps what finished
     signal.signal(signal.SIGTERM, lambda *_: sweep.stop())
     signal.signal(signal.SIGINT, lambda *_: sweep.stop())
+    return sweep
+
+
+def cmd_load(args) -> int:
+    from engine.serve import arrivals, load
+    from engine.serve.client import ServedError
+
+    def levels() -> dict:
+        if args.rate is not None:
+            if args.concurrency:
+                raise ServedError("Give --rate or --concurrency, not both.")
+            return {"rates": arrivals.parse_rates(args.rate)}
+        if args.trace:
+            return {"concurrency": load.parse_concurrency(args.concurrency)} if args.concurrency else {}
+        return {"concurrency": load.parse_concurrency(args.concurrency or "1,2,4,8")}
+
+    sweep = _start(args, levels, None if args.json else _print_progress)
+    if isinstance(sweep, int):
+        return sweep
     summary = sweep.run()
     if args.json:
         _print_json(summary)
     else:
         print(file=sys.stderr)
         print(level_table(summary["levels"]))
-        print(f"sweep {summary['sweep_id']} {summary['status']}", file=sys.stderr)
-    return 0 if summary["status"] in ("ok", "stopped") else 1
+    return _ending(summary, args.json)
+
+
+def _ending(summary: dict, quiet: bool) -> int:
+    """The sweep's last line, true to what happened: how many requests failed, which level broke and why.
+    Non-zero when a level broke or no request succeeded."""
+    ok, failed = summary["requests_ok"], summary["requests_failed"]
+    sent = f"{ok + failed} requests, {failed} failed" if failed else f"{ok} requests"
+    if failed and not ok:
+        sent = f"none of its {failed} requests succeeded"
+    code = 1 if summary["status"] == "error" or (failed and not ok) else 0
+    if summary["status"] == "error":
+        kept = sum(lv["status"] == "ok" for lv in summary["levels"])
+        line = f"sweep {summary['sweep_id']} ended early: {summary['error']} ({kept} level(s) before it stored; {sent})"
+    else:
+        line = f"sweep {summary['sweep_id']} {summary['status']}: {sent}"
+    if not quiet or code:
+        print(line, file=sys.stderr)
+    return code
+
+
+def cmd_capacity(args) -> int:
+    from engine.serve import arrivals, capacity
+    from engine.serve.client import ServedError
+
+    def levels() -> dict:
+        if not 0 < args.attainment <= 1:
+            raise ServedError(f"--attainment must be a share above 0 and at most 1, such as 0.9, not {args.attainment:g}.")
+        if not (args.think_time >= 0 and args.think_time < float("inf")):
+            raise ServedError(f"--think-time must be 0 or a positive number of seconds, not {args.think_time:g}.")
+        if not 0 <= args.steps <= 10:
+            raise ServedError(f"--steps must be between 0 and 10, not {args.steps}.")
+        return {"rates": arrivals.parse_rates(str(args.start_rate))}
+
+    sweep = _start(args, levels, None if args.json else _print_progress)
+    if isinstance(sweep, int):
+        return sweep
+    summary = capacity.search(sweep, attainment=args.attainment, start_rate=sweep.cfg.rates[0], steps=args.steps,
+                              think_time_s=args.think_time)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(file=sys.stderr)
+        print(level_table(summary["levels"]))
+        print(capacity.describe(summary))
+    return _ending(summary, args.json)
 
 
 def load_again(args) -> int:
@@ -138,14 +215,18 @@ def _print_progress(state: dict) -> None:
 
 
 def level_table(levels: list[dict]) -> str:
-    """One line per concurrency level: the p50/p90/p99 figures and throughput."""
-    lines = [f"{'conc':>4} {'ok':>4} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} {'TPOT p50 ms':>11} "
-             f"{'E2E p50 ms':>10} {'req/s':>6} {'out tok/s':>9}"]
+    """One line per level: the p50/p90/p99 figures, throughput and, with an SLO, goodput and attainment."""
+    lines = [f"{'level':>12} {'ok':>4} {'fail':>4} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} "
+             f"{'TPOT p50 ms':>11} {'E2E p50 ms':>10} {'req/s':>6} {'out tok/s':>9} {'good/s':>6} {'attain':>6}"]
     fmt = lambda s: "/".join(f"{s[f'p{q}']:.0f}" if s[f"p{q}"] is not None else "-" for q in (50, 90, 99))  # noqa: E731
     for lv in levels:
-        lines.append(f"{lv['concurrency']:>4} {lv['completed']:>4} {fmt(lv['ttft_ms']):>22} {fmt(lv['itl_ms']):>20} "
-                     f"{lv['tpot_ms']['p50'] or 0:>11.1f} {lv['e2e_ms']['p50'] or 0:>10.0f} "
-                     f"{lv['requests_per_s'] or 0:>6.2f} {lv['output_tokens_per_s'] or 0:>9.1f}")
+        label = lv.get("label") or f"{lv['concurrency']} at once"
+        good = f"{lv['goodput_requests_per_s']:>6.2f} {lv['attainment']:>6.0%}" if "attainment" in lv else f"{'-':>6} {'-':>6}"
+        lines.append(f"{label:>12} {lv['completed']:>4} {lv['failed']:>4} {fmt(lv['ttft_ms']):>22} "
+                     f"{fmt(lv['itl_ms']):>20} {lv['tpot_ms']['p50'] or 0:>11.1f} {lv['e2e_ms']['p50'] or 0:>10.0f} "
+                     f"{lv['requests_per_s'] or 0:>6.2f} {lv['output_tokens_per_s'] or 0:>9.1f} {good}")
+        if lv.get("status", "ok") != "ok":
+            lines.append(f"{'':>12} broke: {lv['error']}")
     return "\n".join(lines)
 
 
@@ -176,24 +257,56 @@ def cmd_serve_vllm(args) -> int:
     return 0
 
 
+def _sweep_options(p, duration: float | None = None, slo_required: bool = False, endpoint_required: bool = True) -> None:
+    """The options load and capacity share: the server, the requests' lengths, arrivals, SLO, store."""
+    p.add_argument("--endpoint", required=endpoint_required, help="the server, e.g. http://127.0.0.1:8000" +
+                   ("" if endpoint_required else " (required unless --from-sweep)"))
+    p.add_argument("--slo", required=slo_required, help="targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also itl_ms, "
+                                                        "e2e_ms): goodput and attainment per level")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma-shaped gaps between arrivals: 1 Poisson, "
+                                                                  "below 1 burstier, above 1 more even")
+    p.add_argument("--max-concurrency", type=int, help="with rates: at most this many in flight; the rest wait in the client")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same arrivals and lengths")
+    p.add_argument("--duration", type=float, default=duration, help="with rates: seconds of arrivals per level "
+                                                                      "(rate x duration requests, at least --requests)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--input-tokens", type=int, help="synthetic prompts of this many tokens instead of --prompts")
+    p.add_argument("--output-tokens", type=int, help="output tokens per request (ignore_eos where the server has it; "
+                                                     "the real length is recorded)")
+    p.add_argument("--length-spread", type=float, default=0.0, help="lengths uniform within +- this fraction")
+    p.add_argument("--prompts", help="a prompts file (JSON list, or paragraphs of text) or a shipped workload name")
+    p.add_argument("--trace", help="a JSONL trace (t_s, prompt or input_tokens, output_tokens), replayed at its own "
+                                   "timing or scaled to each --rate")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent before the first level, left out of the figures")
+    p.add_argument("--deadline", type=float, help="seconds a request may take in all; later ones are cut and recorded")
+    p.add_argument("--served-model", help="the server's model name (default: the first it lists)")
+    p.add_argument("--api-key-env", help="the environment variable that holds the API key")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a stream may stall")
+    p.add_argument("--progress", help="a JSON file the sweep keeps its progress in")
+    p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def add_parsers(sub) -> None:
     """The `load` and `serve-vllm` commands."""
     lp = sub.add_parser("load", help="a load sweep against an OpenAI-compatible server")
-    lp.add_argument("--endpoint", help="the server, e.g. http://127.0.0.1:8000 (required unless --from-sweep)")
+    lp.add_argument("--concurrency", help="levels of requests kept in flight, comma-separated (default 1,2,4,8)")
+    lp.add_argument("--rate", help="levels of open-loop arrivals in requests/s, comma-separated, e.g. 0.5,1,2,4")
+    lp.add_argument("--requests", type=int, default=16, help="requests per level")
     lp.add_argument("--from-sweep", type=int, help="make this stored load sweep again, with its parameters")
     lp.add_argument("--from-db", help="with --from-sweep: the database that holds it (default: --db)")
-    lp.add_argument("--concurrency", default="1,2,4,8", help="levels, comma-separated")
-    lp.add_argument("--requests", type=int, default=16, help="requests per level")
-    lp.add_argument("--max-new-tokens", type=int, default=64)
-    lp.add_argument("--prompts", help="a prompts file (JSON list, or paragraphs of text) or a shipped workload name")
-    lp.add_argument("--served-model", help="the server's model name (default: the first it lists)")
-    lp.add_argument("--api-key-env", help="the environment variable that holds the API key")
-    lp.add_argument("--temperature", type=float, default=0.0)
-    lp.add_argument("--timeout", type=float, default=120.0, help="seconds a stream may stall")
-    lp.add_argument("--progress", help="a JSON file the sweep keeps its progress in")
-    lp.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
-    lp.add_argument("--json", action="store_true", help="print one JSON object")
+    _sweep_options(lp, endpoint_required=False)
     lp.set_defaults(func=cmd_load, parser=lp)
+
+    cp = sub.add_parser("capacity", help="the highest request rate a server holds at a latency target")
+    cp.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet every target")
+    cp.add_argument("--think-time", type=float, default=0.0, help="seconds a user waits between answer and next request")
+    cp.add_argument("--start-rate", type=float, default=1.0, help="the first rate tried, requests/s")
+    cp.add_argument("--steps", type=int, default=3, help="bisections after the bracket")
+    cp.add_argument("--requests", type=int, default=16, help="the fewest requests a level sends")
+    _sweep_options(cp, duration=30.0, slo_required=True)
+    cp.set_defaults(func=cmd_capacity)
 
     sp = sub.add_parser("serve-vllm", help="start vLLM's CPU build with the default model on 127.0.0.1")
     sp.add_argument("--port", type=int, help="default: a free port")

@@ -3,6 +3,7 @@ server (its levels and requests), built from the stored rows with the report mod
 from __future__ import annotations
 
 import html
+import json
 
 import plotly.graph_objects as go
 
@@ -12,6 +13,7 @@ from engine.measure.distances import BUCKETS
 from engine.report.html import ReportError, Section, build_html, definitions_section, runs_report, table
 from engine.serve.records import sweeps
 from engine.report.sweep_views import level_frame
+from engine.serve.capacity import describe
 
 SWEEP_TAG = "sweep:"
 
@@ -49,6 +51,11 @@ def sweep_report(store, sweep_id: str) -> str:
                        extra=[Section("Advisor", f"<ul>{advice}</ul>")])
 
 
+def _num(value, spec: str) -> str:
+    """A figure, or '-' for one a level did not have (no request completed)."""
+    return "-" if value is None or value != value else format(value, spec)
+
+
 def load_sweep_report(store, sweep_id: int) -> str:
     """A load sweep: its settings, per-level percentiles and throughput, and the capacity curve."""
     frame = sweeps(store, 100000)
@@ -59,20 +66,26 @@ def load_sweep_report(store, sweep_id: int) -> str:
     levels = level_frame(sweep["levels"])
     if levels.empty:
         raise ReportError(f"Load sweep #{sweep_id} has no finished level to report.")
-    header = ["concurrency", "completed", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "TPOT p50 ms", "E2E p50 ms",
-              "requests/s", "output tokens/s"]
-    trio = lambda r, m: "/".join(f"{r[f'{m} p{q} ms']:.0f}" if r[f"{m} p{q} ms"] is not None else "-"  # noqa: E731
-                                 for q in (50, 90, 99))
-    body = [[str(r["concurrency"]), str(r["completed"]), trio(r, "ttft"), trio(r, "itl"), f"{r['tpot p50 ms']:.1f}",
-             f"{r['e2e p50 ms']:.0f}", f"{r['requests/s']:.2f}", f"{r['output tokens/s']:.1f}"]
+    header = ["level", "completed", "failed", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "TPOT p50 ms",
+              "E2E p50 ms", "requests/s", "output tokens/s", "goodput req/s", "attainment"]
+    trio = lambda r, m: "/".join(_num(r[f"{m} p{q} ms"], ".0f") for q in (50, 90, 99))  # noqa: E731
+    body = [[html.escape(str(r["level"])) + ("" if r["status"] == "ok" else f" ({html.escape(r['status'])})"),
+             str(r["completed"]), str(r["failed"]), trio(r, "ttft"), trio(r, "itl"), _num(r["tpot p50 ms"], ".1f"),
+             _num(r["e2e p50 ms"], ".0f"), _num(r["requests/s"], ".2f"), _num(r["output tokens/s"], ".1f"),
+             _num(r["goodput req/s"], ".2f"), _num(r["attainment"], ".0%")]
             for r in levels.to_dict("records")]
-    curve = go.Figure(go.Scatter(x=levels["output tokens/s"], y=levels["tpot p50 ms"], mode="lines+markers+text",
-                                 text=[f"{c} users" for c in levels["concurrency"]], textposition="top center"))
+    done = levels[levels["completed"] > 0]
+    curve = go.Figure(go.Scatter(x=done["output tokens/s"], y=done["tpot p50 ms"], mode="lines+markers+text",
+                                 text=list(done["level"]), textposition="top center"))
     readable(curve, title="Per-user latency against total throughput", xaxis_title="output tokens/s, all users",
              yaxis_title="TPOT p50, ms", height=420)
     settings = (f"<p>Server {html.escape(str(sweep['endpoint']))}, model {html.escape(str(sweep['server_model']))}, "
                 f"status {html.escape(str(sweep['status']))}, started {sweep['started_at']:%Y-%m-%d %H:%M} UTC. TTFT, "
                 "ITL (the gap between streamed chunks), TPOT and E2E are measured by the client, as vLLM's benchmark "
                 "defines them.</p>")
+    if isinstance(sweep.get("error"), str):
+        settings += f"<p>Ended early: {html.escape(sweep['error'])}</p>"
+    if isinstance(sweep.get("result"), str):
+        settings += f"<p><b>{html.escape(describe(json.loads(sweep['result'])))}</b></p>"
     sections = [Section("Load sweep", settings + table(header, body, numeric_from=1), [curve]), definitions_section()]
     return build_html(f"Tokenpath: load sweep #{sweep_id}", sections)

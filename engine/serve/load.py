@@ -1,34 +1,42 @@
-"""Load sweeps: N streamed requests at each concurrency level against one server, every request
-stored, the server's queue and KV-cache gauges polled while a level runs, Stop keeping what finished."""
+"""Load sweeps: levels of streamed requests against one server, either a fixed number in flight or
+arrivals at a request rate (Poisson, gamma-gapped or a trace), every request stored, goodput against an
+SLO, the server's queue and KV-cache gauges polled while a level runs, Stop keeping what finished."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx2
+import numpy as np
 import openai
 
-from engine.serve import scrape as server_metrics
+from engine.measure import slo as slos
+from engine.serve import arrivals
 from engine.serve import records as served_store
+from engine.serve import scrape as server_metrics
 from engine.paths import workloads
 from engine.serve.client import (STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, _models, api_root, explain,
-                     make_client, open_stream, read_stream, request_body, round_trip_ms, tokenizer_for)
-from engine.serve.metrics import level_summary, request_metrics
+                                 make_client, open_stream, read_stream, request_body, round_trip_ms, tokenizer_for)
+from engine.serve.metrics import level_summary, request_metrics, spread
 from engine.store.db import Store
 
 MAX_CONCURRENCY = 256
-MAX_REQUESTS = 10_000
+MAX_REQUESTS = arrivals.MAX_REQUESTS
+MAX_WARMUP = 100
+KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the arrival rate is overloaded
 
 
 @dataclass
 class SweepConfig:
     endpoint: str
-    concurrency: list[int]
-    requests: int
+    concurrency: list[int] = field(default_factory=list)
+    requests: int = 16
     max_new_tokens: int = 64
     prompts: list[tuple[str, str]] = field(default_factory=list)  # (name, text), used in turn
     served_model: str | None = None
@@ -37,16 +45,69 @@ class SweepConfig:
     raw: bool = False
     timeout_s: float = STALL_TIMEOUT_S
     poll_s: float = 1.0
+    rates: list[float] = field(default_factory=list)  # requests/s; open-loop levels instead of concurrency
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    input_tokens: int | None = None  # synthetic prompts of this many tokens instead of `prompts`
+    output_tokens: int | None = None  # fixed output lengths (ignore_eos where the server has it)
+    length_spread: float = 0.0
+    trace: list[dict] | None = None  # arrivals.read_trace's rows
+    trace_name: str | None = None
+    duration_s: float | None = None  # rate levels: rate x duration requests, at least `requests`
+    warmup: int = 0
+    slo: dict = field(default_factory=dict)
+    deadline_s: float | None = None
 
     def check(self) -> None:
-        if not self.concurrency or any(not 1 <= c <= MAX_CONCURRENCY for c in self.concurrency):
+        if self.concurrency and (self.rates or self.trace):
+            raise ServedError("Give concurrency levels or request rates (or a trace), not both.")
+        if not self.concurrency and not self.rates and not self.trace:
+            raise ServedError("The sweep has no levels: give concurrency levels, request rates or a trace.")
+        if any(not 1 <= c <= MAX_CONCURRENCY for c in self.concurrency):
             raise ServedError(f"Concurrency levels must be whole numbers from 1 to {MAX_CONCURRENCY}.")
+        if self.rates:
+            arrivals.parse_rates(",".join(map(str, self.rates)))
+        arrivals.check_burstiness(self.burstiness)
+        if self.max_concurrency is not None and not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
+            raise ServedError(f"--max-concurrency must be between 1 and {MAX_CONCURRENCY}, not {self.max_concurrency}.")
         if not 1 <= self.requests <= MAX_REQUESTS:
             raise ServedError(f"--requests must be between 1 and {MAX_REQUESTS}, not {self.requests}.")
-        if not 1 <= self.max_new_tokens <= 4096:
+        if not 1 <= self.max_new_tokens <= arrivals.MAX_OUTPUT_TOKENS:
             raise ServedError(f"--max-new-tokens must be between 1 and 4096, not {self.max_new_tokens}.")
-        if not self.prompts:
+        if self.output_tokens is not None and not 1 <= self.output_tokens <= arrivals.MAX_OUTPUT_TOKENS:
+            raise ServedError(f"--output-tokens must be between 1 and 4096, not {self.output_tokens}.")
+        if self.input_tokens is not None and not 1 <= self.input_tokens <= arrivals.MAX_INPUT_TOKENS:
+            raise ServedError(f"--input-tokens must be between 1 and {arrivals.MAX_INPUT_TOKENS}, not {self.input_tokens}.")
+        if not (math.isfinite(self.length_spread) and 0 <= self.length_spread < 1):
+            raise ServedError(f"--length-spread must be a fraction from 0 up to (not including) 1, not {self.length_spread:g}.")
+        for name, value in (("--timeout", self.timeout_s), ("--deadline", self.deadline_s),
+                            ("--duration", self.duration_s), ("the poll interval", self.poll_s)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ServedError(f"{name} must be a positive number of seconds, not {value:g}.")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ServedError(f"--temperature must be 0 (greedy) or a positive number, not {self.temperature:g}.")
+        if self.seed < 0:
+            raise ServedError(f"--seed must be 0 or a positive whole number, not {self.seed}.")
+        if not 0 <= self.warmup <= MAX_WARMUP:
+            raise ServedError(f"--warmup must be between 0 and {MAX_WARMUP} requests, not {self.warmup}.")
+        if not self.prompts and self.input_tokens is None and not self.trace:
             raise ServedError("The sweep has no prompts.")
+
+    def levels(self) -> list[dict]:
+        """One spec per level: a concurrency, or a rate with how its arrivals come."""
+        if self.concurrency:
+            return [{"kind": "concurrency", "concurrency": c} for c in self.concurrency]
+        if self.trace and not self.rates:
+            return [{"kind": "rate", "rate": arrivals.trace_rate(self.trace), "arrival": "trace"}]
+        kind = "trace scaled" if self.trace else arrivals.arrival_kind(self.burstiness)
+        return [{"kind": "rate", "rate": r, "arrival": kind} for r in self.rates]
+
+
+def level_label(spec: dict) -> str:
+    if spec.get("kind", "concurrency") == "concurrency":
+        return f"{spec['concurrency']} at once"
+    return f"{spec['rate']:.3g} req/s" if spec.get("rate") else "trace"
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -82,154 +143,368 @@ def load_prompts(spec: str | None) -> list[tuple[str, str]]:
     return [(f"#{i}", p) for i, p in enumerate(prompts)]
 
 
-class Poller(threading.Thread):
-    """Scrapes the server's gauges every poll_s seconds while a level runs."""
-
-    def __init__(self, root: str, poll_s: float, t0: float):
-        super().__init__(daemon=True)
-        self.root, self.poll_s, self.t0 = root, poll_s, t0
-        self.samples: list[dict] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        with httpx2.Client() as client:
-            while not self.done.is_set():
-                found = server_metrics.gauges(server_metrics.scrape(self.root, client))
-                if found:
-                    self.samples.append({"t_ms": (time.monotonic() - self.t0) * 1e3, **found})
-                self.done.wait(self.poll_s)
+@dataclass
+class Reply:
+    """One streamed request as the client saw it: each chunk's arrival (ms after sending) and tokens."""
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    status: str = "ok"
+    error: str | None = None
+    result: StreamResult = field(default_factory=StreamResult)
+    token_source: str = "chunks"
 
 
-class Sweep:
-    """One sweep: run() goes level by level and stores as it goes; stop() from any thread (or a
-    signal handler) ends it after cutting the requests in flight, keeping what finished."""
+class ServerTarget:
+    """Where a sweep's requests go: an OpenAI-compatible server. send() streams one request; cut()
+    closes every stream in flight. Another target (an in-process engine) only needs the same three."""
 
-    def __init__(self, cfg: SweepConfig, store: Store, progress_path: str | Path | None = None, on_progress=None):
-        cfg.check()
-        self.cfg, self.store = cfg, store
+    def __init__(self, cfg: SweepConfig, connections: int):
+        self.cfg = cfg
         self.root = api_root(cfg.endpoint)
-        self.client = make_client(cfg.endpoint, cfg.api_key_env, cfg.timeout_s, connections=max(cfg.concurrency))
+        self.client = make_client(cfg.endpoint, cfg.api_key_env, cfg.timeout_s, connections=connections)
         models = _models(self.client, self.root, cfg.api_key_env, cfg.timeout_s)
         if cfg.served_model and cfg.served_model not in models:
             raise ServedError(f"The server at {self.root} has no model '{cfg.served_model}'; it serves: "
                               f"{', '.join(models[:8])}.")
         self.model = cfg.served_model or models[0]
         self.vllm = server_metrics.is_vllm(server_metrics.scrape(self.root))
+        self.kind = "vllm" if self.vllm else "openai-compatible"
         self.tokenizer = None if self.vllm else tokenizer_for(self.model)
-        self.progress_path = Path(progress_path) if progress_path else None
-        self.on_progress = on_progress
-        self.stopping = threading.Event()
         self._streams: set = set()
         self._lock = threading.Lock()
-        self._progress_lock = threading.Lock()  # request threads share one progress file
-        self.levels: list[dict] = []
-        self.done = 0
-        self.sweep_id: int | None = None
+        self.cutting = False
 
-    @property
-    def total(self) -> int:
-        return self.cfg.requests * len(self.cfg.concurrency)
+    def rtt_ms(self) -> float:
+        return round_trip_ms(self.client)
 
-    def stop(self) -> None:
-        self.stopping.set()
+    def why_down(self) -> str | None:
+        """None while the server still answers GET /v1/models, else why not in one sentence."""
+        try:
+            _models(self.client, self.root, self.cfg.api_key_env, min(self.cfg.timeout_s, 10.0))
+        except ServedError as exc:
+            return str(exc)
+        return None
+
+    def cut(self) -> None:
+        self.cutting = True
         with self._lock:
             streams = list(self._streams)
         for stream in streams:
             stream.close()
 
-    def run(self) -> dict:
-        config = {k: v for k, v in asdict(self.cfg).items() if k != "prompts"}
-        config["prompts"] = [name for name, _ in self.cfg.prompts]
-        config["rtt_ms"] = round_trip_ms(self.client)
-        self.sweep_id = served_store.start_sweep(self.store, endpoint=self.root, server_model=self.model, config=config)
-        self.t0 = time.monotonic()
-        status, error = "ok", None
-        try:
-            for level in self.cfg.concurrency:
-                if self.stopping.is_set():
-                    break
-                self.levels.append(self._level(level))
-                served_store.update_sweep(self.store, self.sweep_id, levels=self.levels)
-            status = "stopped" if self.stopping.is_set() else "ok"
-        except BaseException as exc:
-            status, error = "error", f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            served_store.update_sweep(self.store, self.sweep_id, levels=self.levels, status=status, error=error,
-                                      server={"kind": "vllm" if self.vllm else "openai-compatible"})
-            self._progress(status)
-        return {"sweep_id": self.sweep_id, "status": status, "endpoint": self.root, "server_model": self.model,
-                "levels": self.levels}
-
-    def _level(self, concurrency: int) -> dict:
-        before = server_metrics.scrape(self.root)
-        poller = Poller(self.root, self.cfg.poll_s, self.t0)
-        poller.start()
-        start = time.monotonic()
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tokenpath-load") as pool:
-            records = list(pool.map(lambda i: self._request(concurrency, i), range(self.cfg.requests)))
-        wall = time.monotonic() - start
-        poller.done.set()
-        poller.join(timeout=10)
-        records = [r for r in records if r is not None]
-        after = server_metrics.scrape(self.root)
-        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records],
-                           "load_samples": [{"sweep_id": self.sweep_id, "concurrency": concurrency, **s}
-                                            for s in poller.samples]})
-        summary = level_summary(records, wall)
-        return {"concurrency": concurrency, **summary, "server": server_metrics.delta(before, after),
-                "kv_cache_usage_max": max((s.get("kv_cache_usage", 0.0) for s in poller.samples), default=None),
-                "waiting_max": max((s.get("waiting", 0.0) for s in poller.samples), default=None)}
-
-    def _request(self, concurrency: int, idx: int) -> dict | None:
-        if self.stopping.is_set():
-            return None
-        name, prompt = self.cfg.prompts[idx % len(self.cfg.prompts)]
-        body = request_body(model=self.model, prompt=prompt, raw=self.cfg.raw, max_new_tokens=self.cfg.max_new_tokens,
-                            temperature=self.cfg.temperature, top_p=1.0, seed=None, token_ids=self.vllm)
-        counter, result = TokenCounter(self.tokenizer), StreamResult()
-        times, tokens, status, error, stream = [], [], "ok", None, None
-        sent = time.monotonic()
+    def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None) -> Reply:
+        cfg, reply = self.cfg, Reply()
+        body = request_body(model=self.model, prompt=prompt, raw=cfg.raw, max_new_tokens=max_tokens,
+                            temperature=cfg.temperature, top_p=1.0, seed=None, token_ids=self.vllm)
+        if exact_length and self.vllm:  # vLLM keeps going past the end-of-text token on request
+            body.setdefault("extra_body", {})["ignore_eos"] = True
+        counter, stream, late = TokenCounter(self.tokenizer), None, threading.Event()
+        timer = None
         t0 = time.perf_counter_ns()
         try:
             stream = open_stream(self.client, body)
             with self._lock:
                 self._streams.add(stream)
-            for chunk in read_stream(stream, result):
-                times.append((chunk.t_ns - t0) / 1e6)
-                tokens.append(len(counter.count(chunk)))
-            if result.finish_reason is None:
-                status, error = ("cancelled", "stopped") if self.stopping.is_set() else (
-                    "interrupted", "the stream ended without a finish reason")
-        except (openai.APIError, httpx2.HTTPError) as exc:
-            status = "cancelled" if self.stopping.is_set() else ("interrupted" if times else "error")
-            error = "stopped" if status == "cancelled" else explain(exc, self.root, self.cfg.timeout_s,
-                                                                    self.cfg.api_key_env)
+            if deadline_s:
+                left = deadline_s - (time.perf_counter_ns() - t0) / 1e9
+                timer = threading.Timer(max(left, 0.0), lambda: (late.set(), stream.close()))
+                timer.start()
+            for chunk in read_stream(stream, reply.result):
+                reply.times.append((chunk.t_ns - t0) / 1e6)
+                reply.tokens.append(len(counter.count(chunk)))
+            if reply.result.finish_reason is None:
+                reply.status, reply.error = "interrupted", "the stream ended without a finish reason"
+        except (openai.APIError, httpx2.HTTPError, httpx2.StreamError) as exc:  # StreamError: closed by Stop or a deadline
+            reply.status = "interrupted" if reply.times else "error"
+            reply.error = explain(exc, self.root, cfg.timeout_s, cfg.api_key_env)
         finally:
+            if timer is not None:
+                timer.cancel()
             if stream is not None:
                 with self._lock:
                     self._streams.discard(stream)
                 stream.close()
-        metrics = request_metrics(times, tokens, result.usage_completion if status == "ok" else None)
-        record = {"sweep_id": self.sweep_id, "concurrency": concurrency, "idx": idx, "prompt_name": name,
-                  "status": status, "error": error, "sent_ms": (sent - self.t0) * 1e3,
-                  "n_prompt_tokens": result.usage_prompt, "token_source": counter.source or "chunks",
-                  "chunk_ms": times, "chunk_tokens": tokens, **metrics}
-        with self._lock:
+        if late.is_set():
+            reply.status, reply.error = "deadline", f"the request missed its {deadline_s:g} s deadline and was cut"
+        elif self.cutting and reply.status != "ok":
+            reply.status, reply.error = "cancelled", "stopped"
+        reply.token_source = counter.source or "chunks"
+        return reply
+
+
+class Poller(threading.Thread):
+    """Samples the requests in flight and the server's gauges every poll_s seconds while a level runs."""
+
+    def __init__(self, root: str, poll_s: float, t0: float, in_flight):
+        super().__init__(daemon=True)
+        self.root, self.poll_s, self.t0, self.in_flight = root, poll_s, t0, in_flight
+        self.samples: list[dict] = []
+        self.done = threading.Event()
+        self.has_metrics = True
+
+    def run(self) -> None:
+        with httpx2.Client() as client:
+            while not self.done.is_set():
+                sample = {"t_ms": (time.monotonic() - self.t0) * 1e3, "in_flight": float(self.in_flight())}
+                if self.has_metrics:  # a server without /metrics is asked once, not every poll
+                    found = server_metrics.gauges(server_metrics.scrape(self.root, client, timeout_s=self.poll_s + 1))
+                    self.has_metrics = bool(found)
+                    sample.update(found)
+                self.samples.append(sample)
+                self.done.wait(self.poll_s)
+
+
+def slo_view(record: dict) -> dict:
+    """A stored request as engine.measure.slo reads it: itl is the largest gap, tpot 0 for one token."""
+    gaps = [b - a for a, b in zip(record["chunk_ms"], record["chunk_ms"][1:])]
+    return {"ok": record["status"] == "ok", "ttft_ms": record["ttft_ms"], "e2e_ms": record["e2e_ms"],
+            "tpot_ms": record["tpot_ms"] if record["tpot_ms"] is not None else (0.0 if record["ttft_ms"] is not None
+                                                                                else None),
+            "itl_ms": max(gaps) if gaps else (0.0 if record["ttft_ms"] is not None else None),
+            "output_tokens": record["n_output_tokens"]}
+
+
+def slo_figures(records: list[dict], slo: dict, wall_s: float) -> dict:
+    """Good requests, goodput and attainment over the level's requests (failed ones count against it),
+    and each target's own attainment, to tell which one fails first."""
+    if not slo:
+        return {}
+    views = [slo_view(r) for r in records if r["status"] != "cancelled"]
+    if not views or wall_s <= 0:
+        return {"slo": slo, "good": 0, "goodput_requests_per_s": 0.0, "goodput_tokens_per_s": 0.0, "attainment": 0.0,
+                "metric_attainment": {m: 0.0 for m in slo}}
+    out = slos.goodput(views, slo, wall_s)
+    return {"slo": slo, "good": sum(slos.is_good(v, slo) for v in views), **out,
+            "metric_attainment": {m: slos.attainment(views, {m: t}) for m, t in slo.items()}}
+
+
+class Sweep:
+    """One sweep: run() goes level by level and stores as it goes; stop() from any thread (or a
+    signal handler) ends it after cutting the requests in flight, keeping what finished. For a search
+    over rates, open(), run_level() as often as needed, then close()."""
+
+    def __init__(self, cfg: SweepConfig, store: Store, progress_path: str | Path | None = None, on_progress=None,
+                 target: ServerTarget | None = None):
+        cfg.check()
+        self.cfg, self.store = cfg, store
+        self.progress_path = Path(progress_path) if progress_path else None
+        self.on_progress = on_progress
+        self._progress_lock = threading.Lock()  # request threads share one progress file
+        self.done, self.total, self.sweep_id, self.level_now = 0, 0, None, None
+        self.t0 = time.monotonic()
+        self._progress("starting")  # an unwritable progress file is refused before anything is sent
+        self.target = target or ServerTarget(cfg, connections=self._connections())
+        self.root, self.model = self.target.root, self.target.model
+        self.stopping = threading.Event()
+        self._count_lock = threading.Lock()
+        self._in_flight = 0
+        self.levels: list[dict] = []
+        self.specs = cfg.levels()
+        self.total = sum(len(self._items(s, i)) for i, s in enumerate(self.specs)) + cfg.warmup
+
+    def _connections(self) -> int:
+        if self.cfg.concurrency:
+            return max(self.cfg.concurrency)
+        return self.cfg.max_concurrency or MAX_CONCURRENCY
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.target.cut()
+
+    def open(self, kind: str | None = None) -> int:
+        config = {k: v for k, v in asdict(self.cfg).items() if k not in ("prompts", "trace")}
+        config["prompts"] = [name for name, _ in self.cfg.prompts]
+        config["rtt_ms"] = self.target.rtt_ms()
+        kind = kind or ("concurrency" if self.cfg.concurrency else "rate")
+        self.sweep_id = served_store.start_sweep(self.store, endpoint=self.root, server_model=self.model,
+                                                 config=config, kind=kind)
+        self.t0 = time.monotonic()
+        if self.cfg.warmup:
+            self._warmup()
+        return self.sweep_id
+
+    def close(self, status: str, error: str | None = None, result: dict | None = None) -> None:
+        served_store.update_sweep(self.store, self.sweep_id, levels=self.levels, status=status, error=error,
+                                  server={"kind": self.target.kind}, result=result)
+        self._progress(status)
+
+    def run(self) -> dict:
+        self.open()
+        status, error = "ok", None
+        try:
+            for index, spec in enumerate(self.specs):
+                if self.stopping.is_set():
+                    break
+                level = self.run_level(spec, index)
+                if level["status"] != "ok":
+                    status, error = "error", f"level {index + 1} ({level['label']}) broke: {level['error']}"
+                    break
+            if status == "ok" and self.stopping.is_set():
+                status = "stopped"
+        except BaseException as exc:
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.close(status, error)
+        return self.summary(status, error)
+
+    def summary(self, status: str, error: str | None, **extra) -> dict:
+        return {"sweep_id": self.sweep_id, "status": status, "error": error, "endpoint": self.root,
+                "server_model": self.model, "requests_ok": sum(lv["completed"] for lv in self.levels),
+                "requests_failed": sum(lv["failed"] for lv in self.levels), **extra, "levels": self.levels}
+
+    def run_level(self, spec: dict, index: int | None = None) -> dict:
+        """Send one level's requests, store them with its samples, append and store its summary."""
+        index = len(self.levels) if index is None else index
+        items = self._items(spec, index)
+        if index >= len(self.specs):
+            self.total += len(items)
+        self.level_now = level_label(spec)
+        before = server_metrics.scrape(self.root)
+        poller = Poller(self.root, self.cfg.poll_s, self.t0, lambda: self._in_flight)
+        poller.start()
+        start = time.monotonic()
+        if spec["kind"] == "concurrency":
+            with ThreadPoolExecutor(max_workers=spec["concurrency"], thread_name_prefix="tokenpath-load") as pool:
+                sent = pool.map(lambda i: self._request(spec, index, i, items[i], None), range(len(items)))
+                records = [r for r in sent if r is not None]
+        else:
+            records = self._open_loop(spec, index, items, start)
+        wall = time.monotonic() - start
+        poller.done.set()
+        poller.join(timeout=10)
+        after = server_metrics.scrape(self.root)
+        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records],
+                           "load_samples": [{"sweep_id": self.sweep_id, "level": index,
+                                             "concurrency": spec.get("concurrency"), **s} for s in poller.samples]})
+        level = self._summarise(spec, index, records, wall, poller.samples)
+        level["server"] = server_metrics.delta(before, after)
+        if level["failed"] and not self.stopping.is_set():
+            why = self.target.why_down()
+            # missed deadlines are a measurement; a server down, or nothing but faults, breaks the level
+            faults = Counter(r["error"] for r in records if r["status"] in ("error", "interrupted"))
+            if why or (faults and not level["completed"]):
+                level["status"], level["error"] = "broken", why or faults.most_common(1)[0][0]
+        self.levels.append(level)
+        served_store.update_sweep(self.store, self.sweep_id, levels=self.levels)
+        return level
+
+    def _open_loop(self, spec: dict, index: int, items: list[arrivals.Item], start: float) -> list[dict]:
+        """Send each request at its arrival time whatever is still in flight (at most max_concurrency
+        at once; the rest wait in the client, and that wait is recorded apart from TTFT)."""
+        workers = self.cfg.max_concurrency or MAX_CONCURRENCY
+        futures = []
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenpath-load") as pool:
+            for i, item in enumerate(items):
+                due = start + item.offset_s
+                if self.stopping.wait(max(0.0, due - time.monotonic())):
+                    break
+                futures.append(pool.submit(self._request, spec, index, i, item, due))
+        return [r for r in (f.result() for f in futures) if r is not None]
+
+    def _items(self, spec: dict, index: int) -> list[arrivals.Item]:
+        """The level's requests, the same for the same seed: prompts, output lengths, arrival offsets."""
+        cfg = self.cfg
+        if cfg.trace:
+            return arrivals.trace_items(cfg.trace, spec["rate"] if spec["arrival"] == "trace scaled" else None)
+        rng = np.random.default_rng([cfg.seed, index])
+        n = cfg.requests
+        if spec["kind"] == "rate" and cfg.duration_s:
+            n = min(MAX_REQUESTS, max(n, math.ceil(spec["rate"] * cfg.duration_s)))
+        offsets = arrivals.schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
+        outs = (arrivals.lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
+                else [cfg.max_new_tokens] * n)
+        if cfg.input_tokens:
+            ins = arrivals.lengths(n, cfg.input_tokens, cfg.length_spread, rng)
+            return [arrivals.Item(f"{k} tokens", None, out, input_tokens=k, offset_s=t)
+                    for k, out, t in zip(ins, outs, offsets)]
+        return [arrivals.Item(*cfg.prompts[i % len(cfg.prompts)], out, offset_s=t)
+                for i, (out, t) in enumerate(zip(outs, offsets))]
+
+    def _prompt(self, item: arrivals.Item, index: int, i: int) -> str:
+        if item.prompt is not None:
+            return item.prompt
+        rng = np.random.default_rng([self.cfg.seed, index + 1, i])  # warm-up (-1) gets prompts of its own
+        return arrivals.synthetic_prompt(item.input_tokens, rng, self.target.tokenizer)
+
+    def _warmup(self) -> None:
+        """Requests sent one at a time before the first level, stored as warm-up and left out of every figure."""
+        spec = self.specs[0]
+        items = self._items(spec, 0)
+        records = [self._request(spec, -1, i, items[i % len(items)], None) for i in range(self.cfg.warmup)]
+        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records if r]})
+
+    def _request(self, spec: dict, index: int, idx: int, item: arrivals.Item, due: float | None) -> dict | None:
+        sent = time.monotonic()
+        record = {"sweep_id": self.sweep_id, "level": index, "concurrency": spec.get("concurrency"),
+                  "rate": spec.get("rate"), "warmup": index < 0, "idx": idx, "prompt_name": item.name,
+                  "sent_ms": (sent - self.t0) * 1e3,
+                  "scheduled_ms": ((due if due is not None else sent) - self.t0) * 1e3}
+        if self.stopping.is_set():  # Stop: what was never sent is not a request
+            return None
+        with self._count_lock:
+            self._in_flight += 1
+        try:
+            exact = bool(self.cfg.output_tokens or self.cfg.trace)
+            reply = self.target.send(self._prompt(item, index, idx), item.max_tokens, exact, self.cfg.deadline_s)
+        finally:
+            with self._count_lock:
+                self._in_flight -= 1
+        metrics = request_metrics(reply.times, reply.tokens,
+                                  reply.result.usage_completion if reply.status == "ok" else None)
+        record.update({"status": reply.status, "error": reply.error, "n_prompt_tokens": reply.result.usage_prompt,
+                       "token_source": reply.token_source, "chunk_ms": reply.times, "chunk_tokens": reply.tokens,
+                       **metrics})
+        if self.cfg.slo and index >= 0:
+            record["good"] = slos.is_good(slo_view(record), self.cfg.slo)
+        with self._count_lock:
             self.done += 1
-        self._progress("running", concurrency)
+        self._progress("running")
         return record
 
-    def _progress(self, status: str, level: int | None = None) -> None:
+    def _summarise(self, spec: dict, index: int, records: list[dict], wall: float, samples: list[dict]) -> dict:
+        done = [r for r in records if r["status"] == "ok"]
+        in_flight = [s["in_flight"] for s in samples]
+        ends = sorted(r["sent_ms"] + r["e2e_ms"] for r in done)
+        # a server that keeps up lets requests leave as fast as they arrive; one that does not, at its own pace
+        departures = (len(ends) - 1) / (ends[-1] - ends[0]) * 1e3 if len(ends) >= 3 and ends[-1] > ends[0] else None
+        return {"level": index, "label": level_label(spec), **spec, "burstiness": self.cfg.burstiness,
+                "max_concurrency": self.cfg.max_concurrency, "requests": len(records),
+                **level_summary(records, wall),
+                "deadline_missed": sum(r["status"] == "deadline" for r in records),
+                "client_queue_ms": spread(r["sent_ms"] - r["scheduled_ms"] for r in records),
+                "e2e_mean_ms": sum(r["e2e_ms"] for r in done) / len(done) if done else None,
+                "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else None,
+                "departures_per_s": departures,
+                "kept_up": departures >= KEPT_UP * spec["rate"] if departures and spec.get("rate") else None,
+                **slo_figures(records, self.cfg.slo, wall),
+                "kv_cache_usage_max": max((s.get("kv_cache_usage", 0.0) for s in samples), default=None),
+                "waiting_max": max((s.get("waiting", 0.0) for s in samples), default=None),
+                "status": "ok", "error": None}
+
+    def _progress(self, status: str) -> None:
         with self._progress_lock:
             elapsed = time.monotonic() - self.t0
             left = self.total - self.done
             state = {"sweep_id": self.sweep_id, "status": status, "done": self.done, "total": self.total,
-                     "concurrency": level, "elapsed_s": elapsed,
+                     "level": self.level_now, "elapsed_s": elapsed,
                      "eta_s": elapsed / self.done * left if self.done and status == "running" else None}
-            if self.on_progress:
+            if self.on_progress and status != "starting":
                 self.on_progress(state)
             if self.progress_path:
-                tmp = self.progress_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(state))
-                tmp.replace(self.progress_path)
+                self._write_progress(state)
+
+    def _write_progress(self, state: dict) -> None:
+        path = self.progress_path
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(21, "it is a folder")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(path)
+        except OSError as exc:
+            if tmp.is_file():
+                tmp.unlink()
+            if state["status"] == "starting":  # checked before the sweep; later a full disk must not stop it
+                raise ServedError(f"The progress file {path} cannot be written ({exc.strerror or exc}): give a file "
+                                  "in a writable folder.") from None

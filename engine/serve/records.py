@@ -1,4 +1,4 @@
-"""Reading and writing served runs and load sweeps in the run store (engine.store.db's tables, schema 5).
+"""Reading and writing served runs and load sweeps in the run store (engine.store.db's tables, schemas 5 and 9).
 Served runs share the runs, steps and tokens tables with local runs; sweeps have tables of their own."""
 from __future__ import annotations
 
@@ -42,23 +42,25 @@ def finish_run(store: Store, run_id: int, *, status: str, output: str, token_ids
         con.execute("COMMIT")
 
 
-def start_sweep(store: Store, *, endpoint: str, server_model: str, config: dict) -> int:
+def start_sweep(store: Store, *, endpoint: str, server_model: str, config: dict, kind: str = "concurrency") -> int:
     with store.connect() as con:
         owner = _owner()
         return con.execute(
             "INSERT INTO load_sweeps (started_at, status, endpoint, server_model, config, levels, host, pid, "
-            "pid_started) VALUES (?, 'running', ?, ?, ?, '[]', ?, ?, ?) RETURNING sweep_id",
-            [utcnow(), endpoint, server_model, json.dumps(config), owner["host"], owner["pid"], owner["pid_started"]],
+            "pid_started, kind) VALUES (?, 'running', ?, ?, ?, '[]', ?, ?, ?, ?) RETURNING sweep_id",
+            [utcnow(), endpoint, server_model, json.dumps(config), owner["host"], owner["pid"], owner["pid_started"],
+             kind],
         ).fetchone()[0]
 
 
 def update_sweep(store: Store, sweep_id: int, *, levels: list[dict], status: str = "running",
-                 error: str | None = None, server: dict | None = None) -> None:
+                 error: str | None = None, server: dict | None = None, result: dict | None = None) -> None:
     finished = utcnow() if status != "running" else None
     with store.connect() as con:
-        con.execute("UPDATE load_sweeps SET levels = ?, status = ?, error = ?, server = ?, finished_at = ? "
-                    "WHERE sweep_id = ?",
-                    [json.dumps(levels, default=str), status, error, json.dumps(server or {}), finished, sweep_id])
+        con.execute("UPDATE load_sweeps SET levels = ?, status = ?, error = ?, server = ?, finished_at = ?, "
+                    "result = ? WHERE sweep_id = ?",
+                    [json.dumps(levels, default=str), status, error, json.dumps(server or {}), finished,
+                     json.dumps(result, default=str) if result is not None else None, sweep_id])
 
 
 def sweeps(store: Store, limit: int = 50):
@@ -72,11 +74,13 @@ def sweeps(store: Store, limit: int = 50):
 
 
 def sweep_requests(store: Store, sweep_id: int):
-    return store.query("SELECT * FROM requests WHERE sweep_id = ? ORDER BY concurrency, idx", [int(sweep_id)])
+    """The sweep's requests in level order, warm-up requests left out."""
+    return store.query("SELECT * FROM requests WHERE sweep_id = ? AND warmup IS NOT TRUE "
+                       "ORDER BY coalesce(level, concurrency), idx", [int(sweep_id)])
 
 
 def sweep_samples(store: Store, sweep_id: int):
-    return store.query("SELECT * FROM load_samples WHERE sweep_id = ? ORDER BY concurrency, t_ms", [int(sweep_id)])
+    return store.query("SELECT * FROM load_samples WHERE sweep_id = ? ORDER BY t_ms", [int(sweep_id)])
 
 
 def served_runs(store: Store, limit: int = 50):

@@ -3,7 +3,7 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from engine.measure.distances import BUCKETS
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 9
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -74,5 +74,16 @@ MIGRATIONS = {
     ],
     6: [  # a run's tag, such as story:memory:fp32, so a page finds the runs it made again
         "ALTER TABLE runs ADD COLUMN tag VARCHAR",
+    ],
+    9: [  # load sweeps at a request rate: each request's level, rate and schedule, goodput, capacity searches
+        "ALTER TABLE load_sweeps ADD COLUMN kind VARCHAR",  # concurrency, rate or capacity
+        "ALTER TABLE load_sweeps ADD COLUMN result VARCHAR",  # JSON: a capacity search's answer
+        "ALTER TABLE requests ADD COLUMN level INTEGER",  # the level's position in the sweep, -1 for warm-up
+        "ALTER TABLE requests ADD COLUMN rate DOUBLE",
+        "ALTER TABLE requests ADD COLUMN warmup BOOLEAN",
+        "ALTER TABLE requests ADD COLUMN scheduled_ms DOUBLE",  # its arrival; sent_ms later when the client held it
+        "ALTER TABLE requests ADD COLUMN good BOOLEAN",  # met every target of the sweep's SLO
+        "ALTER TABLE load_samples ADD COLUMN level INTEGER",
+        "ALTER TABLE load_samples ADD COLUMN in_flight DOUBLE",  # requests sent and not yet ended, by the client
     ],
 }

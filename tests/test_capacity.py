@@ -1,0 +1,63 @@
+"""`capacity` against a small real server of known service time: the rate it finds lies below the
+server's service rate, the levels are stored, Little's law gives the users, bad input is refused."""
+import json
+
+import pytest
+
+from engine.cli.main import main
+from engine.serve import records as served_store
+from engine.serve.capacity import answer, limiting_metric
+from engine.serve.load import Sweep, SweepConfig
+from engine.store.db import Store
+
+from test_load import known_server  # noqa: F401 (the fixture)
+
+
+def test_capacity_of_a_one_slot_server_lies_below_its_service_rate(known_server, tmp_path, capsys):  # noqa: F811
+    url = known_server(slots=1, step_s=0.02)
+    db = tmp_path / "runs.duckdb"
+    alone = Sweep(SweepConfig(url, [1], requests=4, output_tokens=6, input_tokens=8, warmup=1), Store(db)).run()
+    service_s = alone["levels"][0]["e2e_ms"]["p50"] / 1e3
+    slo = f"e2e_ms={3 * service_s * 1e3:.0f}"
+    code = main(["capacity", "--endpoint", url, "--slo", slo, "--attainment", "0.9", "--think-time", "2",
+                 "--duration", "2", "--requests", "12", "--output-tokens", "6", "--input-tokens", "8",
+                 "--start-rate", f"{0.25 / service_s:.3f}", "--steps", "2", "--burstiness", "4", "--db", str(db),
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["status"] == "ok"
+    rate = out["capacity_requests_per_s"]
+    # one slot serves one request per service time at most: no rate far above the fastest departures it managed
+    # holds (the margin is the service time drifting with the shared machine's load between levels); an M/D/1
+    # queue still meets 3x the service time at half that rate
+    served = max(lv["departures_per_s"] or 0 for lv in out["levels"])
+    assert 0.3 / service_s <= rate <= 1.35 * served
+    assert out["first_failing_rate"] > rate and out["limiting_metric"] in ("e2e_ms", "throughput")
+    assert out["users"] == pytest.approx(rate * (out["response_time_s"] + 2.0))
+    stored = served_store.sweeps(Store(db)).iloc[0]
+    assert stored["kind"] == "capacity" and json.loads(stored["result"])["capacity_requests_per_s"] == rate
+    assert len(json.loads(stored["levels"])) == len(out["levels"]) >= 3
+
+
+def test_the_first_metric_to_fail_is_the_one_fewest_requests_met():
+    ok = {"status": "ok", "rate": 1.0, "requests_per_s": 0.9, "output_tokens_per_s": 9.0, "goodput_requests_per_s": 0.9,
+          "attainment": 1.0, "e2e_mean_ms": 500.0, "client_queue_ms": {"mean": 100.0}}
+    bad = {"status": "ok", "rate": 2.0, "metric_attainment": {"ttft_ms": 0.4, "tpot_ms": 0.95}}
+    result = answer(ok, bad, attainment=0.9, think_time_s=3.0, slo={"ttft_ms": 500, "tpot_ms": 50})
+    assert result["limiting_metric"] == "ttft_ms" and result["users"] == pytest.approx(1.0 * (0.6 + 3.0))
+    assert limiting_metric({"status": "broken"}) == "server"
+    behind = {"status": "ok", "kept_up": False, "metric_attainment": {"e2e_ms": 1.0}}
+    assert limiting_metric(behind, 0.9) == "throughput"
+    assert answer(None, bad, attainment=0.9, think_time_s=0, slo={})["capacity_requests_per_s"] is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--slo", "ttft_ms=0"], "positive"), (["--slo", "speed=3"], "Unknown SLO metric"),
+    (["--slo", "ttft_ms=500", "--attainment", "1.5"], "--attainment"),
+    (["--slo", "ttft_ms=500", "--think-time", "-1"], "--think-time"),
+    (["--slo", "ttft_ms=500", "--start-rate", "0"], "above 0"),
+    (["--slo", "ttft_ms=500", "--duration", "nan"], "--duration"),
+])
+def test_bad_capacity_input_is_one_sentence_and_exit_2(args, words, tmp_path, capsys):
+    code = main(["capacity", "--endpoint", "http://127.0.0.1:9", *args, "--db", str(tmp_path / "x.duckdb")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
