@@ -11,6 +11,7 @@ import pytest
 
 from engine.cli.main import main
 from engine.serve import arrivals
+from engine.measure.arrivals import schedule
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import free_port
@@ -48,12 +49,12 @@ def rate_config(url, rates, **kw):
 
 
 def test_arrival_schedule_keeps_its_rate_and_burstiness_and_repeats_with_its_seed():
-    first = arrivals.schedule(4000, 4.0, 1.0, np.random.default_rng(7))
-    assert first == arrivals.schedule(4000, 4.0, 1.0, np.random.default_rng(7))
-    assert first != arrivals.schedule(4000, 4.0, 1.0, np.random.default_rng(8))
+    first = schedule(4000, 4.0, 1.0, np.random.default_rng(7))
+    assert first == schedule(4000, 4.0, 1.0, np.random.default_rng(7))
+    assert first != schedule(4000, 4.0, 1.0, np.random.default_rng(8))
     assert first[-1] == pytest.approx(1000.0)  # the last arrives at n / rate, as vllm bench serve scales it
     for burstiness in (1.0, 0.25, 4.0):
-        gaps = np.diff([0.0, *arrivals.schedule(4000, 4.0, burstiness, np.random.default_rng(1))])
+        gaps = np.diff([0.0, *schedule(4000, 4.0, burstiness, np.random.default_rng(1))])
         assert gaps.mean() == pytest.approx(0.25, rel=1e-9)
         assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from engine.measure import arrivals
+
 from engine.measure import slo as slos
 from engine.measure.distances import BUCKETS
 from engine.plan import kvcalc
@@ -63,16 +65,9 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     if math.isinf(burstiness):
         gaps = np.full(n, 1.0 / rate)
     else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+        return np.asarray(arrivals.schedule(n, rate, burstiness, np.random.default_rng(seed)))
     times = np.cumsum(gaps)
     return times * (n / rate / times[-1])
-
-
-def lengths(mean: int, spread: float, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n lengths uniform within mean x (1 +/- spread), at least 1 token."""
-    if spread == 0:
-        return np.full(n, mean, dtype=int)
-    return np.maximum(np.rint(rng.uniform(mean * (1 - spread), mean * (1 + spread), n)), 1).astype(int)
 
 
 def kv_blocks(setup: Setup, scheduler: Scheduler) -> int:
@@ -107,16 +102,16 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
     """Run the workload through the scheduler on this setup; per-request metrics and the level's summary."""
     planner.check_setup(setup)
     rng = np.random.default_rng(workload.seed + 1)
-    arrivals = arrival_times(workload.requests, workload.rate, workload.burstiness, workload.seed)
-    prompts = lengths(workload.prompt_tokens, workload.length_spread, workload.requests, rng)
-    outputs = lengths(workload.new_tokens, workload.length_spread, workload.requests, rng)
+    sent = arrival_times(workload.requests, workload.rate, workload.burstiness, workload.seed)
+    prompts = np.asarray(arrivals.lengths(workload.requests, workload.prompt_tokens, workload.length_spread, rng))
+    outputs = np.asarray(arrivals.lengths(workload.requests, workload.new_tokens, workload.length_spread, rng))
     total_blocks = kv_blocks(setup, scheduler)
     widest = int(prompts.max() + outputs.max())
     if total_blocks * BLOCK_TOKENS < widest:
         raise PlanError(f"{setup.model.name} leaves room for {total_blocks * BLOCK_TOKENS:,} KV tokens per GPU on "
                         f"{setup.gpus} x {setup.gpu['name']}, fewer than one request's {widest:,}: add GPUs or use "
                         "fewer bits per weight.")
-    requests = [_Request(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+    requests = [_Request(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(sent, prompts, outputs))]
     waiting: list[_Request] = []
     running: list[_Request] = []
     pending = iter(requests)

@@ -61,20 +61,6 @@ def arrival_kind(burstiness: float) -> str:
     return "poisson" if burstiness == 1 else f"gamma (burstiness {burstiness:g})"
 
 
-def schedule(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
-    """Arrival offsets (s) of n requests: gamma gaps of shape b and mean 1/rate (b = 1: Poisson),
-    summed and scaled so the last arrives at n / rate, as vllm bench serve does."""
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
-    times = np.cumsum(gaps)
-    return (times * (n / rate) / times[-1]).tolist()
-
-
-def lengths(n: int, mean: int, spread: float, rng: np.random.Generator) -> list[int]:
-    """n lengths uniform in [mean (1 - spread), mean (1 + spread)], at least 1 (spread 0: all mean)."""
-    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
-    return rng.integers(low, high + 1, size=n).tolist()
-
-
 def synthetic_prompt(n_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
     """A prompt of random plain words: exactly n_tokens tokens with the server's tokenizer, else n_tokens words.
     Each prompt differs, so a server's prefix cache does not shorten its prefill."""

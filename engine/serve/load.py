@@ -18,6 +18,7 @@ import openai
 
 from engine.measure import slo as slos
 from engine.serve import arrivals
+from engine.measure.arrivals import lengths, schedule
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.paths import workloads
@@ -411,11 +412,11 @@ class Sweep:
         n = cfg.requests
         if spec["kind"] == "rate" and cfg.duration_s:
             n = min(MAX_REQUESTS, max(n, math.ceil(spec["rate"] * cfg.duration_s)))
-        offsets = arrivals.schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
-        outs = (arrivals.lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
+        offsets = schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
+        outs = (lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
                 else [cfg.max_new_tokens] * n)
         if cfg.input_tokens:
-            ins = arrivals.lengths(n, cfg.input_tokens, cfg.length_spread, rng)
+            ins = lengths(n, cfg.input_tokens, cfg.length_spread, rng)
             return [arrivals.Item(f"{k} tokens", None, out, input_tokens=k, offset_s=t)
                     for k, out, t in zip(ins, outs, offsets)]
         return [arrivals.Item(*cfg.prompts[i % len(cfg.prompts)], out, offset_s=t)
