@@ -15,7 +15,8 @@ from engine.serve import client as served
 from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
-from engine.serve.client import ServedError, ServedRunError
+from engine.serve.client import ServedError, ServedRun, ServedRunError
+from engine.run.spec import GenConfig, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.serve.vllm import free_port
@@ -51,6 +52,12 @@ def stream_server():
     for proc in procs:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def served_run(url, store=None, *, prompt="Say something.", max_new_tokens=8, temperature=0.0, **fields):
+    """A served run of a RunSpec, as open_run makes it."""
+    gen = GenConfig(prompt, max_new_tokens=max_new_tokens, temperature=temperature)
+    return ServedRun(RunSpec(gen=gen, backend="served", endpoint=url, **fields), store)
 
 
 def test_endpoint_accepts_v1_and_refuses_credentials_in_the_url():
@@ -97,7 +104,8 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--spec",
                           "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert out.stderr == "error: --spec only applies to the local engine: leave it out with --endpoint.\n"
+    assert out.stderr == ("error: A served run cannot honour speculative decoding: leave it out, or run it on the "
+                          "local engine.\n")
 
 
 def test_unresolvable_host_is_one_sentence():
@@ -112,7 +120,7 @@ def test_plain_http_server_is_not_openai_compatible(tmp_path):
     try:
         wait_for_port(port, proc)
         with pytest.raises(ServedError, match="not an OpenAI-compatible API"):
-            served.generate(f"http://127.0.0.1:{port}", served_model=None, prompt="hi", max_new_tokens=4)
+            served_run(f"http://127.0.0.1:{port}", prompt="hi", max_new_tokens=4)
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -125,7 +133,7 @@ def test_unknown_model_and_missing_key_are_one_sentence(stream_server, monkeypat
     monkeypatch.setenv("TP_TEST_KEY", "sesame")
     assert served.list_models(url, "TP_TEST_KEY") == ["SmolLM2-135M-Instruct"]
     with pytest.raises(ServedError, match="has no model 'gpt-9'; it serves: SmolLM2-135M-Instruct"):
-        served.generate(url, served_model="gpt-9", prompt="hi", max_new_tokens=4, api_key_env="TP_TEST_KEY")
+        served_run(url, served_model="gpt-9", prompt="hi", max_new_tokens=4, api_key_env="TP_TEST_KEY")
     with pytest.raises(ServedError, match="TP_UNSET_KEY named for the API key is not set"):
         served.list_models(url, "TP_UNSET_KEY")
 
@@ -133,7 +141,7 @@ def test_unknown_model_and_missing_key_are_one_sentence(stream_server, monkeypat
 def test_stream_without_token_ids_is_counted_by_the_tokenizer_and_stored(stream_server, store, monkeypatch):
     url, _ = stream_server("key")
     monkeypatch.setenv("TP_TEST_KEY", "sesame")
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store,
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=8,
                           api_key_env="TP_TEST_KEY")
     events = list(run)
     assert len(events) == 8 and run.status == "ok"
@@ -156,8 +164,8 @@ def test_stream_without_token_ids_is_counted_by_the_tokenizer_and_stored(stream_
 def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
     url, _ = stream_server("ok")
     with pytest.raises(ServedError, match="Unknown GPU"):
-        served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=4, gpu="no-such-gpu")
-    run = served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm", store=store)
+        served_run(url, prompt="Hi.", max_new_tokens=4, gpu="no-such-gpu")
+    run = served_run(url, store, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm")
     list(run)
     tokens = store.tokens(run.run_id)
     # later chunks are all server work here (no /metrics), so every one of them gets a memory share
@@ -168,7 +176,7 @@ def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
 
 def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream_server, store):
     url, proc = stream_server("ok", delay=0.3)
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=16, store=store)
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=16)
     got = [next(run), next(run)]
     proc.kill()
     with pytest.raises(ServedRunError, match="closed the connection in the middle of the stream"):
@@ -180,8 +188,8 @@ def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream
 
 def test_stalled_stream_is_cut_after_the_timeout_and_recorded(stream_server, store):
     url, _ = stream_server("stall")
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store, timeout_s=10)
-    with pytest.raises(ServedRunError, match="sent nothing for 10 s"):
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=8, timeout_s=10)
+    with pytest.raises(ServedRunError, match="sent no token for 10 s"):
         list(run)
     row = store.run(run.run_id)
     assert row["status"] == "interrupted" and row["n_new_tokens"] == 2
@@ -189,7 +197,7 @@ def test_stalled_stream_is_cut_after_the_timeout_and_recorded(stream_server, sto
 
 def test_closing_early_cancels_and_records(stream_server, store):
     url, _ = stream_server("ok", delay=0.2)
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=16, store=store)
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=16)
     next(run)
     run.close()
     assert run.status == "cancelled" and store.run(run.run_id)["status"] == "cancelled"

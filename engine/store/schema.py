@@ -3,7 +3,7 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from engine.measure.distances import BUCKETS
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -74,5 +74,8 @@ MIGRATIONS = {
     ],
     6: [  # a run's tag, such as story:memory:fp32, so a page finds the runs it made again
         "ALTER TABLE runs ADD COLUMN tag VARCHAR",
+    ],
+    7: [  # a served run's token rows made by the model's tokenizer from the streamed text, not the server's ids
+        "ALTER TABLE tokens ADD COLUMN retokenised BOOLEAN",
     ],
 }
