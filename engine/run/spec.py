@@ -114,6 +114,9 @@ class RunSpec:
         if self.backend == "served":
             if not self.endpoint:
                 raise GenerationError("A served run needs the server's URL (--endpoint).")
+            from engine.serve.client import api_root  # the address is refused before anything is opened
+
+            api_root(self.endpoint)
             self._refuse(SERVED_CANNOT, "A served run", "run it on the local engine")
         else:
             self._refuse(LOCAL_CANNOT, "A local run", "send the run to a server")

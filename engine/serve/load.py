@@ -15,6 +15,7 @@ import openai
 from engine.serve import scrape as server_metrics
 from engine.serve import records as served_store
 from engine.paths import workloads
+from engine.run.spec import GenConfig, RunSpec
 from engine.serve.client import (STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, _models, api_root, explain,
                      make_client, open_stream, read_stream, request_body, round_trip_ms, tokenizer_for)
 from engine.serve.metrics import level_summary, request_metrics
@@ -47,6 +48,9 @@ class SweepConfig:
             raise ServedError(f"--max-new-tokens must be between 1 and 4096, not {self.max_new_tokens}.")
         if not self.prompts:
             raise ServedError("The sweep has no prompts.")
+        # the sampling settings and the stall timeout are checked as a served run's are
+        RunSpec(gen=GenConfig("load", max_new_tokens=self.max_new_tokens, temperature=self.temperature),
+                backend="served", endpoint=self.endpoint, timeout_s=self.timeout_s).check()
 
 
 def parse_concurrency(text: str) -> list[int]:
