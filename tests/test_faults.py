@@ -13,6 +13,7 @@ import pytest
 
 from engine.store import journal
 from engine.store.db import Store
+from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,3 +129,64 @@ def test_a_truncated_database_is_refused_before_anything_runs(tiny_folder, tmp_p
     assert proc.wait(timeout=300) == 2
     message = proc.stderr.read()
     assert message.startswith("error: ") and "Traceback" not in message and "run None" not in message
+
+
+def start_served(db: Path, url: str, tokens: int = 4000, **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "Count the stars",
+           "--max-new-tokens", str(tokens), "--db", str(db)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+
+
+def assert_served_consistent(db: Path) -> dict:
+    """The one served run: its tokens and steps agree with its row, and no journal is left."""
+    store = Store(db)
+    (run,) = store.runs(10).to_dict("records")
+    tokens, steps = store.tokens(run["run_id"]), store.steps(run["run_id"])
+    assert run["backend"] == "served" and run["n_new_tokens"] == len(tokens) == steps["n_emitted"].sum()
+    assert list(tokens["idx"]) == list(range(len(tokens))) and run["output"] == "".join(tokens["piece"])
+    assert not list(journal.journal_dir(db).glob("*.jsonl")), "a journal was left after folding"
+    return run
+
+
+def test_a_killed_served_run_keeps_every_token_streamed_so_far(stream_server, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    url, _ = stream_server("forever", delay=0.2)
+    proc = start_served(db, url)
+    seen = wait_for_tokens(db, proc, 3)
+    proc.kill()
+    proc.wait(timeout=60)
+    run = assert_served_consistent(db)
+    assert run["status"] == "interrupted" and run["n_new_tokens"] >= seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_end_a_served_run_cancelled_with_its_tokens(stream_server, tmp_path, sig):
+    db = tmp_path / "runs.duckdb"
+    url, _ = stream_server("forever", delay=0.2)
+    proc = start_served(db, url)
+    seen = wait_for_tokens(db, proc, 3)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 130
+    message = proc.stderr.read()
+    run = assert_served_consistent(db)
+    assert run["status"] == "cancelled" and run["n_new_tokens"] >= seen
+    assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} tokens" in message
+    assert "Traceback" not in message
+
+
+def test_a_held_database_defers_a_served_run_and_loses_nothing(stream_server, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    url, _ = stream_server("ok", delay=0.3)
+    proc = start_served(db, url, tokens=12, TOKENPATH_LOCK_WAIT_S="2")
+    wait_for_tokens(db, proc, 1)
+    holder = duckdb.connect(str(db), read_only=True)
+    try:
+        assert proc.wait(timeout=300) == 1
+        message = proc.stderr.read()
+    finally:
+        holder.close()
+    assert "could not be written" in message and "Traceback" not in message
+    run = assert_served_consistent(db)  # folded in with the run's own ending
+    assert run["status"] == "ok" and run["n_new_tokens"] == 12
