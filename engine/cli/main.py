@@ -97,6 +97,7 @@ def generate_again(args) -> int:
 
 def generate_once(args) -> int:
     """A run of the local engine, or of a server with --endpoint: the same spec, the same loop, the same record."""
+    from engine.errors import UserError
     from engine.run.open import open_run
     from engine.run.record import RecordDeferred
     from engine.serve.client import ServedRunError
@@ -116,6 +117,9 @@ def generate_once(args) -> int:
     except (RecordDeferred, ServedRunError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
+    except UserError as exc:  # refused as the run began (a database held too long); nothing was run
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return USER_ERROR
     except Exception as exc:
         print(f"\nerror: the run failed ({type(exc).__name__}: {exc}); {what_became_of(run)}", file=sys.stderr)
         return 1

@@ -455,8 +455,9 @@ class ServedRun:
             raise
         except Exception as exc:
             cut = watchdog.reason if watchdog is not None else None
-            if not cut and not isinstance(exc, (openai.APIError, httpx2.HTTPError)):
-                raise  # a fault of this program, not of the server
+            if not cut and not isinstance(exc, (openai.APIError, httpx2.HTTPError)):  # not the server's fault
+                self.status, self.error = "error", f"{type(exc).__name__}: {exc}"
+                raise
             if len(self.token_ids) >= self.budget:
                 self.status, self.stop_reason = "ok", "length"  # the budget was reached; only the ending was late
             else:
