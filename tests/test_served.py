@@ -298,10 +298,15 @@ def test_a_malformed_stream_is_one_sentence_and_keeps_what_came_before(stream_se
     assert request["status"] == "interrupted" and says in request["error"]
 
 
-def test_models_answering_once_then_failing_is_one_sentence(stream_server):
+def test_models_answering_once_then_failing_is_one_sentence(stream_server, store):
+    says = r"rejected the request \(HTTP 500\).*while timing the round trip"
     url, _ = stream_server("modelsonce")
-    with pytest.raises(ServedError, match=r"rejected the request \(HTTP 500\).*while timing the round trip"):
+    with pytest.raises(ServedError, match=says):
         served_run(url)
+    url, _ = stream_server("modelsonce")
+    sweep = Sweep(SweepConfig(url, [1], 1, 4, load_prompts("summary")), store)
+    with pytest.raises(ServedError, match=says):
+        sweep.run()
 
 
 def test_bad_addresses_timeouts_and_temperatures_are_refused_before_anything_is_sent(capsys, tmp_path):

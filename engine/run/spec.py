@@ -116,7 +116,10 @@ class RunSpec:
                 raise GenerationError("A served run needs the server's URL (--endpoint).")
             from engine.serve.client import api_root  # the address is refused before anything is opened
 
-            api_root(self.endpoint)
+            try:
+                api_root(self.endpoint)
+            except UserError as exc:  # the spec's own error, which the pages catch
+                raise GenerationError(str(exc)) from None
             self._refuse(SERVED_CANNOT, "A served run", "run it on the local engine")
         else:
             self._refuse(LOCAL_CANNOT, "A local run", "send the run to a server")
