@@ -209,10 +209,10 @@ def test_ctrl_c_while_a_finished_run_waits_for_the_database_says_where_its_rows_
     assert run["status"] == "ok" and run["n_new_tokens"] > 0
 
 
-def test_sigterm_as_the_journal_appears_says_what_became_of_the_run(tiny_folder, tmp_path):
+def test_sigterm_as_the_journal_appears_says_what_became_of_the_run(long_tiny_folder, tmp_path):
     db = tmp_path / "runs.duckdb"
     Store(db)
-    proc = start(db, tiny_folder)
+    proc = start(db, long_tiny_folder)
     deadline = time.monotonic() + 300
     while not list(journal.journal_dir(db).glob("run-*.jsonl")):
         assert time.monotonic() < deadline and proc.poll() is None
