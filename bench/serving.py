@@ -13,8 +13,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from engine.measure import hardware
-from engine.serve import client as served
 from engine.run.generate import Generation, GenConfig
+from engine.run.open import open_run
+from engine.run.spec import RunSpec
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
 from engine.paths import workloads
 from engine.model.loader import load_model
@@ -40,7 +41,7 @@ def compare_runs(url: str, local_results: dict, store, tokens: int) -> list[dict
     shipped = workloads()
     for name in WORKLOADS:
         prompt, local = shipped[name]["prompt"], local_results[name]
-        run = served.generate(url, served_model=None, prompt=prompt, max_new_tokens=tokens, store=store)
+        run = open_run(RunSpec(gen=GenConfig(prompt, max_new_tokens=tokens), backend="served", endpoint=url), store)
         for _ in run:
             pass
         r, srv = run.result, run.result["server"] or {}

@@ -13,6 +13,7 @@ import pytest
 
 from engine.store import journal
 from engine.store.db import Store
+from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,6 +41,24 @@ def wait_for_tokens(db: Path, proc: subprocess.Popen, n: int, timeout_s: float =
     if may_end and proc.poll() is not None:
         return None
     raise AssertionError(f"the run did not reach {n} tokens (exit code {proc.poll()})")
+
+
+def ended_with_database_held(db: Path, proc: subprocess.Popen, interrupt: int | None = None) -> tuple[int, str]:
+    """(exit code, stderr) of a run whose database another process holds from its first token on; with
+    `interrupt`, that signal is sent once the run has ended and waits for the database."""
+    wait_for_tokens(db, proc, 1)
+    holder = duckdb.connect(str(db), read_only=True)  # any other connection holds the file
+    try:
+        if interrupt is not None:
+            deadline = time.monotonic() + 300
+            while not any(journal.read(p)["finish"] for p in journal.journal_dir(db).glob("run-*.jsonl")):
+                assert time.monotonic() < deadline and proc.poll() is None, "the run did not end"
+                time.sleep(0.05)
+            proc.send_signal(interrupt)
+        code = proc.wait(timeout=300)
+        return code, proc.stderr.read()
+    finally:
+        holder.close()
 
 
 def assert_consistent(db: Path) -> list[dict]:
@@ -107,14 +126,8 @@ def test_a_database_held_by_another_process_defers_the_record_and_loses_nothing(
     db = tmp_path / "runs.duckdb"
     Store(db)
     proc = start(db, tiny_folder, tokens=400, TOKENPATH_LOCK_WAIT_S="2")
-    wait_for_tokens(db, proc, 1)
-    holder = duckdb.connect(str(db), read_only=True)  # any other connection holds the file
-    try:
-        assert proc.wait(timeout=300) == 1
-        message = proc.stderr.read()
-    finally:
-        holder.close()
-    assert "could not be written" in message and "recorded as run" not in message
+    code, message = ended_with_database_held(db, proc)
+    assert code == 1 and "could not be written" in message and "recorded as run" not in message
     (run,) = assert_consistent(db)  # the next open folds the journal in, with the run's own ending
     assert run["status"] == "ok" and run["n_new_tokens"] > 0
 
@@ -128,3 +141,94 @@ def test_a_truncated_database_is_refused_before_anything_runs(tiny_folder, tmp_p
     assert proc.wait(timeout=300) == 2
     message = proc.stderr.read()
     assert message.startswith("error: ") and "Traceback" not in message and "run None" not in message
+
+
+def start_served(db: Path, url: str, tokens: int = 4000, **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "Count the stars",
+           "--max-new-tokens", str(tokens), "--db", str(db)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+
+
+def assert_served_consistent(db: Path) -> dict:
+    """The one served run: its tokens and steps agree with its row, and no journal is left."""
+    store = Store(db)
+    (run,) = store.runs(10).to_dict("records")
+    tokens, steps = store.tokens(run["run_id"]), store.steps(run["run_id"])
+    assert run["backend"] == "served" and run["n_new_tokens"] == len(tokens) == steps["n_emitted"].sum()
+    assert list(tokens["idx"]) == list(range(len(tokens))) and run["output"] == "".join(tokens["piece"])
+    assert not list(journal.journal_dir(db).glob("*.jsonl")), "a journal was left after folding"
+    return run
+
+
+def test_a_killed_served_run_keeps_every_token_streamed_so_far(stream_server, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    url, _ = stream_server("forever", delay=0.2)
+    proc = start_served(db, url)
+    seen = wait_for_tokens(db, proc, 3)
+    proc.kill()
+    proc.wait(timeout=60)
+    run = assert_served_consistent(db)
+    assert run["status"] == "interrupted" and run["n_new_tokens"] >= seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_end_a_served_run_cancelled_with_its_tokens(stream_server, tmp_path, sig):
+    db = tmp_path / "runs.duckdb"
+    url, _ = stream_server("forever", delay=0.2)
+    proc = start_served(db, url)
+    seen = wait_for_tokens(db, proc, 3)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 130
+    message = proc.stderr.read()
+    run = assert_served_consistent(db)
+    assert run["status"] == "cancelled" and run["n_new_tokens"] >= seen
+    assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} tokens" in message
+    assert "Traceback" not in message
+
+
+def test_a_held_database_defers_a_served_run_and_loses_nothing(stream_server, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    url, _ = stream_server("ok", delay=0.3)
+    proc = start_served(db, url, tokens=12, TOKENPATH_LOCK_WAIT_S="2")
+    code, message = ended_with_database_held(db, proc)
+    assert code == 1 and "could not be written" in message and "Traceback" not in message
+    run = assert_served_consistent(db)  # folded in with the run's own ending
+    assert run["status"] == "ok" and run["n_new_tokens"] == 12
+
+
+def test_ctrl_c_while_a_finished_run_waits_for_the_database_says_where_its_rows_are(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    proc = start(db, tiny_folder, tokens=40, TOKENPATH_LOCK_WAIT_S="120")
+    code, message = ended_with_database_held(db, proc, interrupt=signal.SIGINT)
+    assert code == 1 and "ended (ok, " in message and "the write was interrupted" in message
+    assert "cancelled" not in message and "Traceback" not in message
+    (run,) = assert_consistent(db)  # folded in as the run ended: ok, every token
+    assert run["status"] == "ok" and run["n_new_tokens"] > 0
+
+
+def test_sigterm_as_the_journal_appears_says_what_became_of_the_run(long_tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    Store(db)
+    proc = start(db, long_tiny_folder)
+    deadline = time.monotonic() + 300
+    while not list(journal.journal_dir(db).glob("run-*.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    message = proc.stderr.read()
+    (run,) = assert_consistent(db)
+    assert run["status"] == "cancelled" and "run None" not in message
+    assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} token" in message
+
+
+def test_sigterm_before_a_run_starts_says_so(tiny_folder, tmp_path):
+    db = tmp_path / "runs.duckdb"
+    proc = start(db, tiny_folder)
+    time.sleep(1.5)  # importing the engine or loading the model
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert "cancelled: interrupted before the command finished" in proc.stderr.read()

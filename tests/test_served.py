@@ -15,7 +15,8 @@ from engine.serve import client as served
 from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
-from engine.serve.client import ServedError, ServedRunError
+from engine.serve.client import ServedError, ServedRun, ServedRunError
+from engine.run.spec import GenConfig, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.serve.vllm import free_port
@@ -51,6 +52,12 @@ def stream_server():
     for proc in procs:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def served_run(url, store=None, *, prompt="Say something.", max_new_tokens=8, temperature=0.0, **fields):
+    """A served run of a RunSpec, as open_run makes it."""
+    gen = GenConfig(prompt, max_new_tokens=max_new_tokens, temperature=temperature)
+    return ServedRun(RunSpec(gen=gen, backend="served", endpoint=url, **fields), store)
 
 
 def test_endpoint_accepts_v1_and_refuses_credentials_in_the_url():
@@ -97,7 +104,8 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--spec",
                           "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert out.stderr == "error: --spec only applies to the local engine: leave it out with --endpoint.\n"
+    assert out.stderr == ("error: A served run cannot honour speculative decoding: leave it out, or run it on the "
+                          "local engine.\n")
 
 
 def test_unresolvable_host_is_one_sentence():
@@ -112,7 +120,7 @@ def test_plain_http_server_is_not_openai_compatible(tmp_path):
     try:
         wait_for_port(port, proc)
         with pytest.raises(ServedError, match="not an OpenAI-compatible API"):
-            served.generate(f"http://127.0.0.1:{port}", served_model=None, prompt="hi", max_new_tokens=4)
+            served_run(f"http://127.0.0.1:{port}", prompt="hi", max_new_tokens=4)
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -125,7 +133,7 @@ def test_unknown_model_and_missing_key_are_one_sentence(stream_server, monkeypat
     monkeypatch.setenv("TP_TEST_KEY", "sesame")
     assert served.list_models(url, "TP_TEST_KEY") == ["SmolLM2-135M-Instruct"]
     with pytest.raises(ServedError, match="has no model 'gpt-9'; it serves: SmolLM2-135M-Instruct"):
-        served.generate(url, served_model="gpt-9", prompt="hi", max_new_tokens=4, api_key_env="TP_TEST_KEY")
+        served_run(url, served_model="gpt-9", prompt="hi", max_new_tokens=4, api_key_env="TP_TEST_KEY")
     with pytest.raises(ServedError, match="TP_UNSET_KEY named for the API key is not set"):
         served.list_models(url, "TP_UNSET_KEY")
 
@@ -133,7 +141,7 @@ def test_unknown_model_and_missing_key_are_one_sentence(stream_server, monkeypat
 def test_stream_without_token_ids_is_counted_by_the_tokenizer_and_stored(stream_server, store, monkeypatch):
     url, _ = stream_server("key")
     monkeypatch.setenv("TP_TEST_KEY", "sesame")
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store,
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=8,
                           api_key_env="TP_TEST_KEY")
     events = list(run)
     assert len(events) == 8 and run.status == "ok"
@@ -156,8 +164,8 @@ def test_stream_without_token_ids_is_counted_by_the_tokenizer_and_stored(stream_
 def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
     url, _ = stream_server("ok")
     with pytest.raises(ServedError, match="Unknown GPU"):
-        served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=4, gpu="no-such-gpu")
-    run = served.generate(url, served_model=None, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm", store=store)
+        served_run(url, prompt="Hi.", max_new_tokens=4, gpu="no-such-gpu")
+    run = served_run(url, store, prompt="Hi.", max_new_tokens=6, gpu="h100-80gb-sxm")
     list(run)
     tokens = store.tokens(run.run_id)
     # later chunks are all server work here (no /metrics), so every one of them gets a memory share
@@ -168,7 +176,7 @@ def test_a_named_gpu_splits_server_work_with_the_planner(stream_server, store):
 
 def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream_server, store):
     url, proc = stream_server("ok", delay=0.3)
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=16, store=store)
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=16)
     got = [next(run), next(run)]
     proc.kill()
     with pytest.raises(ServedRunError, match="closed the connection in the middle of the stream"):
@@ -180,8 +188,8 @@ def test_server_killed_mid_stream_is_recorded_interrupted_with_its_tokens(stream
 
 def test_stalled_stream_is_cut_after_the_timeout_and_recorded(stream_server, store):
     url, _ = stream_server("stall")
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=8, store=store, timeout_s=10)
-    with pytest.raises(ServedRunError, match="sent nothing for 10 s"):
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=8, timeout_s=10)
+    with pytest.raises(ServedRunError, match="sent no token for 10 s"):
         list(run)
     row = store.run(run.run_id)
     assert row["status"] == "interrupted" and row["n_new_tokens"] == 2
@@ -189,7 +197,7 @@ def test_stalled_stream_is_cut_after_the_timeout_and_recorded(stream_server, sto
 
 def test_closing_early_cancels_and_records(stream_server, store):
     url, _ = stream_server("ok", delay=0.2)
-    run = served.generate(url, served_model=None, prompt="Say something.", max_new_tokens=16, store=store)
+    run = served_run(url, store, prompt="Say something.", max_new_tokens=16)
     next(run)
     run.close()
     assert run.status == "cancelled" and store.run(run.run_id)["status"] == "cancelled"
@@ -229,3 +237,121 @@ def test_load_command_bad_input_is_exit_code_2(tmp_path):
                               "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300,
                              env={**os.environ})
         assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    """(exit code, stderr) of the command line run in this process; its signal handlers are put back after."""
+    import signal
+
+    from engine.cli.main import main
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return code, capsys.readouterr().err
+
+
+def test_a_server_that_streams_forever_is_read_only_to_the_run_budget(stream_server, store):
+    url, _ = stream_server("forever", delay=0.01)
+    run = served_run(url, store, max_new_tokens=20)
+    list(run)
+    assert run.status == "ok" and run.result["stop_reason"] == "length"
+    assert 20 <= len(run.token_ids) <= 21  # the chunk that reached the budget is the last one read
+    assert store.run(run.run_id)["n_new_tokens"] == len(store.tokens(run.run_id)) == len(run.token_ids)
+
+
+def test_a_dripping_server_is_cut_at_the_deadline_and_its_tokens_kept(stream_server, store, capsys):
+    url, _ = stream_server("forever", delay=4.0)
+    code, err = cli(capsys, "generate", "--endpoint", url, "--prompt", "Hi", "--max-new-tokens", "20",
+                    "--timeout", "8", "--deadline", "10", "--db", str(store.path))
+    assert code == 1 and "did not finish within the run's deadline of 10 s, so the run was cut short" in err
+    assert "Traceback" not in err
+    row = store.run(1)
+    assert row["status"] == "interrupted" and 2 <= row["n_new_tokens"] == len(store.tokens(1)) <= 4
+    # without --deadline the run may take the stall timer plus a second per token of its budget
+    assert RunSpec(GenConfig("x", max_new_tokens=20), backend="served", endpoint=url, timeout_s=8).deadline == 28
+
+
+def test_keep_alive_comments_and_empty_chunks_are_no_progress(stream_server, store):
+    url, _ = stream_server("comments", delay=0.2)
+    run = served_run(url, store, timeout_s=3)
+    with pytest.raises(ServedRunError, match="sent no token for 3 s, so the run was cut short"):
+        list(run)
+    assert store.run(run.run_id)["status"] == "error" and store.run(run.run_id)["n_new_tokens"] == 0
+
+
+@pytest.mark.parametrize("mode, says", [("badjson", "a stream line that is not JSON"),
+                                        ("badshape", "JSON that is not shaped as an OpenAI stream chunk")])
+def test_a_malformed_stream_is_one_sentence_and_keeps_what_came_before(stream_server, store, capsys, mode, says):
+    url, _ = stream_server(mode)
+    code, err = cli(capsys, "generate", "--endpoint", url, "--prompt", "Hi", "--db", str(store.path))
+    assert code == 1 and says in err and "Traceback" not in err and err.count("\n") <= 2
+    row = store.run(1)
+    assert row["status"] == "interrupted" and row["n_new_tokens"] == len(store.tokens(1)) == 2
+    summary = Sweep(SweepConfig(url, [1], 1, 8, load_prompts("summary")), store).run()
+    (request,) = served_store.sweep_requests(store, summary["sweep_id"]).to_dict("records")
+    assert request["status"] == "interrupted" and says in request["error"]
+
+
+def test_models_answering_once_then_failing_is_one_sentence(stream_server, store):
+    says = r"rejected the request \(HTTP 500\).*while timing the round trip"
+    url, _ = stream_server("modelsonce")
+    with pytest.raises(ServedError, match=says):
+        served_run(url)
+    url, _ = stream_server("modelsonce")
+    sweep = Sweep(SweepConfig(url, [1], 1, 4, load_prompts("summary")), store)
+    with pytest.raises(ServedError, match=says):
+        sweep.run()
+
+
+def test_bad_addresses_timeouts_and_temperatures_are_refused_before_anything_is_sent(capsys, tmp_path):
+    db = str(tmp_path / "x.duckdb")
+    for url in ("http://[::1", "http://exa mple.org", "http://:80", "http://h:99999"):
+        code, err = cli(capsys, "generate", "--endpoint", url, "--prompt", "Hi", "--db", db)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (url, err)
+    url = "http://127.0.0.1:9"
+    for flags, says in ((["--timeout", "0"], "stall timeout"), (["--timeout", "-1"], "stall timeout"),
+                        (["--timeout", "nan"], "stall timeout"), (["--deadline", "inf"], "deadline"),
+                        (["--temperature", "nan"], "temperature"), (["--temperature", "inf"], "temperature")):
+        code, err = cli(capsys, "generate", "--endpoint", url, "--prompt", "Hi", *flags, "--db", db)
+        assert code == 2 and says in err and "Nothing answers" not in err, (flags, err)
+        if flags[0] != "--deadline":
+            code, err = cli(capsys, "load", "--endpoint", url, *flags, "--db", str(tmp_path / "load.duckdb"))
+            assert code == 2 and says in err and "Nothing answers" not in err, (flags, err)
+    assert not (tmp_path / "x.duckdb").exists()  # nothing half-written
+
+
+def test_serve_vllm_refuses_ports_and_threads_out_of_range(capsys):
+    for flags, says in ((["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--port", "65536"], "--port"),
+                        (["--threads", "0"], "--threads")):
+        code, err = cli(capsys, "serve-vllm", *flags)
+        assert code == 2 and says in err and err.count("\n") == 1, (flags, err)
+
+
+def test_a_backend_refuses_what_it_cannot_honour_in_one_sentence_for_the_command_line_and_the_page(capsys, tmp_path):
+    from engine.run.spec import GenerationError
+
+    page_spec = RunSpec(gen=GenConfig("Hi", top_k=5), backend="served", endpoint="http://127.0.0.1:9")
+    with pytest.raises(GenerationError) as refused:
+        page_spec.check()
+    code, err = cli(capsys, "generate", "--endpoint", "http://127.0.0.1:9", "--prompt", "Hi", "--top-k", "5",
+                    "--db", str(tmp_path / "x.duckdb"))
+    assert code == 2 and err == f"error: {refused.value}\n" and "top-k sampling" in err
+    with pytest.raises(GenerationError, match="A local run cannot honour a server address"):
+        RunSpec(gen=GenConfig("Hi"), endpoint="http://127.0.0.1:9").check()
+
+
+def test_served_token_rows_made_by_the_tokenizer_are_marked_and_the_count_is_the_servers(stream_server, store):
+    url, _ = stream_server("ok")
+    run = served_run(url, store, max_new_tokens=6)
+    list(run)
+    tokens = store.tokens(run.run_id)
+    assert tokens["retokenised"].all() and run.result["token_source"] == "tokenizer"
+    assert store.run(run.run_id)["n_new_tokens"] == run.stream_result.usage_completion == 6
+    assert run.result["provenance"]["tokens"]["source"] == "server"
+    assert json.loads(store.run(run.run_id)["provenance"])["tokens"]["how"].startswith("the server's usage count")

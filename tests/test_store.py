@@ -129,9 +129,8 @@ def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibr
 def test_the_steps_and_tokens_tables_have_the_row_types_columns(store):
     from dataclasses import fields
 
-    from engine.run.rows import StepRow, TokenRow
+    from engine.run.rows import ServedStepRow, ServedTokenRow, StepRow, TokenRow
 
-    served = {"server_work_ms"}  # a served run's unsplit server time (engine.serve.client)
-    for table, row in (("steps", StepRow), ("tokens", TokenRow)):
+    for table, rows in (("steps", (StepRow, ServedStepRow)), ("tokens", (TokenRow, ServedTokenRow))):
         columns = set(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
-        assert columns == {f.name for f in fields(row)} | {"run_id"} | served, table
+        assert columns == {f.name for row in rows for f in fields(row)} | {"run_id"}, table

@@ -9,6 +9,8 @@ from engine.serve import client as served
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.run.generate import Generation, GenConfig
+from engine.run.open import open_run
+from engine.run.spec import RunSpec
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.serve.client import ServedError
 from engine.measure.distances import BUCKETS
@@ -37,8 +39,8 @@ def vllm_url():
 def test_greedy_stream_equals_the_local_engine(vllm_url, default_lm, calibration, store):
     local = Generation(default_lm, GenConfig(PROMPT, max_new_tokens=24), calibration=calibration, telemetry=False)
     expected = local.run()["token_ids"]
-    run = served.generate(vllm_url, served_model=None, prompt=PROMPT, max_new_tokens=24, api_key_env=KEY_ENV,
-                          store=store)
+    run = open_run(RunSpec(gen=GenConfig(PROMPT, max_new_tokens=24), backend="served", endpoint=vllm_url,
+                           api_key_env=KEY_ENV), store)
     events = list(run)
     result = run.result
     assert result["token_source"] == "server" and result["token_ids"] == expected
@@ -57,7 +59,8 @@ def test_missing_key_and_unknown_model_are_refused(vllm_url):
     with pytest.raises(ServedError, match=r"HTTP 401"):
         served.list_models(vllm_url)
     with pytest.raises(ServedError, match="has no model 'no-such-model'"):
-        served.generate(vllm_url, served_model="no-such-model", prompt=PROMPT, max_new_tokens=4, api_key_env=KEY_ENV)
+        open_run(RunSpec(gen=GenConfig(PROMPT, max_new_tokens=4), backend="served", endpoint=vllm_url,
+                         served_model="no-such-model", api_key_env=KEY_ENV))
 
 
 def test_metrics_carry_vllms_histograms_and_gauges(vllm_url):

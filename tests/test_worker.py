@@ -5,6 +5,7 @@ from engine.run.generate import Generation, GenConfig
 from engine.run.spec import RunSpec
 from engine.store.db import Store
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
+from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
 pytestmark = pytest.mark.integration
 
@@ -84,3 +85,19 @@ def test_a_dead_worker_is_one_sentence_and_the_next_run_starts_a_new_one(tmp_pat
         list(run)
     assert list(worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=2), every_s=0.05))[-1][0] == "done"
     assert Store(tmp_path / "w.duckdb").run(ready["run_id"])["status"] == "interrupted"
+
+
+def test_the_worker_runs_a_served_spec_as_it_runs_a_local_one(worker, stream_server, tmp_path):
+    url, _ = stream_server("ok", delay=0.05)
+    spec = RunSpec(gen=GenConfig("Say something.", max_new_tokens=6), backend="served", endpoint=url)
+    kinds, done = [], None
+    for kind, payload in worker.generate({"db": str(tmp_path / "w.duckdb"), "spec": spec.to_dict()}, every_s=0.05):
+        kinds.append(kind)
+        done = payload
+    assert "ready" in kinds and kinds[-1] == "done"
+    assert done["result"]["n_new_tokens"] == len(done["tokens"]) == 6
+    assert Store(tmp_path / "w.duckdb").run(done["run_id"])["backend"] == "served"
+    # the page's served run refuses top-k with the command line's sentence, instead of dropping it
+    refused = RunSpec(gen=GenConfig("Hi", top_k=5), backend="served", endpoint=url)
+    with pytest.raises(WorkerRefused, match="^A served run cannot honour top-k sampling"):
+        list(worker.generate({"db": str(tmp_path / "w.duckdb"), "spec": refused.to_dict()}, every_s=0.05))

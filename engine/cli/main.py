@@ -46,7 +46,20 @@ def spec_from_args(args):
                     raw=args.raw, stop=args.stop or [], ignore_eos=args.ignore_eos, spec=args.spec,
                     kv_dtype=args.kv_dtype, **spec_settings)
     return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
-                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
+                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode, **served_cli.served_fields(args))
+
+
+def what_became_of(run) -> str:
+    """Where an ended run stands in the store, in words: written with its status, waiting in its journal,
+    or never started."""
+    recorder = run.recorder
+    if recorder is None or recorder.run_id is None:
+        return "no run was recorded"
+    if recorder.written:
+        n = run.result["n_new_tokens"] if run.result else len(run.tokens)
+        return f"run {recorder.run_id} recorded as {run.status} with {n} token{'s' if n != 1 else ''}"
+    return (f"run {recorder.run_id} is kept in its journal and goes into the database the next time Tokenpath "
+            "opens it")
 
 
 def cmd_generate(args) -> int:
@@ -57,11 +70,10 @@ def cmd_generate(args) -> int:
         return generate_again(args)
     if args.prompt is None:
         raise GenerationError("Give the prompt with --prompt TEXT, or make a stored run again with --from-run ID.")
-    single = served_cli.cmd_generate if args.endpoint else generate_once  # served: the run goes to the server
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"repeat {i + 1} of {args.repeat}", file=sys.stderr)
-        code = single(args)
+        code = generate_once(args)
         if code:
             return code
     return 0
@@ -84,34 +96,43 @@ def generate_again(args) -> int:
 
 
 def generate_once(args) -> int:
-    from engine.run.generate import Generation
-    from engine.run.prepare import prepare
+    """A run of the local engine, or of a server with --endpoint: the same spec, the same loop, the same record."""
+    from engine.errors import UserError
+    from engine.run.open import open_run
     from engine.run.record import RecordDeferred
+    from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
     spec = spec_from_args(args)
-    spec.check()
-    store = Store(args.db)
-    gen = Generation(prepare(spec, store), spec.gen, store=store, spec=spec)
+    spec.check()  # bad input is refused before the database is opened
+    run = open_run(spec, Store(args.db))
     try:
-        for event in gen:
+        for event in run:
             if not args.json:
                 print(event.piece, end="", flush=True)
-    except RecordDeferred as exc:
+        _print_result(args, run, run.result)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {what_became_of(run)}", file=sys.stderr, flush=True)
+        return 130
+    except (RecordDeferred, ServedRunError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"\ncancelled: run {gen.run_id} recorded as cancelled", file=sys.stderr)
-        return 130
+    except UserError as exc:  # refused as the run began (a database held too long); nothing was run
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return USER_ERROR
     except Exception as exc:
-        print(f"\nerror: the run failed and was recorded as run {gen.run_id} with status error: {exc}", file=sys.stderr)
+        print(f"\nerror: the run failed ({type(exc).__name__}: {exc}); {what_became_of(run)}", file=sys.stderr)
         return 1
-    result = gen.result
+    return 0
+
+
+def _print_result(args, run, result: dict) -> None:
     if args.json:
         if args.tokens:
-            result["tokens"] = gen.tokens
-            result["steps"] = gen.steps
+            result = {**result, "tokens": run.tokens, "steps": run.steps}
         _print_json(result)
+    elif args.endpoint is not None:
+        served_cli.print_summary(run, result)
     else:
         d = result["distances_ms"]
         print(f"\n\nrun {result['run_id']}: {result['n_new_tokens']} tokens, TTFT {result['ttft_ms']:.1f} ms, "
@@ -122,7 +143,6 @@ def generate_once(args) -> int:
             sp = result["speculative"]
             print(f"speculative: {sp['accepted']} of {sp['drafted']} drafted tokens accepted, "
                   f"{sp['tokens_per_target_forward']:.2f} tokens per target forward", file=sys.stderr)
-    return 0
 
 
 def cmd_quality(args) -> int:
@@ -461,6 +481,7 @@ def _cancel_on_sigterm() -> None:
 
 def main(argv=None) -> int:
     previous = signal.signal(signal.SIGINT, _cancelled)
+    signal.signal(signal.SIGTERM, _cancelled)  # until a command can record a cancellation, as Ctrl-C
     try:
         args = build_parser().parse_args(argv)
         from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)

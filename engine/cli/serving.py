@@ -18,63 +18,38 @@ def add_generate_options(g) -> None:
     g.add_argument("--api-key-env", help="with --endpoint: the environment variable that holds the API key")
     g.add_argument("--gpu", help="with --endpoint: the server's GPU, to split its work into memory and compute "
                                  "with the planner (an estimate)")
-    g.add_argument("--timeout", type=float, default=120.0, help="with --endpoint: seconds a stream may stall")
+    g.add_argument("--timeout", type=float, help="with --endpoint: seconds the stream may go without a token "
+                                                 "(default 120; keep-alive comments do not count)")
+    g.add_argument("--deadline", type=float, help="with --endpoint: seconds the whole run may take (default: the "
+                                                  "timeout plus one second per token of --max-new-tokens)")
 
 
 def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
-LOCAL_ONLY = {"quant": "fp32", "sparsity": 0.0, "no_kv_cache": False, "kv_dtype": "auto", "spec": "none",
-              "top_k": 0, "stop": None}
+def served_fields(args) -> dict:
+    """The RunSpec fields of `generate --endpoint`: backend, server, key, GPU, timeout and deadline."""
+    from engine.run.spec import STALL_TIMEOUT_S
+
+    fields = {"timeout_s": STALL_TIMEOUT_S if args.timeout is None else args.timeout, "deadline_s": args.deadline,
+              "served_model": args.served_model, "api_key_env": args.api_key_env, "gpu": args.gpu}
+    if args.endpoint is not None:
+        fields.update(backend="served", endpoint=args.endpoint)
+    return fields
 
 
-def cmd_generate(args) -> int:
-    from engine.serve import client as served
-    from engine.store.db import Store, StoreError
-
-    local = [f"--{k.replace('_', '-')}" for k, default in LOCAL_ONLY.items() if getattr(args, k, default) != default]
-    if local:
-        one = len(local) == 1
-        print(f"error: {', '.join(local)} only appl{'ies' if one else 'y'} to the local engine: leave "
-              f"{'it' if one else 'them'} out with --endpoint.", file=sys.stderr)
-        return USER_ERROR
-    try:
-        run = served.generate(args.endpoint, served_model=args.served_model, prompt=args.prompt,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed, raw=args.raw, api_key_env=args.api_key_env, gpu=args.gpu,
-                              store=Store(args.db), timeout_s=args.timeout)
-    except (served.ServedError, StoreError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return USER_ERROR
-    try:
-        for event in run:
-            if not args.json:
-                print(event.piece, end="", flush=True)
-    except KeyboardInterrupt:
-        run.close()
-        print(f"\ncancelled: run {run.run_id} recorded as cancelled", file=sys.stderr)
-        return 130
-    except served.ServedRunError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    result = run.result
-    if args.json:
-        if args.tokens:
-            result = {**result, "tokens": run.tokens, "steps": run.steps}
-        _print_json(result)
-        return 0
+def print_summary(run, result: dict) -> None:
+    """The lines after a served run's text: its figures and its buckets."""
     chunks = f" in {result['n_chunks']} chunks" if result["n_chunks"] != result["n_new_tokens"] else ""
     print(f"\n\nrun {result['run_id']} on {run.root} ({run.served_model}): {result['n_new_tokens']} tokens{chunks}, "
-          f"TTFT {result['ttft_ms']:.1f} ms, "
-          f"TPOT {result['tpot_ms'] or 0:.1f} ms, E2E {result['e2e_ms']:.1f} ms (tokens from "
-          f"{result['token_source']}, stopped by {result['stop_reason']})", file=sys.stderr)
+          f"TTFT {result['ttft_ms'] or 0:.1f} ms, TPOT {result['tpot_ms'] or 0:.1f} ms, E2E {result['e2e_ms'] or 0:.1f} ms "
+          f"(tokens from {result['token_source']}, stopped by {result['stop_reason']})", file=sys.stderr)
     d = result["distances_ms"]
     parts = [f"{k} {v:.1f}" for k, v in d.items() if v is not None]
     if d.get("memory") is None:
         parts.append(f"server work {result['server_work_ms']:.1f} (not split: no --gpu)")
     print("buckets (ms): " + ", ".join(parts), file=sys.stderr)
-    return 0
 
 
 def _sweep_config(args, **levels):
@@ -231,20 +206,14 @@ def level_table(levels: list[dict]) -> str:
 
 
 def cmd_serve_vllm(args) -> int:
-    from engine.serve.client import ServedError
-    from engine.serve.vllm import VLLMError, VLLMServer
+    from engine.serve.client import api_key
+    from engine.serve.vllm import VLLMServer
 
-    try:
-        from engine.serve.client import api_key
-
-        key = api_key(args.api_key_env) if args.api_key_env else None
-        server = VLLMServer(port=args.port, dtype=args.dtype, threads=args.threads, api_key=key)
-        print(f"starting vLLM on 127.0.0.1:{server.port} (log {server.log_path}); the first start compiles for "
-              "several minutes", file=sys.stderr)
-        url = server.start()
-    except (VLLMError, ServedError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return USER_ERROR
+    key = api_key(args.api_key_env) if args.api_key_env else None
+    server = VLLMServer(port=args.port, dtype=args.dtype, threads=args.threads, api_key=key)
+    print(f"starting vLLM on 127.0.0.1:{server.port} (log {server.log_path}); the first start compiles for "
+          "several minutes", file=sys.stderr)
+    url = server.start()
     print(url, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

@@ -99,7 +99,6 @@ class Generation:
             cfg.kv_cache, tuple(sparse_layers(lm.model)))
         self.recorder = Recorder(store) if store is not None else None
         self.output = Output(lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
-        self.run_id: int | None = None
         self.status = "pending"
         self.error: str | None = None
         self.stop_reason: str | None = None
@@ -118,6 +117,15 @@ class Generation:
         return self.output.token_ids
 
     @property
+    def run_id(self) -> int | None:
+        return self.recorder.run_id if self.recorder is not None else None
+
+    @property
+    def special_ids(self) -> list[int]:
+        """The tokenizer's special token ids, which a page hides."""
+        return sorted(self.lm.tokenizer.all_special_ids)
+
+    @property
     def cache(self):
         """The run's KV cache (None before the run or with the cache off)."""
         return self.state.cache if self.state else None
@@ -133,16 +141,16 @@ class Generation:
                 **asdict(self.cfg), **({"run_spec": self.spec.to_dict()} if self.spec else {})}
 
     def __iter__(self):
-        if self.recorder is not None:
-            config = self.config_record()
-            self.run_id = self.recorder.start(
-                model=self.lm.name, device=str(self.lm.device), dtype=config["dtype"], config=config,
-                hardware=hardware.hardware_summary(self.lm.device), prompt=self.cfg.prompt,
-                n_prompt_tokens=len(self.prompt_ids), tag=self.tag)
         self.status = "running"
-        sampler = hardware.TelemetrySampler(self.lm.device) if self.telemetry else None
+        sampler = None
         try:
-            if sampler:
+            if self.recorder is not None:
+                config = self.config_record()
+                self.recorder.start(model=self.lm.name, device=str(self.lm.device), dtype=config["dtype"],
+                                    config=config, hardware=hardware.hardware_summary(self.lm.device),
+                                    prompt=self.cfg.prompt, n_prompt_tokens=len(self.prompt_ids), tag=self.tag)
+            if self.telemetry:
+                sampler = hardware.TelemetrySampler(self.lm.device)
                 sampler.__enter__()
             with collector_spared():
                 yield from self._loop(time.perf_counter_ns())
@@ -243,7 +251,7 @@ class Generation:
         metrics = self._summary()
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": list(self.token_ids), **metrics}
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.journal is not None:  # None: no run row was written
             self.recorder.finish(status=self.status, output=self.text, token_ids=self.token_ids,
                                  metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error,
                                  steps=self.steps, tokens=self.tokens, telemetry=self.telemetry_rows)

@@ -2,8 +2,14 @@
 
 Every step and token goes to the journal (engine.store.journal) as it happens, so neither a kill nor a
 database that another process holds loses them; the database is written once, at the end, so no
-token waits for it."""
+token waits for it. Local and served runs keep their records the same way."""
 from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+import duckdb
 
 from engine.store.journal import Journal, journal_path
 from engine.run.rows import columns
@@ -14,18 +20,45 @@ class RecordDeferred(StoreError):
     """The run ended but its rows could not reach the database; they wait in the journal."""
 
 
+@contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: a run row and its
+    journal come into being together, or neither does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
 class Recorder:
     def __init__(self, store: Store):
         self.store = store
         self.run_id: int | None = None
         self.journal: Journal | None = None
+        self.written = False  # the run's ending is in the database
 
     def start(self, *, n_prompt_tokens: int, **run) -> int:
-        self.run_id = self.store.start_run(**run)
-        self.journal = Journal(journal_path(self.store.path, self.run_id))
-        self.journal.write("run", {"run_id": self.run_id, "n_prompt_tokens": n_prompt_tokens})
-        self.journal.flush()
-        return self.run_id
+        """Write a local run's row and open its journal."""
+        with signals_deferred():
+            return self.attach(self.store.start_run(**run), n_prompt_tokens)
+
+    def attach(self, run_id: int, n_prompt_tokens: int | None) -> int:
+        """Open the journal of a run whose row is written (by start, or by the served backend's own insert)."""
+        with signals_deferred():
+            self.run_id = run_id
+            self.journal = Journal(journal_path(self.store.path, run_id))
+            self.journal.write("run", {"run_id": run_id, "n_prompt_tokens": n_prompt_tokens})
+            self.journal.flush()
+        return run_id
 
     def add(self, step_row, token_rows, text: str) -> None:
         """One step's rows and the text it added, handed to the operating system at once."""
@@ -35,21 +68,23 @@ class Recorder:
         self.journal.flush()
 
     def finish(self, *, status: str, output: str, token_ids: list[int], metrics: dict, error: str | None,
-               steps: list[dict], tokens: list[dict], telemetry: list[dict]) -> None:
-        """Write the run's rows and ending in one transaction. If the database cannot be reached, the
-        ending goes to the journal too and RecordDeferred says so."""
+               steps: list[dict], tokens: list[dict], telemetry: list[dict], run_columns: dict | None = None) -> None:
+        """Write the run's rows and ending in one transaction. If the database cannot be reached, or a
+        Ctrl-C or SIGTERM cuts the write short, the ending stays in the journal and RecordDeferred says so."""
         ending = {"status": status, "output": output, "token_ids": list(token_ids), "metrics": metrics,
-                  "error": error}
+                  "error": error, "columns": run_columns}
         self.journal.write("finish", {**ending, "telemetry": telemetry})
         self.journal.flush()
         batches = {name: [{"run_id": self.run_id, **r} for r in rows]
                    for name, rows in (("steps", steps), ("tokens", tokens), ("telemetry", telemetry))}
         try:
             self.store.finish_run(self.run_id, batches=batches, **ending)
-        except StoreError as exc:
+        except (StoreError, KeyboardInterrupt, duckdb.InterruptException) as exc:
             self.journal.close()
+            why = "the write was interrupted" if not isinstance(exc, StoreError) else f"it could not be written ({exc})"
             raise RecordDeferred(
-                f"Run {self.run_id} ended ({status}, {len(token_ids)} tokens) but could not be written to the "
-                f"database ({exc}); its rows are kept in {self.journal.path} and go into the database the next "
-                "time Tokenpath opens it.") from None
+                f"Run {self.run_id} ended ({status}, {len(token_ids)} tokens) but is not in the database yet: {why}; "
+                f"its rows are kept in {self.journal.path} and go into the database the next time Tokenpath opens "
+                "it.") from None
+        self.written = True
         self.journal.close(remove=True)

@@ -58,6 +58,25 @@ class TokenRow(BucketRow):
     gap_ms: float  # the step's wall time for its first token, 0 for the others it emitted
 
 
+@dataclass
+class ServedStepRow(BucketRow):
+    """One streamed chunk of a served run. memory and compute are None when the server's work is not
+    split (no GPU named); server_work_ms then holds their sum."""
+    step: int
+    kind: str  # prefill (the first chunk) or decode
+    n_emitted: int
+    context_len: int
+    wall_ms: float
+    server_work_ms: float
+
+
+@dataclass
+class ServedTokenRow(TokenRow):
+    """One token of a served run: the server's id, the tokenizer's (retokenised), or None when neither is known."""
+    server_work_ms: float
+    retokenised: bool
+
+
 def columns(row: BucketRow) -> dict:
     """A row's columns by name. Its fields are plain numbers and strings, so this is a copy of its
     attributes: dataclasses.asdict walks and deep-copies each value, which costs a decode step

@@ -13,6 +13,21 @@ from engine.errors import UserError
 MAX_NEW_TOKENS_CAP = 4096
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
+STALL_TIMEOUT_S = 120.0  # served: the longest wait for the next token before the run is cut short
+MAX_WAIT_S = 86_400.0  # served: the most a stall timeout or a deadline may be
+DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stall timeout plus this per token
+
+# What a served run cannot honour: the server decides these, so a served spec that sets them is refused
+# (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.
+SERVED_CANNOT = {
+    "kv_cache": ("turning the KV cache off", True), "top_k": ("top-k sampling", 0),
+    "ignore_eos": ("ignoring the end of text", False), "spec": ("speculative decoding", "none"),
+    "kv_dtype": ("a KV-cache precision", "auto"), "weights": ("a weight level", "fp32"),
+    "sparsity": ("activation sparsity", 0.0), "model": ("a local model", "default"),
+}
+LOCAL_CANNOT = {"endpoint": ("a server address", None), "served_model": ("a served model name", None),
+                "api_key_env": ("an API key variable", None), "gpu": ("the server's GPU", None),
+                "timeout_s": ("a stall timeout", STALL_TIMEOUT_S), "deadline_s": ("a deadline", None)}
 
 
 class GenerationError(UserError):
@@ -84,17 +99,47 @@ class RunSpec:
     served_model: str | None = None  # served: the model name the server knows
     api_key_env: str | None = None  # served: the environment variable holding the API key (never the key)
     gpu: str | None = None  # served: the GPU the server runs on, for the planner's memory/compute split
+    timeout_s: float = STALL_TIMEOUT_S  # served: the longest wait for the next token (the stall timer)
+    deadline_s: float | None = None  # served: the most the whole run may take (default: derived from the budget)
     tag: str | None = None  # stored with the run, so the page that asked for it finds it again (story:memory:fp32)
 
     def check(self) -> None:
         self.gen.check()
         if self.backend not in ("local", "served"):
             raise GenerationError(f"Unknown backend '{self.backend}': use local or served.")
-        if self.backend == "served" and not self.endpoint:
-            raise GenerationError("A served run needs the server's URL (--endpoint).")
         _check_number("Sparsity", self.sparsity, 0.0, 0.9, "between 0 and")
+        _check_number("The stall timeout", self.timeout_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
+        if self.deadline_s is not None:
+            _check_number("The deadline", self.deadline_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
+        if self.backend == "served":
+            if not self.endpoint:
+                raise GenerationError("A served run needs the server's URL (--endpoint).")
+            from engine.serve.client import api_root  # the address is refused before anything is opened
+
+            try:
+                api_root(self.endpoint)
+            except UserError as exc:  # the spec's own error, which the pages catch
+                raise GenerationError(str(exc)) from None
+            self._refuse(SERVED_CANNOT, "A served run", "run it on the local engine")
+        else:
+            self._refuse(LOCAL_CANNOT, "A local run", "send the run to a server")
         if self.tag is not None and (not isinstance(self.tag, str) or not 0 < len(self.tag) <= 200):
             raise GenerationError(f"A run's tag is a text of 1 to 200 characters, not {self.tag!r}.")
+
+    def _refuse(self, cannot: dict, run: str, instead: str) -> None:
+        """One sentence naming every setting in `cannot` that differs from its default: the one place a
+        backend refuses what it cannot do, for the command line and the pages alike."""
+        asked = [words for name, (words, default) in cannot.items()
+                 if (getattr(self.gen, name) if hasattr(self.gen, name) else getattr(self, name)) != default]
+        if asked:
+            raise GenerationError(f"{run} cannot honour {', '.join(asked)}: leave {'it' if len(asked) == 1 else 'them'}"
+                                  f" out, or {instead}.")
+
+    @property
+    def deadline(self) -> float:
+        """Seconds the whole served run may take: the explicit deadline, else the stall timeout plus
+        DEADLINE_PER_TOKEN_S for each token of the budget."""
+        return self.deadline_s or self.timeout_s + DEADLINE_PER_TOKEN_S * self.gen.max_new_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)

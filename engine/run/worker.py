@@ -25,11 +25,10 @@ from multiprocessing.connection import Connection
 from engine import access
 from engine.paths import REPO_ROOT
 from engine.measure import hardware
-from engine.serve import client as served
+from engine.serve.client import ServedRunError
 from engine.errors import UserError
-from engine.run.generate import Generation
 from engine.model.loader import pick_device
-from engine.run.prepare import prepare
+from engine.run.open import open_run
 from engine.run.record import RecordDeferred
 from engine.run.spec import RunSpec
 from engine.store.db import Store
@@ -173,30 +172,24 @@ def calibrate(conn, request: dict) -> None:
 
 
 def start(spec: RunSpec, store: Store):
-    """(the run ready to iterate, the special token ids the page hides) for a spec: the local engine, or a
-    served model's stream."""
+    """The run a spec describes (engine.run.open), after the shared dashboard's limits: no requests to other
+    servers, no models it does not offer."""
     spec.check()
-    if spec.backend == "served":
-        if access.shared_mode():  # a shared dashboard sends no requests to addresses its users type
-            raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
-                                     "servers; measure a served model from a dashboard on 127.0.0.1.")
-        g = spec.gen
-        run = served.generate(spec.endpoint, served_model=spec.served_model, prompt=g.prompt,
-                              max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed,
-                              raw=g.raw, api_key_env=spec.api_key_env, gpu=spec.gpu, store=store, tag=spec.tag)
-        return run, []
-    for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
-        if text and not access.model_choice_allowed(text, draft):
-            raise access.AccessError(access.refusal(text))
-    lm = prepare(spec, store)
-    return Generation(lm, spec.gen, store=store, tag=spec.tag, spec=spec), sorted(lm.tokenizer.all_special_ids)
+    if spec.backend == "served" and access.shared_mode():  # a shared dashboard sends no requests to typed addresses
+        raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
+                                 "servers; measure a served model from a dashboard on 127.0.0.1.")
+    if spec.backend == "local":
+        for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
+            if text and not access.model_choice_allowed(text, draft):
+                raise access.AccessError(access.refusal(text))
+    return open_run(spec, store)
 
 
 def run(conn, request: dict) -> None:
     """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
     try:
-        gen, special_ids = start(RunSpec.from_dict(request["spec"]), Store(request["db"]))
-    except (UserError, served.ServedError) as exc:
+        gen = start(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+    except UserError as exc:
         conn.send(("refused", str(exc)))
         return
     except Exception as exc:
@@ -207,7 +200,7 @@ def run(conn, request: dict) -> None:
     try:
         for _ in events:
             if last_sent is None:
-                conn.send(("ready", {"special_ids": special_ids, "run_id": gen.run_id}))
+                conn.send(("ready", {"special_ids": gen.special_ids, "run_id": gen.run_id}))
                 last_sent = time.monotonic()  # the first batch too comes every_s later, not on the first steps
             # in batches, as often as the page redraws: each message wakes the page's process, which
             # then takes a core from the model for a moment
@@ -217,7 +210,7 @@ def run(conn, request: dict) -> None:
             if conn.poll(0) and conn.recv() == "stop":
                 events.close()
                 break
-    except (RecordDeferred, served.ServedRunError) as exc:
+    except (RecordDeferred, ServedRunError) as exc:
         ending = ("failed", str(exc))
     except Exception as exc:  # the engine has recorded the run with status error
         ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")

@@ -3,7 +3,10 @@ request timed chunk by chunk on the client, split with the server's own metrics,
 from __future__ import annotations
 
 import functools
+import json
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,21 +15,22 @@ from urllib.parse import urlsplit
 import httpx2
 import openai
 
+from engine.errors import UserError
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.measure.metrics import percentile
 from engine.paths import DEFAULT_MODEL_NAME
+from engine.run.spec import STALL_TIMEOUT_S, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.store.db import Store
 
-STALL_TIMEOUT_S = 120.0  # the longest wait for the next byte of a stream before the run is cut short
 CONNECT_TIMEOUT_S = 10.0
-MAX_NEW_TOKENS_CAP = 4096
+BUDGET_GRACE_S = 2.0  # after the budget's last token: how long to wait for the server's usage and finish
 
 
-class ServedError(Exception):
+class ServedError(UserError):
     """The server cannot be used as asked; the message is one sentence for the user."""
 
 
@@ -34,11 +38,19 @@ class ServedRunError(ServedError):
     """A served run that started failed or was cut short; it is recorded with the tokens it got."""
 
 
+class MalformedStream(httpx2.DecodingError):
+    """A streamed line that is not JSON, or JSON not shaped as an OpenAI chunk; str() says which."""
+
+
 def api_root(endpoint: str) -> str:
     """scheme://host:port of an endpoint given with or without /v1; keys never travel in the URL."""
-    parts = urlsplit((endpoint or "").strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ServedError(f"'{endpoint}' is not a server address: give one like http://127.0.0.1:8000.")
+    try:
+        parts = urlsplit((endpoint or "").strip())
+        hostname = parts.hostname
+    except ValueError:  # an unclosed [ of an IPv6 address, and the like
+        parts = hostname = None
+    if parts is None or parts.scheme not in ("http", "https") or not hostname or any(c.isspace() for c in endpoint):
+        raise ServedError(f"'{str(endpoint)[:200]}' is not a server address: give one like http://127.0.0.1:8000.")
     if parts.username or parts.password or parts.query:
         raise ServedError("Put no credentials or query in the server address: name the environment variable that "
                           "holds the API key with --api-key-env.")
@@ -47,7 +59,8 @@ def api_root(endpoint: str) -> str:
     except ValueError:
         raise ServedError(f"'{endpoint}' has a port that is not a number between 0 and 65535.") from None
     path = parts.path.rstrip("/").removesuffix("/v1")
-    return f"{parts.scheme}://{parts.hostname}{port}{path}"
+    host = f"[{hostname}]" if ":" in hostname else hostname
+    return f"{parts.scheme}://{host}{port}{path}"
 
 
 def api_key(api_key_env: str | None) -> str:
@@ -71,6 +84,8 @@ def make_client(endpoint: str, api_key_env: str | None = None, timeout_s: float 
 
 def explain(exc: Exception, root: str, timeout_s: float | None = None, api_key_env: str | None = None) -> str:
     """One sentence for a failed call to the server."""
+    if isinstance(exc, MalformedStream):
+        return f"The server at {root} sent {exc}, so the stream was abandoned."
     if isinstance(exc, (openai.APITimeoutError, httpx2.TimeoutException)):
         return f"The server at {root} sent nothing for {timeout_s or STALL_TIMEOUT_S:g} s, so the request was abandoned."
     if isinstance(exc, openai.AuthenticationError) or getattr(exc, "status_code", None) in (401, 403):
@@ -115,12 +130,17 @@ def _models(client: openai.OpenAI, root: str, api_key_env: str | None, timeout_s
     return names
 
 
-def round_trip_ms(client: openai.OpenAI, tries: int = 3) -> float:
+def round_trip_ms(client: openai.OpenAI, tries: int = 3, api_key_env: str | None = None) -> float:
     """The quickest of a few GET /v1/models: the network's round trip plus the server's least work."""
     best = float("inf")
     for _ in range(tries):
         t0 = time.perf_counter_ns()
-        client.models.list()
+        try:
+            client.models.list()
+        except (openai.APIError, httpx2.HTTPError) as exc:
+            root = str(client.base_url).rstrip("/").removesuffix("/v1")
+            raise ServedError(explain(exc, root, client.timeout.read, api_key_env).rstrip(".") +
+                              " (while timing the round trip).") from None
         best = min(best, (time.perf_counter_ns() - t0) / 1e6)
     return best
 
@@ -162,9 +182,11 @@ class StreamResult:
 
 
 def request_body(*, model: str, prompt: str, raw: bool, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, token_ids: bool) -> dict:
+                 seed: int | None, token_ids: bool, stop: list[str] | None = None) -> dict:
     body = {"model": model, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "stream": True, "stream_options": {"include_usage": True}}
+    if stop:
+        body["stop"] = list(stop)
     if seed is not None:
         body["seed"] = seed
     if token_ids:  # vLLM streams each chunk's token ids on request; other servers are not sent the field
@@ -183,25 +205,53 @@ def open_stream(client: openai.OpenAI, body: dict):
     return client.chat.completions.create(**body)
 
 
+SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError)
+
+
 def read_stream(stream, result: StreamResult):
-    """Yield a Chunk for each chunk with output; fill result from the chunks without."""
-    for event in stream:
-        t_ns = time.perf_counter_ns()
-        extra = event.model_extra or {}
-        if event.usage is not None:
-            result.usage_prompt = event.usage.prompt_tokens
-            result.usage_completion = event.usage.completion_tokens
-        if extra.get("timings"):
-            result.timings = extra["timings"]
-        if not event.choices:
-            continue
-        choice = event.choices[0]
-        if choice.finish_reason:
-            result.finish_reason = choice.finish_reason
-        text = choice.delta.content if hasattr(choice, "delta") else choice.text
-        ids = (choice.model_extra or {}).get("token_ids")
-        if text or ids:
-            yield Chunk(t_ns=t_ns, text=text or "", token_ids=list(ids) if ids else None)
+    """Yield a Chunk for each chunk with output; fill result from the chunks without. A line that is
+    not JSON, or not shaped as a chunk, raises MalformedStream."""
+    events = iter(stream)
+    while True:
+        try:
+            event = next(events)
+        except StopIteration:
+            return
+        except ValueError as exc:  # json's decoding error
+            raise MalformedStream(f"a stream line that is not JSON ({str(exc)[:80]})") from None
+        try:
+            chunk = _chunk(event, result, time.perf_counter_ns())
+        except SHAPE_ERRORS:
+            raise MalformedStream("JSON that is not shaped as an OpenAI stream chunk") from None
+        if chunk is not None:
+            yield chunk
+
+
+def _chunk(event, result: StreamResult, t_ns: int) -> Chunk | None:
+    extra = event.model_extra or {}
+    if event.usage is not None:
+        result.usage_prompt = _count(event.usage.prompt_tokens)
+        result.usage_completion = _count(event.usage.completion_tokens)
+    if extra.get("timings"):
+        result.timings = dict(extra["timings"])
+    if not event.choices:
+        return None
+    choice = event.choices[0]
+    if choice.finish_reason:
+        result.finish_reason = str(choice.finish_reason)
+    text = choice.delta.content if hasattr(choice, "delta") else choice.text
+    ids = (choice.model_extra or {}).get("token_ids")
+    if text is not None and not isinstance(text, str):
+        raise TypeError("text")
+    if ids is not None and not all(isinstance(i, int) for i in ids):
+        raise TypeError("token ids")
+    return Chunk(t_ns=t_ns, text=text or "", token_ids=list(ids) if ids else None) if text or ids else None
+
+
+def _count(value) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise TypeError("usage")
+    return value
 
 
 class TokenCounter:
@@ -246,11 +296,8 @@ def planner_split(gpu: str | None, served_model: str, context_tokens: int, batch
     fractions of server work, or None without a GPU."""
     if not gpu:
         return None
-    try:
-        from engine.plan.planner import server_work_split
-    except ImportError:
-        raise ServedError("Splitting server work for a named GPU needs the planner (engine.plan.planner), which this copy "
-                          "lacks: leave the GPU out.") from None
+    from engine.plan.planner import server_work_split
+
     model = served_model
     if served_model == DEFAULT_MODEL_NAME or Path(served_model).name == DEFAULT_MODEL_NAME:
         from engine.model.loader import default_model_dir  # the model's folder only when it is the default
@@ -261,52 +308,115 @@ def planner_split(gpu: str | None, served_model: str, context_tokens: int, batch
         raise ServedError(str(exc)) from None
 
 
+class Watchdog:
+    """Ends a stream that brings no token for timeout_s or runs past its deadline, from a thread of its
+    own: a read blocked on a server that sends only keep-alive comments, or drips, wakes up at once."""
+
+    def __init__(self, timeout_s: float, deadline_s: float):
+        self.timeout_s, self.deadline_s = timeout_s, deadline_s
+        self.t0 = self.last = time.monotonic()
+        self.reason: str | None = None
+        self._stream = None
+        self._done = threading.Event()
+
+    def watch(self, stream) -> None:
+        self._stream = stream
+        threading.Thread(target=self._run, daemon=True, name="tokenpath-watchdog").start()
+
+    def progress(self) -> None:
+        self.last = time.monotonic()
+
+    def shorten(self, seconds: float) -> None:
+        """End the stream within `seconds` from now, whatever comes."""
+        self.deadline_s = min(self.deadline_s, time.monotonic() - self.t0 + seconds)
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.05):
+            now = time.monotonic()
+            if now - self.last > self.timeout_s:
+                self.reason = f"sent no token for {self.timeout_s:g} s"
+            elif now - self.t0 > self.deadline_s:
+                self.reason = f"did not finish within the run's deadline of {self.deadline_s:g} s"
+            if self.reason:
+                _cut(self._stream)
+                return
+
+
+def _cut(stream) -> None:
+    """Shut the stream's socket down, which wakes a read blocked on it in another thread."""
+    network = stream.response.extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+    if sock is None:
+        stream.close()
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
 class ServedRun:
-    """One served run. Iterate it for ChunkEvents; close() (or leaving the loop) cancels the request.
+    """One served run of a RunSpec whose backend is 'served'. Iterate it for ChunkEvents; close() (or
+    leaving the loop) cancels the request.
 
-    After iteration: status, text, token_ids, steps, tokens, result, run_id, like engine.run.generate.Generation."""
+    Like engine.run.generate.Generation: after iteration status, text, token_ids, steps, tokens,
+    result and run_id; every chunk goes to the run's journal as it arrives, so a kill keeps it. The
+    run ends at its own token budget (it closes the stream), at the stall timer (spec.timeout_s
+    without a token: keep-alive comments and empty chunks are no progress) and at its deadline."""
 
-    def __init__(self, endpoint: str, *, served_model: str | None, prompt: str, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, raw: bool = False,
-                 api_key_env: str | None = None, gpu: str | None = None, store: Store | None = None,
-                 timeout_s: float = STALL_TIMEOUT_S, tag: str | None = None):
-        if not prompt or not prompt.strip():
-            raise ServedError("The prompt is empty: type something for the model to continue.")
-        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_CAP:
-            raise ServedError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_CAP}, not {max_new_tokens}.")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ServedError("temperature must be 0 (greedy) or positive, and top_p in (0, 1].")
-        self.root, self.api_key_env, self.timeout_s, self.store, self.gpu = (
-            api_root(endpoint), api_key_env, timeout_s, store, gpu)
-        self.client = make_client(endpoint, api_key_env, timeout_s, connections=2)
-        models = _models(self.client, self.root, api_key_env, timeout_s)
-        if served_model and served_model not in models:
-            raise ServedError(f"The server at {self.root} has no model '{served_model}'; it serves: "
+    def __init__(self, spec: RunSpec, store: Store | None = None):
+        spec.check()
+        g = spec.gen
+        self.spec, self.store, self.gpu, self.api_key_env = spec, store, spec.gpu, spec.api_key_env
+        self.timeout_s, self.budget = spec.timeout_s, g.max_new_tokens
+        self.root = api_root(spec.endpoint)
+        # the watchdog ends a stall at timeout_s; the client's own read timeout is only its backstop
+        self.client = make_client(spec.endpoint, spec.api_key_env, spec.timeout_s + 1.0, connections=2)
+        models = _models(self.client, self.root, spec.api_key_env, spec.timeout_s)
+        if spec.served_model and spec.served_model not in models:
+            raise ServedError(f"The server at {self.root} has no model '{spec.served_model}'; it serves: "
                               f"{', '.join(models[:8])}.")
-        self.served_model = served_model or models[0]
-        planner_split(gpu, self.served_model, 1)  # an unknown GPU or model is refused before the request
-        self.rtt_ms = round_trip_ms(self.client)
+        self.served_model = spec.served_model or models[0]
+        planner_split(spec.gpu, self.served_model, 1)  # an unknown GPU or model is refused before the request
+        self.rtt_ms = round_trip_ms(self.client, api_key_env=spec.api_key_env)
         self.before = server_metrics.scrape(self.root)
         self.server_kind = "vllm" if server_metrics.is_vllm(self.before) else "openai-compatible"
-        self.body = request_body(model=self.served_model, prompt=prompt, raw=raw, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, seed=seed, token_ids=self.server_kind == "vllm")
-        self.config = {"endpoint": self.root, "served_model": self.served_model, "max_new_tokens": max_new_tokens,
-                       "temperature": temperature, "top_p": top_p, "seed": seed, "raw": raw, "gpu": gpu,
-                       "api_key_env": api_key_env, "server_kind": self.server_kind, "timeout_s": timeout_s}
-        if tag:
-            self.config["tag"] = tag
-        self.prompt = prompt
+        self.body = request_body(model=self.served_model, prompt=g.prompt, raw=g.raw, max_new_tokens=g.max_new_tokens,
+                                 temperature=g.temperature, top_p=g.top_p, seed=g.seed, stop=g.stop,
+                                 token_ids=self.server_kind == "vllm")
+        self.config = {"endpoint": self.root, "served_model": self.served_model, "max_new_tokens": g.max_new_tokens,
+                       "temperature": g.temperature, "top_p": g.top_p, "seed": g.seed, "raw": g.raw, "stop": g.stop,
+                       "gpu": spec.gpu, "api_key_env": spec.api_key_env, "server_kind": self.server_kind,
+                       "timeout_s": spec.timeout_s, "deadline_s": spec.deadline,
+                       "run_spec": spec.to_dict()}  # stored whole with the run, so the run can be made again
+        if spec.tag:
+            self.config["tag"] = spec.tag
+        self.prompt = g.prompt
         self.counter = TokenCounter(None if self.server_kind == "vllm" else tokenizer_for(self.served_model))
-        self.run_id: int | None = None
-        self.status, self.error, self.text = "pending", None, ""
+        if store is not None:
+            from engine.run.record import Recorder  # the rows' module loads torch: only when a run is recorded
+
+            self.recorder = Recorder(store)
+        else:
+            self.recorder = None
+        self.status, self.error, self.stop_reason, self.text = "pending", None, None, ""
         self.token_ids: list[int | None] = []
         self.chunks: list[tuple[float, list[int | None], str]] = []  # (t_ms, token ids, text) per chunk
         self.steps: list[dict] = []
         self.tokens: list[dict] = []
-        self.live_tokens: list[dict] = []  # a provisional row per chunk while streaming (tokens come at the end)
+        self.live_tokens: list[dict] = []  # a provisional row per token while streaming (final ones come at the end)
         self.result: dict | None = None
         self.stream_result = StreamResult()
         self._events = self._run()
+
+    special_ids: list[int] = []  # a server streams text without special tokens
+
+    @property
+    def run_id(self) -> int | None:
+        return self.recorder.run_id if self.recorder is not None else None
 
     def __iter__(self):
         return self
@@ -318,46 +428,83 @@ class ServedRun:
         self._events.close()
 
     def _run(self):
-        if self.store is not None:
-            self.run_id = served_store.start_run(self.store, endpoint=self.root, server_model=self.served_model,
-                                                 config=self.config, prompt=self.prompt)
         self.status = "running"
-        stream = None
-        t0 = time.perf_counter_ns()
+        stream = watchdog = None
         try:
+            if self.recorder is not None:
+                self.recorder.attach(
+                    served_store.start_run(self.store, endpoint=self.root, server_model=self.served_model,
+                                           config=self.config, prompt=self.prompt), None)
+            t0 = time.perf_counter_ns()
+            watchdog = Watchdog(self.timeout_s, self.spec.deadline)
             stream = open_stream(self.client, self.body)
+            watchdog.watch(stream)
             for chunk in read_stream(stream, self.stream_result):
+                if len(self.token_ids) >= self.budget:  # the server goes on past the budget: stop reading
+                    break
+                watchdog.progress()
                 yield self._take(chunk, t0)
-            if self.stream_result.finish_reason is None:
+                if len(self.token_ids) >= self.budget:
+                    watchdog.shorten(BUDGET_GRACE_S)  # time for the usage and finish that follow the last token
+            self.status, self.stop_reason = "ok", self.stream_result.finish_reason
+            if self.stop_reason is None and len(self.token_ids) < self.budget:
                 raise httpx2.RemoteProtocolError("the stream ended without a finish reason")
-            self.status = "ok"
-        except GeneratorExit:
-            self.status = "cancelled"
+            self.stop_reason = self.stop_reason or "length"
+        except (GeneratorExit, KeyboardInterrupt):
+            self.status = self.stop_reason = "cancelled"
             raise
-        except (openai.APIError, httpx2.HTTPError) as exc:
-            self.status = "interrupted" if self.chunks else "error"
-            self.error = explain(exc, self.root, self.timeout_s, self.api_key_env)
-            raise ServedRunError(self.error + (f" Recorded as run {self.run_id} with {len(self.token_ids)} tokens."
-                                               if self.run_id else "")) from None
+        except Exception as exc:
+            cut = watchdog.reason if watchdog is not None else None
+            if not cut and not isinstance(exc, (openai.APIError, httpx2.HTTPError)):  # not the server's fault
+                self.status, self.error = "error", f"{type(exc).__name__}: {exc}"
+                raise
+            if len(self.token_ids) >= self.budget:
+                self.status, self.stop_reason = "ok", "length"  # the budget was reached; only the ending was late
+            else:
+                self.status = self.stop_reason = "interrupted" if self.chunks else "error"
+                self.error = (f"The server at {self.root} {cut}, so the run was cut short." if cut else
+                              explain(exc, self.root, self.timeout_s, self.api_key_env))
+                raise ServedRunError(self.error + (f" Recorded as run {self.run_id} with {len(self.token_ids)} "
+                                                   "tokens." if self.run_id else "")) from None
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             if stream is not None:
                 stream.close()  # a closed connection makes the server abort the request
             self._finish()
 
     def _take(self, chunk: Chunk, t0: int) -> ChunkEvent:
+        """One chunk into the run: its provisional rows go to the journal at once."""
+        from engine.run.rows import ServedStepRow, ServedTokenRow
+
         ids = self.counter.count(chunk)
         t_ms = (chunk.t_ns - t0) / 1e6
         gap = t_ms - (self.chunks[-1][0] if self.chunks else 0.0)
         first = len(self.token_ids)
+        step = len(self.chunks)
         self.chunks.append((t_ms, ids, chunk.text))
         self.token_ids.extend(ids)
         self.text += chunk.text
         provisional = served_split.chunk_buckets([gap], self.rtt_ms if not first else 0.0, None)[0]
-        self.live_tokens.append({"idx": len(self.live_tokens), "step": len(self.chunks) - 1,
-                                 "token_id": ids[0] if ids else None, "piece": chunk.text, "t_ms": t_ms,
-                                 "gap_ms": gap, **provisional})
-        return ChunkEvent(index=len(self.chunks) - 1, first_token=first, piece=chunk.text, token_ids=ids, t_ms=t_ms,
+        step_row = ServedStepRow(step=step, kind="prefill" if step == 0 else "decode", n_emitted=len(ids),
+                                 context_len=first + len(ids), wall_ms=gap, **provisional)
+        token_rows = [ServedTokenRow(idx=first + i, step=step, token_id=token, piece=self._piece(token, chunk.text, i),
+                                     t_ms=t_ms, gap_ms=gap if i == 0 else 0.0, retokenised=self._retokenised,
+                                     **{k: (v / len(ids) if v is not None else None) for k, v in provisional.items()})
+                      for i, token in enumerate(ids)]
+        if self.recorder is not None:
+            self.recorder.add(step_row, token_rows, chunk.text)
+        self.live_tokens.extend(vars(r) for r in token_rows)
+        return ChunkEvent(index=step, first_token=first, piece=chunk.text, token_ids=ids, t_ms=t_ms,
                           gap_ms=gap, buckets=provisional)
+
+    @property
+    def _retokenised(self) -> bool:
+        return self.counter.source == "tokenizer"
+
+    def _piece(self, token: int | None, text: str, i: int) -> str:
+        tokenizer = self.counter.tokenizer
+        return tokenizer.decode([token]) if tokenizer is not None and token is not None else (text if i == 0 else "")
 
     def _finish(self) -> None:
         after = server_metrics.scrape(self.root)
@@ -371,33 +518,39 @@ class ServedRun:
         gaps = [b - a for a, b in zip([0.0] + times, times)]
         rows = served_split.chunk_buckets(gaps, self.rtt_ms, server, fractions)
         self._rows(rows, prompt_tokens or 0)
-        metrics = request_metrics(times, counts, self.stream_result.usage_completion if self.status == "ok" else None)
+        usage = self.stream_result.usage_completion if self.status == "ok" else None
+        metrics = request_metrics(times, counts, usage)
         metrics.update(self._summary(metrics, rows, prompt_tokens, server))
         source = self.counter.source or "chunks"
-        provenance = served_split.provenance(source, server, self.rtt_ms, self.gpu, fractions)
+        if source != "server" and usage:
+            source = "usage"  # the count is the server's; the rows are the tokenizer's or the chunks'
+        provenance = served_split.provenance(source, server, self.rtt_ms, self.gpu, fractions,
+                                             len(self.tokens) if self._retokenised else None)
         real_ids = [t for t in self.token_ids if t is not None]
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": real_ids, "provenance": provenance, **metrics}
-        if self.store is not None and self.run_id is not None:
-            served_store.finish_run(self.store, self.run_id, status=self.status, output=self.text,
-                                    token_ids=real_ids, metrics={k: v for k, v in metrics.items() if k != "itl_ms"},
-                                    provenance=provenance, error=self.error, steps=self.steps, tokens=self.tokens)
+        if self.recorder is not None and self.recorder.journal is not None:
+            self.recorder.finish(status=self.status, output=self.text, token_ids=real_ids,
+                                 metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error,
+                                 steps=self.steps, tokens=self.tokens, telemetry=[],
+                                 run_columns={"provenance": json.dumps(provenance),
+                                              "server_work_ms": metrics.get("server_work_ms")})
 
     def _rows(self, rows: list[dict], prompt_tokens: int) -> None:
         """A step row per chunk and a token row per token, the chunk's buckets divided over its tokens."""
-        tokenizer = self.counter.tokenizer
+        from engine.run.rows import ServedStepRow, ServedTokenRow, columns
+
         context = prompt_tokens
         for step, ((t_ms, ids, text), row) in enumerate(zip(self.chunks, rows)):
             gap = t_ms - (self.chunks[step - 1][0] if step else 0.0)
             context += len(ids)
-            self.steps.append({"step": step, "kind": "prefill" if step == 0 else "decode", "n_emitted": len(ids),
-                               "context_len": context, "wall_ms": gap, **row})
+            self.steps.append(columns(ServedStepRow(step=step, kind="prefill" if step == 0 else "decode",
+                                                    n_emitted=len(ids), context_len=context, wall_ms=gap, **row)))
             share = {k: (v / len(ids) if v is not None else None) for k, v in row.items()}
             for i, token in enumerate(ids):
-                piece = tokenizer.decode([token]) if tokenizer is not None and token is not None else (
-                    text if i == 0 else "")
-                self.tokens.append({"idx": len(self.tokens), "step": step, "token_id": token, "piece": piece,
-                                    "t_ms": t_ms, "gap_ms": gap if i == 0 else 0.0, **share})
+                self.tokens.append(columns(ServedTokenRow(
+                    idx=len(self.tokens), step=step, token_id=token, piece=self._piece(token, text, i), t_ms=t_ms,
+                    gap_ms=gap if i == 0 else 0.0, retokenised=self._retokenised, **share)))
 
     def _summary(self, metrics: dict, rows: list[dict], prompt_tokens: int | None, server: dict | None) -> dict:
         """The run row's summary figures beside the request metrics."""
@@ -410,16 +563,6 @@ class ServedRun:
             "itl_p50_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90), "itl_p99_ms": percentile(itl, 99),
             "distances_ms": totals if rows else {}, "server_work_ms": sum(r["server_work_ms"] for r in rows),
             "rtt_ms": self.rtt_ms, "server": server, "server_kind": self.server_kind,
-            "token_source": self.counter.source or "chunks", "stop_reason": self.stream_result.finish_reason,
-            "usage_completion_tokens": self.stream_result.usage_completion,
+            "token_source": self.counter.source or "chunks", "stop_reason": self.stop_reason,
+            "usage_completion_tokens": self.stream_result.usage_completion, "n_token_rows": len(self.tokens),
         }
-
-
-def generate(endpoint: str, *, served_model: str | None, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, raw: bool = False, api_key_env: str | None = None,
-             gpu: str | None = None, store: Store | None = None, timeout_s: float = STALL_TIMEOUT_S,
-             tag: str | None = None) -> ServedRun:
-    """A served run, ready to iterate: its ChunkEvents, then .result, .tokens, .steps, .run_id, .status."""
-    return ServedRun(endpoint, served_model=served_model, prompt=prompt, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, seed=seed, raw=raw, api_key_env=api_key_env, gpu=gpu,
-                     store=store, timeout_s=timeout_s, tag=tag)

@@ -22,6 +22,7 @@ from engine.measure.arrivals import lengths, schedule
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.paths import workloads
+from engine.run.spec import GenConfig, RunSpec
 from engine.serve.client import (STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, _models, api_root, explain,
                                  make_client, open_stream, read_stream, request_body, round_trip_ms, tokenizer_for)
 from engine.serve.metrics import level_summary, request_metrics, spread
@@ -94,6 +95,9 @@ class SweepConfig:
             raise ServedError(f"--warmup must be between 0 and {MAX_WARMUP} requests, not {self.warmup}.")
         if not self.prompts and self.input_tokens is None and not self.trace:
             raise ServedError("The sweep has no prompts.")
+        # the sampling settings and the stall timeout are checked as a served run's are
+        RunSpec(gen=GenConfig("load", max_new_tokens=self.max_new_tokens, temperature=self.temperature),
+                backend="served", endpoint=self.endpoint, timeout_s=self.timeout_s).check()
 
     def levels(self) -> list[dict]:
         """One spec per level: a concurrency, or a rate with how its arrivals come."""

@@ -8,7 +8,7 @@ import socket
 import psutil
 
 from engine.store.recovery import process_alive
-from engine.store.sql import complete_run, insert_batches, utcnow
+from engine.store.sql import utcnow
 from engine.store.db import Store
 
 def _owner() -> dict:
@@ -27,19 +27,6 @@ def start_run(store: Store, *, endpoint: str, server_model: str, config: dict, p
     with store.connect() as con:
         return con.execute(f"INSERT INTO runs ({names}) VALUES ({', '.join('?' for _ in row)}) RETURNING run_id",
                            list(row.values())).fetchone()[0]
-
-
-def finish_run(store: Store, run_id: int, *, status: str, output: str, token_ids: list[int], metrics: dict,
-               provenance: dict, error: str | None, steps: list[dict], tokens: list[dict]) -> None:
-    """Write the run's steps and tokens and complete its row, in one transaction."""
-    with store.connect() as con:
-        con.execute("BEGIN")
-        insert_batches(con, {"steps": [{"run_id": run_id, **r} for r in steps],
-                             "tokens": [{"run_id": run_id, **r} for r in tokens]})
-        complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error)
-        con.execute("UPDATE runs SET provenance = ?, server_work_ms = ? WHERE run_id = ?",
-                    [json.dumps(provenance), metrics.get("server_work_ms"), run_id])
-        con.execute("COMMIT")
 
 
 def start_sweep(store: Store, *, endpoint: str, server_model: str, config: dict, kind: str = "concurrency") -> int:

@@ -69,10 +69,12 @@ def normalised(fractions: dict | None) -> dict | None:
 
 
 def provenance(token_source: str, server: dict | None, rtt_ms: float | None, gpu: str | None,
-               fractions: dict | None) -> dict:
-    """{figure: {'source': client|server|estimate|none, 'how': one line}} for a served run."""
+               fractions: dict | None, token_rows: int | None = None) -> dict:
+    """{figure: {'source': client|server|estimate|none, 'how': one line}} for a served run; token_rows
+    is how many token rows it has, which differs from the server's usage count when they were re-tokenised."""
     from_server = server.get("source", "vLLM /metrics") if server else None
-    tokens_how = {"server": "token ids the server streamed", "usage": "the server's usage count, spread over chunks",
+    rows = f"; its {token_rows} token rows re-tokenised from the streamed text" if token_rows is not None else ""
+    tokens_how = {"server": "token ids the server streamed", "usage": "the server's usage count" + rows,
                   "tokenizer": "the model's tokenizer run on the streamed text",
                   "chunks": "counted as one token per chunk (no token ids, no tokenizer)"}[token_source]
     out = {

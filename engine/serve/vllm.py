@@ -12,17 +12,18 @@ from pathlib import Path
 
 import httpx2
 
-from engine.paths import DEFAULT_MODEL_NAME
-from engine.paths import REPO_ROOT
+from engine.errors import UserError
+from engine.paths import DEFAULT_MODEL_NAME, REPO_ROOT
 
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
 HOST = "127.0.0.1"
 # the first start compiles the model's graphs (minutes on two cores); later starts reuse the cache
 START_TIMEOUT_S = 900.0
 DTYPES = ("bfloat16", "float32")
+MAX_THREADS = 1024
 
 
-class VLLMError(Exception):
+class VLLMError(UserError):
     """vLLM could not be started; the message is one sentence for the user."""
 
 
@@ -67,6 +68,10 @@ class VLLMServer:
                  api_key: str | None = None):
         if dtype not in DTYPES:
             raise VLLMError(f"Unknown dtype '{dtype}' for vLLM: use one of {', '.join(DTYPES)}.")
+        if port is not None and not 1 <= port <= 65535:
+            raise VLLMError(f"--port must be a port number from 1 to 65535, not {port}; leave it out for a free one.")
+        if not 1 <= threads <= MAX_THREADS:
+            raise VLLMError(f"--threads must be a whole number from 1 to {MAX_THREADS}, not {threads}.")
         self.port = port or free_port()
         self.dtype, self.threads, self.max_model_len = dtype, threads, max_model_len
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/tokenpath-vllm-{self.port}.log")

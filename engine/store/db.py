@@ -114,12 +114,14 @@ class Store:
             ).fetchone()[0]
 
     def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
-                   error: str | None = None, batches: dict[str, list[dict]] | None = None) -> None:
+                   error: str | None = None, batches: dict[str, list[dict]] | None = None,
+                   columns: dict | None = None) -> None:
         """Write the run's rows and complete its row, in one transaction."""
         with self.connect() as con:
             con.execute("BEGIN")
             insert_batches(con, batches or {})
-            complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error)
+            complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error,
+                         columns=columns)
             con.execute("COMMIT")
 
     def insert(self, batches: dict[str, list[dict]]) -> None:

@@ -65,7 +65,9 @@ def totals(kept: dict) -> dict:
     """The summary an interrupted run's rows add up to."""
     metrics = run_metrics([t["t_ms"] for t in kept["tokens"]], kept["run"].get("n_prompt_tokens"))
     metrics.pop("itl_ms")
-    metrics["distances_ms"] = {b: sum(s[f"{b}_ms"] for s in kept["steps"]) for b in BUCKETS}
+    # a served run's memory and compute are None where its server work was not split
+    metrics["distances_ms"] = {b: None if any(s[f"{b}_ms"] is None for s in kept["steps"])
+                               else sum(s[f"{b}_ms"] for s in kept["steps"]) for b in BUCKETS}
     metrics["stop_reason"] = "interrupted"
     return metrics
 

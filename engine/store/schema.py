@@ -3,7 +3,7 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from engine.measure.distances import BUCKETS
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 8
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -75,7 +75,10 @@ MIGRATIONS = {
     6: [  # a run's tag, such as story:memory:fp32, so a page finds the runs it made again
         "ALTER TABLE runs ADD COLUMN tag VARCHAR",
     ],
-    9: [  # load sweeps at a request rate: each request's level, rate and schedule, goodput, capacity searches
+    7: [  # a served run's token rows made by the model's tokenizer from the streamed text, not the server's ids
+        "ALTER TABLE tokens ADD COLUMN retokenised BOOLEAN",
+    ],
+    8: [  # load sweeps at a request rate: each request's level, rate and schedule, goodput, capacity searches
         "ALTER TABLE load_sweeps ADD COLUMN kind VARCHAR",  # concurrency, rate or capacity
         "ALTER TABLE load_sweeps ADD COLUMN result VARCHAR",  # JSON: a capacity search's answer
         "ALTER TABLE requests ADD COLUMN level INTEGER",  # the level's position in the sweep, -1 for warm-up

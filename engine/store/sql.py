@@ -16,17 +16,25 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
+EXTRA_COLUMNS = ("provenance", "server_work_ms")  # run columns only some backends set (a served run's)
+
+
 def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metrics: dict | None,
-                 error: str | None) -> None:
-    """Set a run's end: status, output, summary metrics and bucket totals (inside the caller's transaction)."""
+                 error: str | None, columns: dict | None = None) -> None:
+    """Set a run's end: status, output, summary metrics and bucket totals, and any of EXTRA_COLUMNS
+    (inside the caller's transaction)."""
     metrics = dict(metrics or {})
     distances = metrics.get("distances_ms") or {}
-    columns = list(RUN_COLUMNS) + [f"{b}_ms" for b in BUCKETS]
+    names = list(RUN_COLUMNS) + [f"{b}_ms" for b in BUCKETS]
     values = [metrics.get(c) for c in RUN_COLUMNS] + [distances.get(b) for b in BUCKETS]
-    assignments = ", ".join(f"{c} = ?" for c in columns)
+    assignments = ", ".join(f"{c} = ?" for c in names)
     con.execute(f"UPDATE runs SET finished_at = ?, status = ?, output = ?, token_ids = ?, metrics = ?, error = ?, "
                 f"{assignments} WHERE run_id = ?",
                 [utcnow(), status, output, list(token_ids), json.dumps(metrics, default=str), error, *values, run_id])
+    extra = {c: v for c, v in (columns or {}).items() if c in EXTRA_COLUMNS}
+    if extra:
+        con.execute(f"UPDATE runs SET {', '.join(f'{c} = ?' for c in extra)} WHERE run_id = ?",
+                    [*extra.values(), run_id])
 
 
 def insert_batches(con, batches: dict[str, list[dict]]) -> None:
