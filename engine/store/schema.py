@@ -3,7 +3,6 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from engine.measure.distances import BUCKETS
 
-SCHEMA_VERSION = 9
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -75,6 +74,9 @@ MIGRATIONS = {
     6: [  # a run's tag, such as story:memory:fp32, so a page finds the runs it made again
         "ALTER TABLE runs ADD COLUMN tag VARCHAR",
     ],
+    8: [  # batching: how many sequences shared each step's forward
+        "ALTER TABLE steps ADD COLUMN batch INTEGER DEFAULT 1",
+    ],
     9: [  # load sweeps at a request rate: each request's level, rate and schedule, goodput, capacity searches
         "ALTER TABLE load_sweeps ADD COLUMN kind VARCHAR",  # concurrency, rate or capacity
         "ALTER TABLE load_sweeps ADD COLUMN result VARCHAR",  # JSON: a capacity search's answer
@@ -87,3 +89,4 @@ MIGRATIONS = {
         "ALTER TABLE load_samples ADD COLUMN in_flight DOUBLE",  # requests sent and not yet ended, by the client
     ],
 }
+SCHEMA_VERSION = max(MIGRATIONS)
