@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from engine.errors import UserError
 from engine.model.cpu_kernels import optional_kernel
 from engine.run.batch import BatchEngine, BatchError
 from engine.run.generate import Generation
@@ -206,7 +207,7 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
         cancelled = engine.submit(PROMPTS[0], max_new_tokens=400, ignore_eos=True)
         cancelled.cancel()
         assert cancelled.wait()["status"] == "cancelled"
-        with pytest.raises(BatchError):
+        with pytest.raises(UserError, match="prompt is empty"):
             engine.submit("", max_new_tokens=4)
     finally:
         engine.close()
