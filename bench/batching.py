@@ -3,7 +3,9 @@ at the fastest level, and one sequence through the batch engine against the plai
 
 Each round measures every (level, batch) once, the order rotating from round to round, so a burst of load on
 a shared machine does not favour one of them. A batch's decode rate is B tokens over the median step once every
-sequence is past its prefill; per user it is one token over that step. The single-sequence check advances the
+sequence is past its prefill; per user it is one token over that step. On a machine shared with other work a
+step's wall time is mostly waiting for a core, so each step's CPU time (the process's, both threads) is printed
+beside it: tokens per CPU second compare the work a token costs at each batch. The single-sequence check advances the
 plain loop (engine.run.generate) and a one-user batch engine one token each in turn (bench/common.py's in_turn)
 and compares their median decode tokens. Writes bench/results/batching.md.
 
@@ -25,18 +27,20 @@ def request(n: int) -> GenConfig:
     return GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True)
 
 
-def decode_step_ms(lm, users: int, n: int, calibration) -> list[float]:
-    """The wall time of each step of `users` identical requests once all of them decode (no prefill in it)."""
+def decode_step_ms(lm, users: int, n: int, calibration) -> tuple[list[float], list[float]]:
+    """The wall time and the process's CPU time (all its threads) of each step of `users` identical requests
+    once all of them decode (no prefill in it), in ms."""
     engine = BatchEngine(lm, max_batch=users, calibration=calibration)
     seqs = [engine.submit(request(n)) for _ in range(users)]
-    times = []
+    wall, cpu = [], []
     while True:
         all_decoding = all(s.phase == "decode" for s in seqs)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         if not engine.step():
-            return times
-        if all_decoding and all(s.phase != "queued" for s in seqs):
-            times.append((time.perf_counter() - start) * 1e3)
+            return wall, cpu
+        if all_decoding:
+            wall.append((time.perf_counter() - start) * 1e3)
+            cpu.append((time.process_time() - start_cpu) * 1e3)
 
 
 def engine_tokens(lm, n: int, calibration):
@@ -60,9 +64,12 @@ def main() -> None:
     calibration = hardware.calibration_for(base.device)
     cells = [(lv, b) for lv in variants for b in batches]
     step_ms = {cell: [] for cell in cells}
+    cpu_ms = {cell: [] for cell in cells}
     for r in range(args.rounds):
         for lv, b in cells[r % len(cells):] + cells[:r % len(cells)]:
-            step_ms[(lv, b)].append(statistics.median(decode_step_ms(variants[lv], b, args.tokens, calibration)))
+            wall, cpu = decode_step_ms(variants[lv], b, args.tokens, calibration)
+            step_ms[(lv, b)].append(statistics.median(wall))
+            cpu_ms[(lv, b)].append(statistics.median(cpu))
     print(f"model {base.name} on {base.device}, greedy, {args.tokens} new tokens per request, identical requests, "
           f"{args.rounds} rounds, every (level, batch) once a round in rotating order; the machine is shared "
           "with other work, so compare figures within one round")
@@ -75,7 +82,10 @@ def main() -> None:
             print(f"  batch {b:2d}: {statistics.median(rates):7.1f} tok/s in total, "
                   f"{statistics.median(rates) / b:6.1f} per user, median step {statistics.median(step_ms[(lv, b)]):6.2f} ms; "
                   f"x{statistics.median(against):.2f} the total of batch {batches[0]} "
-                  f"(per round: {', '.join(f'{x:.2f}' for x in against)})")
+                  f"(per round: {', '.join(f'{x:.2f}' for x in against)}); "
+                  f"CPU time {statistics.median(cpu_ms[(lv, b)]):6.2f} ms a step, "
+                  f"x{statistics.median(cpu_ms[(lv, batches[0])]) * b / statistics.median(cpu_ms[(lv, b)]):.2f} "
+                  f"the tokens per CPU second of batch {batches[0]}")
     plain, batched = [], []
     for r in range(args.rounds):
         runs = {"plain": iter(Generation(base, request(args.tokens), calibration=calibration, telemetry=False)),
