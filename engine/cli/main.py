@@ -103,6 +103,8 @@ def generate_once(args) -> int:
     from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
+    if args.users is not None or args.prompts is not None or args.kv_budget_mb is not None:
+        return cmd_generate_users(args)
     spec = spec_from_args(args)
     spec.check()  # bad input is refused before the database is opened
     run = open_run(spec, Store(args.db))
@@ -143,6 +145,52 @@ def _print_result(args, run, result: dict) -> None:
             sp = result["speculative"]
             print(f"speculative: {sp['accepted']} of {sp['drafted']} drafted tokens accepted, "
                   f"{sp['tokens_per_target_forward']:.2f} tokens per target forward", file=sys.stderr)
+
+
+def cmd_generate_users(args) -> int:
+    """--users N: the prompt and N - 1 others decoded together in one continuously batched engine, each sequence
+    a recorded run. Every request is checked before the first is recorded."""
+    import time
+    from dataclasses import replace
+
+    from engine.run.batch import BatchEngine, BatchError, batch_prompts, batch_summary, check_batchable
+    from engine.run.prepare import prepare
+    from engine.store.db import Store
+
+    spec = spec_from_args(args)
+    spec.check()
+    users = 1 if args.users is None else args.users
+    prompts = batch_prompts(args.prompt, users, args.prompts)
+    check_batchable(spec.gen, spec.sparsity)
+    if args.kv_budget_mb is not None and not args.kv_budget_mb > 0:
+        raise BatchError(f"--kv-budget-mb must be a positive number of MiB, not {args.kv_budget_mb}.")
+    budget = int(args.kv_budget_mb * 2**20) if args.kv_budget_mb is not None else None
+    store = Store(args.db)
+    engine = BatchEngine(prepare(spec, store), store, max_batch=users, kv_budget_bytes=budget,
+                         kv_dtype=spec.gen.kv_dtype)
+    requests = [replace(spec.gen, prompt=p) for p in prompts]
+    for request in requests:
+        engine.check(request)
+    start = time.perf_counter()
+    seqs = [engine.submit(request) for request in requests]
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        engine.close()
+        print(f"\ncancelled: runs {', '.join(str(s.run_id) for s in seqs)} recorded as cancelled", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"\nerror: the batch failed and its runs were recorded with status error: {exc}", file=sys.stderr)
+        return 1
+    result = batch_summary(seqs, time.perf_counter() - start)
+    if args.json:
+        _print_json(result)
+        return 0
+    for run in result["runs"]:
+        print(f"--- run {run['run_id']} ({run['n_new_tokens']} tokens, TTFT {run['ttft_ms']:.1f} ms)\n{run['text']}")
+    print(f"\n{result['users']} users: {result['tokens_per_s_total']:.1f} tok/s in total, "
+          f"{result['tokens_per_s_per_user']:.1f} tok/s per user", file=sys.stderr)
+    return 0
 
 
 def cmd_quality(args) -> int:
@@ -392,6 +440,12 @@ def add_generate_parser(sub) -> None:
                    help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
     g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
     g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
+    g.add_argument("--users", type=int,
+                   help="decode this many sequences together in one batch (1-16): the prompt and others from the "
+                        "workloads or --prompts")
+    g.add_argument("--prompts", help="with --users: a text file of the other users' prompts, one per line")
+    g.add_argument("--kv-budget-mb", type=float,
+                   help="with --users: KV-cache memory the batch may reserve; arrivals beyond it wait")
     served_cli.add_generate_options(g)
     common(g)
     g.set_defaults(func=cmd_generate)

@@ -366,11 +366,63 @@ class LeanLlama(nn.Module):
             return None
         cos, sin, row = self._rope_row(plan.embedding, past)
         logits, copied, read, written = kernel.decode_layers(
-            input_ids, plan.forms, cos, sin, row, [c.keys for c in caches], [c.values for c in caches],
+            input_ids, plan.forms, cos, sin, [row], [c.keys for c in caches], [c.values for c in caches],
             *plan.attention)
         for i, keys, values in copied:  # the others grew in place
             caches[i].keys, caches[i].values = keys, values
         return LeanOutput(logits=logits, kv_bytes=(read, written))
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], positions: list[int], caches: list, kv_dtype=None) -> LeanOutput:
+        """The logits [B, vocabulary] of one new token for each of B sequences, each at its own position
+        with its own DynamicCache (lengths free to differ): every product takes the B rows at once, so
+        each weight is read once for all of them, and each sequence attends over its own cache, grown
+        in place (room for 128 positions at a time). Through the kernels' decode_layers where it applies,
+        whose rows are the same to the bit as each sequence decoded alone; else through the modules, the
+        products batched, attention per sequence (another KV precision, a part the call does not read)."""
+        ids = torch.tensor(token_ids, device=self.model.embed_tokens.weight.device)
+        kernel = optional_kernel() if FUSED_DECODE and ids.is_cpu and kv_dtype is None else None
+        plan = self._decode_plan(kernel) if kernel is not None else None
+        if (plan is not None and plan.forms is not None and not any(plan.hooks)
+                and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks):
+            layers = [[cache.layers[i] for i in plan.layers] for cache in caches]
+            if all(type(c) is DynamicLayer and c.is_initialized and c.keys.dtype == torch.float32
+                   for per_sequence in layers for c in per_sequence):
+                cos, sin, _ = self._rope_row(plan.embedding, max(positions))
+                flat = [c for per_sequence in layers for c in per_sequence]
+                logits, copied, read, written = kernel.decode_layers(
+                    ids, plan.forms, cos, sin, positions, [c.keys for c in flat], [c.values for c in flat],
+                    *plan.attention)
+                for i, keys, values in copied:  # the others grew in place
+                    flat[i].keys, flat[i].values = keys, values
+                return LeanOutput(logits=logits[:, 0], kv_bytes=(read, written))
+        return self._decode_batch_modules(ids, positions, caches, kv_dtype)
+
+    def _decode_batch_modules(self, ids, positions: list[int], caches: list, kv_dtype) -> LeanOutput:
+        x = self.model.embed_tokens(ids[:, None])
+        cos, sin = self.rotary(x, torch.tensor(positions, device=x.device)[:, None], 0, 1)
+        read = written = 0
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            qkv = attn.qkv_proj(h)
+            q, k = rotate_heads(qkv, attn.heads + attn.kv_heads, attn.head_dim, cos, sin).split(
+                [attn.heads, attn.kv_heads], dim=1)
+            v = qkv[..., (attn.heads + attn.kv_heads) * attn.head_dim:].view(
+                len(positions), 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+            if kv_dtype is not None:
+                q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+            outs = []
+            for b, cache in enumerate(caches):
+                keys, values = append_in_place(cache.layers[layer.layer_idx], k[b:b + 1], v[b:b + 1])
+                read += keys.nbytes + values.nbytes
+                written += 2 * k[b].nbytes
+                outs.append(F.scaled_dot_product_attention(q[b:b + 1], keys, values, scale=attn.scaling,
+                                                           enable_gqa=attn.kv_heads != attn.heads))
+            out = torch.cat(outs).transpose(1, 2).reshape(len(positions), 1, -1).to(x.dtype)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return LeanOutput(logits=self.lm_head(self.model.norm(x))[:, 0], kv_bytes=(read, written))
 
     def _decode_plan(self, kernel) -> DecodePlan:
         """What decode_layers reads, worked out once and kept while no module in the process registers
@@ -422,6 +474,28 @@ for _register in (torch_module.register_module_module_registration_hook,
                   torch_module.register_module_parameter_registration_hook,
                   torch_module.register_module_buffer_registration_hook):
     _register(_count_registration)
+
+
+def append_in_place(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicLayer's keys and values with one position [1, kv_heads, 1, head_dim] added, written into
+    room its storage keeps after the last position (made 128 positions at a time where it has none),
+    as the kernels' decode_layers grows them: concatenating would copy the whole cache on every step."""
+    grown = []
+    for old, new in ((layer.keys, keys), (layer.values, values)):
+        length = old.shape[2]
+        room = old.untyped_storage().nbytes() // old.element_size()
+        if (old.dtype != new.dtype or old.stride(3) != 1 or old.stride(2) != old.shape[3] or old.storage_offset()
+                or old.stride(1) < (length + 1) * old.shape[3] or old.stride(0) * old.shape[0] > room):
+            capacity = -(-(length + 1) // 128) * 128
+            store = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3], dtype=new.dtype, device=old.device)
+            store[:, :, :length] = old
+        else:  # the storage behind the view, as a tensor of its full capacity
+            store = old.as_strided((old.shape[0], old.shape[1], old.stride(1) // old.shape[3], old.shape[3]),
+                                   old.stride())
+        store[:, :, length:length + 1] = new
+        grown.append(store[:, :, :length + 1])
+    layer.keys, layer.values = grown
+    return layer.keys, layer.values
 
 
 def _visibility(new: torch.Tensor | None, past: int, length: int, device) -> torch.Tensor:

@@ -5,7 +5,7 @@ stays a coordinator and tests can check the sums. The store's steps and tokens t
 these columns (plus run_id)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.measure.accounting import ForwardWork, ModelShape, forward_work, reduce_work
 from engine.measure.distances import BUCKETS, PHASES, Roofline, attribute, split_over_tokens, waste_fraction
@@ -46,6 +46,7 @@ class StepRow(BucketRow):
     compute_est_ms: float
     roofline_ms: float
     waste_fraction: float
+    batch: int = 1  # sequences whose tokens this forward computed together (the weights read once for all)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Outcome:
     emitted: list[int]
     marks: tuple
     kv_bytes: tuple[int, int] | None = None  # (read, written) of the KV cache, where the forward counted them
+    batch: int = 1  # sequences sharing the forward; this one's rows take 1/batch of the weights it read
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ def step_work(a: Attribution, out: Outcome, first_step: bool) -> tuple[ForwardWo
     """(work the forward did, the part of it whose results were used; None when all were)."""
     work = forward_work(a.shape, out.n_input, out.past, kv_cache=a.kv_cache, logits_kept=out.drafted + 1,
                         kv_bytes=out.kv_bytes)
+    if out.batch > 1:  # the weights travelled once for every sequence in the batch: this one's share
+        work = replace(work, weight_bytes=work.weight_bytes // out.batch)
     kept = 1 + out.accepted  # positions whose results are used: the pending token and the accepted drafts
     if not a.kv_cache and not first_step:  # a cached decoder would only have run the kept positions
         useful = forward_work(a.shape, kept, out.n_input - out.drafted - 1, logits_kept=kept)
@@ -152,7 +156,7 @@ def account(a: Attribution, step: int, out: Outcome, emitted: list[tuple[int, st
         **{f"{p}_ms": phases[p] for p in PHASES}, wall_ms=wall,
         weight_bytes=work.weight_bytes, kv_read_bytes=work.kv_read_bytes, kv_write_bytes=work.kv_write_bytes,
         flops=work.flops, memory_est_ms=attributed["memory_est_ms"], compute_est_ms=attributed["compute_est_ms"],
-        roofline_ms=attributed["roofline_ms"], waste_fraction=attributed["waste_fraction"],
+        roofline_ms=attributed["roofline_ms"], waste_fraction=attributed["waste_fraction"], batch=out.batch,
         **{f"{b}_ms": buckets[b] for b in BUCKETS})
     per_token = split_over_tokens(buckets, max(len(emitted), 1))
     t_ms = (t_end - t_request) / 1e6

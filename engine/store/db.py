@@ -83,7 +83,7 @@ class Store:
                 raise StoreError(f"{self.path} was written by a newer Tokenpath (schema {version}); update this copy.")
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 con.execute("BEGIN")
-                for statement in MIGRATIONS.get(v, []):  # numbers are reserved per change, so some may be absent
+                for statement in MIGRATIONS[v]:
                     con.execute(statement)
                 con.execute("INSERT OR REPLACE INTO tokenpath_meta VALUES ('schema_version', ?)", [str(v)])
                 con.execute("COMMIT")

@@ -3,7 +3,6 @@
 A migration, once shipped, never changes: a new column or table is a new version."""
 from engine.measure.distances import BUCKETS
 
-SCHEMA_VERSION = 8
 _BUCKET_COLS = ", ".join(f"{b}_ms DOUBLE" for b in BUCKETS)
 
 MIGRATIONS = {
@@ -89,4 +88,8 @@ MIGRATIONS = {
         "ALTER TABLE load_samples ADD COLUMN level INTEGER",
         "ALTER TABLE load_samples ADD COLUMN in_flight DOUBLE",  # requests sent and not yet ended, by the client
     ],
+    9: [  # batching: how many sequences shared each step's forward
+        "ALTER TABLE steps ADD COLUMN batch INTEGER DEFAULT 1",
+    ],
 }
+SCHEMA_VERSION = max(MIGRATIONS)

@@ -878,39 +878,42 @@ static int64_t linear_outputs(const LinearForm& form) {
   return kind == 3 ? scales->size(1) : w.size(0);  // PyTorch's int4 packing keeps N in its scales' shape
 }
 
-// y = the layer applied to one row x of K values: the row functions above, no tensors in between.
-static void apply_linear(const LinearForm& form, const float* x, int64_t K, float* y) {
+// y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in
+// between. Each weight row is read once for all M rows, and a row's result does not depend on M.
+static void apply_linear(const LinearForm& form, const float* x, int64_t M, int64_t K, float* y) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
   const int64_t N = linear_outputs(form);
   std::vector<float> smoothed;
   switch (kind) {
-    case 0: small_linear_rows(x, 1, w.data_ptr<float>(), N, K, y); break;
+    case 0: small_linear_rows(x, M, w.data_ptr<float>(), N, K, y); break;
     case 1:
-      int8_wo_rows(x, 1, w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr<at::BFloat16>()), N,
+      int8_wo_rows(x, M, w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr<at::BFloat16>()), N,
                    K, y);
       break;
     case 2:
       if (inv_smooth.has_value()) {
         const float* f = inv_smooth->data_ptr<float>();
-        smoothed.resize(static_cast<size_t>(K));
-        for (int64_t k = 0; k < K; ++k) smoothed[k] = x[k] * f[k];
+        smoothed.resize(static_cast<size_t>(M * K));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k) smoothed[m * K + k] = x[m * K + k] * f[k];
         x = smoothed.data();
       }
-      int8_dyn_rows(x, 1, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y);
+      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y);
       break;
     case 3: {
-      const auto row = torch::from_blob(const_cast<float*>(x), {1, K}, torch::kFloat);
-      const auto out = at::_weight_int4pack_mm_for_cpu(row.to(torch::kBFloat16), w, group, *scales).to(torch::kFloat);
-      std::memcpy(y, out.data_ptr<float>(), sizeof(float) * N);
+      const auto rows = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat);
+      const auto out = at::_weight_int4pack_mm_for_cpu(rows.to(torch::kBFloat16), w, group, *scales).to(torch::kFloat);
+      std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
       break;
     }
-    case 5: int8_block_rows(x, 1, w.data_ptr<int8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
-    case 4: int4_dyn_rows(x, 1, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
+    case 5: int8_block_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
+    case 4: int4_dyn_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
   if (bias.has_value()) {
     const float* b = bias->data_ptr<float>();
-    for (int64_t n = 0; n < N; ++n) y[n] += b[n];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
   }
 }
 
@@ -962,39 +965,51 @@ struct DecodeForms {
   HeadForm head;
 };
 
-// A decode step of batch 1 in one call from Python: the new token's embedding (ids [1, 1]), every
-// Llama decoder layer, then the last norm and the output head; the position's cos and sin are row
-// `row` of the rotary tables [1, rows, head_dim]. The same row functions, in the same order, as the
-// lean forward's modules run one by one, so the result is the same to the bit, but with no tensor
-// made between them but a cache copied when its storage has no room left. A cache with room grows
-// in place: the tensor given becomes [1, kv_heads, T + 1, head_dim]. Returns (logits [1, 1,
-// vocabulary], (layer, keys, values) of each layer whose caches were copied instead, cache bytes read,
-// cache bytes written); the bytes are what attention and the caches' growth moved.
+// A decode step of B sequences in one call from Python: each one's new token's embedding (ids [B]),
+// every Llama decoder layer, then the last norm and the output head; sequence b's cos and sin are row
+// rows[b] of the rotary tables [1, rows, head_dim], and its caches are keys and values [b * layers + i]
+// (each [1, kv_heads, T_b, head_dim], the lengths free to differ). Every product takes the B rows at
+// once, so each weight is read once for all of them; attention runs per sequence over its own caches.
+// The same row functions, in the same order, as the lean forward's modules run one by one, and a row's
+// result does not depend on the rows beside it, so each sequence's logits are the same to the bit as
+// when it is decoded alone, with no tensor made between the functions but a cache copied when its
+// storage has no room left. A cache with room grows in place: the tensor given becomes [1, kv_heads,
+// T + 1, head_dim]. Returns (logits [B, 1, vocabulary], (index, keys, values) of each cache pair that
+// was copied instead, cache bytes read, cache bytes written); the bytes are what attention and the
+// caches' growth moved, all sequences together.
 std::tuple<torch::Tensor, std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>>, int64_t, int64_t> decode_layers(
-    torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table, int64_t row,
-    std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scaling) {
+    torch::Tensor ids, const DecodeForms& forms, torch::Tensor cos_table, torch::Tensor sin_table,
+    std::vector<int64_t> rows, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, double scaling) {
   const auto& layers = forms.layers;
   const auto& embedding = forms.embedding;
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.numel() == 1, "decode_layers takes one token id");
-  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
+  const int64_t B = static_cast<int64_t>(rows.size()), L = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.numel() == B && B > 0, "decode_layers takes one token id per row");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B * L && static_cast<int64_t>(values.size()) == B * L,
+              "one cache per sequence and layer");
   for (const auto* table : {&cos_table, &sin_table})
-    TORCH_CHECK(table->scalar_type() == torch::kFloat && table->is_contiguous() && table->dim() == 3 &&
-                    table->size(2) == head_dim && row >= 0 && row < table->size(1),
-                "cos and sin: float32 tables [1, rows, head_dim] holding the row");
-  const int64_t token = *ids.contiguous().data_ptr<int64_t>();
-  TORCH_CHECK_INDEX(token >= 0 && token < embedding.size(0), "token id ", token, " is out of the embedding's range");
+    for (int64_t row : rows)
+      TORCH_CHECK(table->scalar_type() == torch::kFloat && table->is_contiguous() && table->dim() == 3 &&
+                      table->size(2) == head_dim && row >= 0 && row < table->size(1),
+                  "cos and sin: float32 tables [1, rows, head_dim] holding the rows");
+  const auto id_tensor = ids.contiguous();
+  const int64_t* tokens = id_tensor.data_ptr<int64_t>();
   const int64_t H = embedding.size(1), D = head_dim, KV = kv_heads, rotated_heads = heads + kv_heads;
-  auto out = torch::empty({1, 1, H}, embedding.options());
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK_INDEX(tokens[b] >= 0 && tokens[b] < embedding.size(0), "token id ", tokens[b],
+                      " is out of the embedding's range");
+  auto out = torch::empty({B, 1, H}, embedding.options());
   float* residual = out.data_ptr<float>();
-  std::memcpy(residual, embedding.data_ptr<float>() + token * H, sizeof(float) * H);
-  const float* cos = cos_table.data_ptr<float>() + row * D;
-  const float* sin = sin_table.data_ptr<float>() + row * D;
-  std::vector<float> normed(H), delta(H), rotated(rotated_heads * D), attended(heads * D), fused, gate_up, act;
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(residual + b * H, embedding.data_ptr<float>() + tokens[b] * H, sizeof(float) * H);
+  const float* cos = cos_table.data_ptr<float>();
+  const float* sin = sin_table.data_ptr<float>();
+  std::vector<float> normed(B * H), delta(B * H), rotated(B * rotated_heads * D), attended(B * heads * D), fused,
+      gate_up, act;
   // A cache with room gets its new position written in place, and its size one position longer after
   // the last layer, all together: a longer view made per layer between the products cost several
   // microseconds each, and a step that fails part-way leaves every cache's size as it was.
-  std::vector<char> longer(2 * layers.size());
+  std::vector<char> longer(2 * keys.size());
   const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
   int64_t cache_read = 0, cache_written = 0;
   auto appended = [&](torch::Tensor& cache, const float* row) {
@@ -1010,44 +1025,53 @@ std::tuple<torch::Tensor, std::vector<std::tuple<int64_t, torch::Tensor, torch::
     cache = regrown(cache, row, KV, D);
     return false;
   };
-  for (size_t i = 0; i < layers.size(); ++i) {
+  auto add_residual = [&]() {
+    for (int64_t k = 0; k < B * H; ++k) residual[k] += delta[k];
+  };
+  for (int64_t i = 0; i < L; ++i) {
     const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
-    TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(1) == KV && keys[i].size(3) == D && values[i].sizes() == keys[i].sizes(),
-                "a cache is not [1, kv_heads, T, head_dim]");
-    rms_norm_rows(residual, norm1.data_ptr<float>(), eps, 1, H, normed.data());
-    fused.resize(static_cast<size_t>(linear_outputs(qkv)));
-    apply_linear(qkv, normed.data(), H, fused.data());
-    rotary_row(fused.data(), cos, sin, rotated_heads, D, rotated.data(), D);
-    const int64_t T = keys[i].size(2);
-    longer[2 * i] = appended(keys[i], rotated.data() + heads * D);
-    longer[2 * i + 1] = appended(values[i], fused.data() + rotated_heads * D);
-    attend(rotated.data(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), 1, heads, KV, T + 1, D,
-           keys[i].stride(1), values[i].stride(1), static_cast<float>(scaling), attended.data());
-    apply_linear(o, attended.data(), heads * D, delta.data());
-    for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
-    rms_norm_rows(residual, norm2.data_ptr<float>(), eps, 1, H, normed.data());
+    rms_norm_rows(residual, norm1.data_ptr<float>(), eps, B, H, normed.data());
+    const int64_t width = linear_outputs(qkv);
+    fused.resize(static_cast<size_t>(B * width));
+    apply_linear(qkv, normed.data(), B, H, fused.data());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t c = b * L + i;
+      TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
+                      values[c].sizes() == keys[c].sizes(), "a cache is not [1, kv_heads, T, head_dim]");
+      float* rot = rotated.data() + b * rotated_heads * D;
+      const float* row = fused.data() + b * width;
+      rotary_row(row, cos + rows[b] * D, sin + rows[b] * D, rotated_heads, D, rot, D);
+      const int64_t T = keys[c].size(2);
+      longer[2 * c] = appended(keys[c], rot + heads * D);
+      longer[2 * c + 1] = appended(values[c], row + rotated_heads * D);
+      attend(rot, keys[c].data_ptr<float>(), values[c].data_ptr<float>(), 1, heads, KV, T + 1, D, keys[c].stride(1),
+             values[c].stride(1), static_cast<float>(scaling), attended.data() + b * heads * D);
+    }
+    apply_linear(o, attended.data(), B, heads * D, delta.data());
+    add_residual();
+    rms_norm_rows(residual, norm2.data_ptr<float>(), eps, B, H, normed.data());
     const int64_t inner = linear_outputs(up) / 2;
-    gate_up.resize(static_cast<size_t>(2 * inner));
-    act.resize(static_cast<size_t>(inner));
-    apply_linear(up, normed.data(), H, gate_up.data());
-    silu_mul_rows(gate_up.data(), 1, inner, act.data());
-    apply_linear(down, act.data(), inner, delta.data());
-    for (int64_t k = 0; k < H; ++k) residual[k] += delta[k];
+    gate_up.resize(static_cast<size_t>(B * 2 * inner));
+    act.resize(static_cast<size_t>(B * inner));
+    apply_linear(up, normed.data(), B, H, gate_up.data());
+    silu_mul_rows(gate_up.data(), B, inner, act.data());
+    apply_linear(down, act.data(), B, inner, delta.data());
+    add_residual();
   }
   const auto& [norm, eps, linear] = forms.head;
-  rms_norm_rows(residual, norm.data_ptr<float>(), eps, 1, H, normed.data());
-  auto logits = torch::empty({1, 1, linear_outputs(linear)}, out.options());
-  apply_linear(linear, normed.data(), H, logits.data_ptr<float>());
+  rms_norm_rows(residual, norm.data_ptr<float>(), eps, B, H, normed.data());
+  auto logits = torch::empty({B, 1, linear_outputs(linear)}, out.options());
+  apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>());
   // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
   // or freed, and Python's caches need no new objects.
   std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor>> copied;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    for (auto [cache, grown] : {std::pair{&keys[i], longer[2 * i]}, std::pair{&values[i], longer[2 * i + 1]}})
+  for (size_t c = 0; c < keys.size(); ++c) {
+    for (auto [cache, grown] : {std::pair{&keys[c], longer[2 * c]}, std::pair{&values[c], longer[2 * c + 1]}})
       if (grown) {
         const std::vector<int64_t> strides = cache->strides().vec();  // not a view of what it overwrites
         cache->unsafeGetTensorImpl()->set_sizes_and_strides({1, KV, cache->size(2) + 1, D}, strides);
       }
-    if (!longer[2 * i] || !longer[2 * i + 1]) copied.emplace_back(static_cast<int64_t>(i), keys[i], values[i]);
+    if (!longer[2 * c] || !longer[2 * c + 1]) copied.emplace_back(static_cast<int64_t>(c), keys[c], values[c]);
   }
   return {logits, copied, cache_read, cache_written};
 }
@@ -1105,7 +1129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
   py::class_<DecodeForms>(m, "DecodeForms", "the embedding, every layer's form and the head's, as decode_layers reads them")
       .def(py::init<torch::Tensor, std::vector<LayerForm>, HeadForm>());
-  m.def("decode_layers", &decode_layers, "the logits of one new token: its embedding, every Llama decoder layer, appending to their KV caches, then the last norm and the head");
+  m.def("decode_layers", &decode_layers, "the logits of one new token per sequence: its embedding, every Llama decoder layer, appending to each sequence's KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");

@@ -1,0 +1,352 @@
+"""Continuous batching: many sequences decoded together, each step's weights read once for all of them.
+
+BatchEngine keeps arrivals in a queue and up to max_batch sequences running. A step admits the arrivals that a
+free slot and the KV budget allow (each reserves room for its prompt and its whole token budget, so a running
+sequence never has to be preempted), runs up to prefill_chunk prompt tokens of the admitted arrivals (oldest
+first, a long prompt in chunks over several steps), then one batched decode of every sequence past its prefill (LeanLlama.decode_batch). Sequences join and leave between steps; a cancelled one
+frees its slot, its reservation and its cache at the next step.
+
+Every sequence is its own recorded run with its own journal. Its rows share each step it took part in: its
+memory estimate carries 1/batch of the weights' trip (engine.run.rows), its own KV bytes and FLOPs stay its own,
+and the rest of the step, like the time it waited to be admitted or while another sequence's prefill ran, is
+the time distance; its steps tile its timeline, so its buckets sum to its measured time."""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from engine.dtypes import name_of, torch_dtype
+from engine.errors import UserError
+from engine.measure import hardware
+from engine.measure.accounting import model_shape
+from engine.measure.distances import BUCKETS, Roofline, sum_buckets
+from engine.measure.metrics import run_metrics
+from engine.model.lean import LeanLlama
+from engine.run.generate import TokenEvent, collector_spared
+from engine.run.record import Recorder
+from engine.run.rows import Attribution, Outcome, account, columns
+from engine.run.spec import GenConfig
+from engine.run.step import select_token
+from engine.paths import workloads
+from engine.run.text import Output, prompt_ids
+
+# Up to 24 rows the kernels' products keep each row's arithmetic independent of the rows beside it
+# (engine/model/kernels), so a sequence decodes the same tokens in any batch up to this size.
+MAX_BATCH = 16
+PREFILL_CHUNK = 128  # prompt tokens a step prefills, between the running sequences' decode steps
+
+
+class BatchError(UserError):
+    """A batch that cannot run as asked; the message is one sentence."""
+
+
+def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
+    """Raise BatchError naming why these settings cannot decode in a batch, if they cannot."""
+    if not cfg.kv_cache:
+        raise BatchError("A batch decodes each sequence from its own KV cache: turn the KV cache on, or use one user.")
+    if cfg.spec != "none":
+        raise BatchError("Speculative decoding verifies one sequence's guesses per forward here, so it does not batch: "
+                         "set the speculative method to none, or use one user.")
+    if sparsity:
+        raise BatchError("Activation sparsity skips the weight rows one token leaves idle, and a batch's tokens leave "
+                         "different rows idle, so it does not batch: set sparsity to 0, or use one user.")
+
+
+def batch_prompts(prompt: str, users: int, prompts_file: str | None = None) -> list[str]:
+    """The prompt and users - 1 others: the lines of prompts_file (blank ones skipped), else the shipped
+    workloads' prompts, in order and taken again from the first when there are fewer."""
+    if not isinstance(users, int) or not 1 <= users <= MAX_BATCH:
+        raise BatchError(f"--users takes 1 to {MAX_BATCH} sequences, not {users}.")
+    if prompts_file is not None:
+        try:
+            others = [line for line in Path(prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BatchError(f"The prompts file {prompts_file} cannot be read as UTF-8 text ({exc.__class__.__name__}).") from None
+        if not others:
+            raise BatchError(f"The prompts file {prompts_file} holds no prompt: write one prompt per line.")
+    else:
+        others = [w["prompt"] for w in workloads().values()]
+    return [prompt] + [others[i % len(others)] for i in range(users - 1)]
+
+
+class Sequence:
+    """One request in the engine: its settings, its cache and its recorded run. Iterating a handle from
+    LocalEngine reads its tokens as they come; here they also collect in `tokens` (the token rows)."""
+
+    def __init__(self, engine: BatchEngine, cfg: GenConfig, ids: list[int], tag: str | None, t_request: int,
+                 sink: queue.SimpleQueue | None):
+        self.cfg, self.prompt_ids, self.tag, self.sink = cfg, ids, tag, sink
+        self.output = Output(engine.lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
+        self.reserved = (len(ids) + cfg.max_new_tokens) * engine.shape.kv_bytes_per_token
+        self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        self.phase = "queued"  # queued, prefill, decode, done
+        self.cache: DynamicCache | None = None
+        self.filled = 0  # prompt tokens in the cache
+        self.prefill_forward_ns = 0
+        self.past = 0  # positions in the cache
+        self.step = 0
+        self.t_request = t_request
+        self.t_admitted: int | None = None
+        self.t_last = self.t_request  # when its previous step handed over its tokens
+        self.steps: list[dict] = []
+        self.tokens: list[dict] = []
+        self.recorder: Recorder | None = None
+        self.run_id: int | None = None
+        self.status = "queued"
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+        self.result: dict | None = None
+        self.cancel_requested = False
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids
+
+    def cancel(self) -> None:
+        """Stop this sequence at the next step; its slot, reservation and cache are freed then."""
+        self.cancel_requested = True
+
+
+class BatchEngine:
+    """Continuous batching over one loaded model. submit() adds arrivals, step() advances every running
+    sequence by one step, run() steps until all are done. Not thread-safe: LocalEngine drives one from
+    its own thread."""
+
+    def __init__(self, lm, store=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
+                 kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None):
+        if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+            raise BatchError(f"The batch holds 1 to {MAX_BATCH} sequences, not {max_batch}.")
+        self.lm, self.store, self.max_batch = lm, store, max_batch
+        self.kv_budget_bytes, self.prefill_chunk = kv_budget_bytes, prefill_chunk
+        self.kv_dtype_name = kv_dtype
+        self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)
+        self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
+        self.calibration = calibration or hardware.calibration_for(lm.device, store)
+        self.attribution = Attribution(
+            self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
+            True, ())
+        self.queued: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.batch_sizes: list[int] = []  # sequences in each batched decode so far
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved for s in self.running)
+
+    def check(self, cfg: GenConfig) -> list[int]:
+        """The prompt's token ids, or BatchError (GenerationError) with one sentence when this request cannot run
+        in this engine; nothing is recorded."""
+        cfg.check()
+        if cfg.kv_dtype != self.kv_dtype_name:
+            raise BatchError(f"The batch keeps every cache in one precision ({self.kv_dtype_name}); this request "
+                             f"asks for {cfg.kv_dtype}.")
+        if not isinstance(self.lm.model, LeanLlama):
+            raise BatchError(f"Batching runs on the lean forward, which runs Llama-architecture models; {self.lm.name} "
+                             "is not one.")
+        check_batchable(cfg, self.lm.sparsity)
+        ids = prompt_ids(self.lm, cfg.prompt, cfg.raw)
+        needed = len(ids) + cfg.max_new_tokens
+        if needed > self.lm.max_context:
+            raise BatchError(f"A prompt ({len(ids)} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs {needed} "
+                             f"positions but {self.lm.name} has a context of {self.lm.max_context}; shorten one of them.")
+        need = needed * self.shape.kv_bytes_per_token
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise BatchError(f"The KV budget ({self.kv_budget_bytes / 2**20:.1f} MiB) is smaller than one sequence "
+                             f"needs ({need / 2**20:.1f} MiB for {needed} positions); raise it or shorten the request.")
+        return ids
+
+    def submit(self, cfg: GenConfig, tag: str | None = None, t_request: int | None = None,
+               sink: queue.SimpleQueue | None = None) -> Sequence:
+        """Queue a request and start its recorded run. Its clock starts at t_request (perf_counter_ns, default
+        now); sink, when given, receives its TokenEvents as they come, then None when it ends."""
+        seq = Sequence(self, cfg, self.check(cfg), tag, t_request or time.perf_counter_ns(), sink)
+        if self.store is not None:
+            seq.recorder = Recorder(self.store)
+            seq.run_id = seq.recorder.start(
+                model=self.lm.name, device=str(self.lm.device), dtype=self._dtype(), config=self._config(cfg),
+                hardware=hardware.hardware_summary(self.lm.device), prompt=cfg.prompt,
+                n_prompt_tokens=len(seq.prompt_ids), tag=tag)
+        self.queued.append(seq)
+        return seq
+
+    def run(self) -> list[Sequence]:
+        """Step until every submitted sequence is done; the sequences in the order they finished."""
+        with collector_spared():
+            while self.step():
+                pass
+        return self.finished
+
+    def step(self) -> bool:
+        """Admit, prefill up to prefill_chunk prompt tokens, one batched decode. False when nothing was left to do."""
+        for seq in [s for s in self.queued + self.running if s.cancel_requested]:
+            self._end(seq, "cancelled", "cancelled")
+        self._admit()
+        if not self.running:
+            return False
+        try:
+            decoding = [s for s in self.running if s.phase == "decode"]
+            budget = self.prefill_chunk  # prompt tokens this step, over as many arrivals as it covers
+            for seq in [s for s in self.running if s.phase == "prefill"]:
+                if budget <= 0:
+                    break
+                budget -= self._prefill_chunk(seq, budget)
+            if decoding:
+                self._decode(decoding)
+        except Exception as exc:  # the step failed for every sequence in it: each run ends with the error
+            for seq in self.running + self.queued:
+                seq.error = f"{type(exc).__name__}: {exc}"
+                self._end(seq, "error", None)
+            raise
+        return True
+
+    def close(self, status: str = "cancelled") -> None:
+        """End every sequence still queued or running (a stop of the whole engine)."""
+        for seq in self.running + self.queued:
+            self._end(seq, status, status)
+
+    def _admit(self) -> None:
+        while self.queued and len(self.running) < self.max_batch:
+            seq = self.queued[0]
+            if self.kv_budget_bytes is not None and self.reserved_bytes + seq.reserved > self.kv_budget_bytes:
+                return  # it waits for a running sequence to finish and give its reservation back
+            self.queued.pop(0)
+            seq.phase = seq.status = "prefill"
+            seq.t_admitted = time.perf_counter_ns()
+            seq.cache = DynamicCache(config=self.lm.config)
+            self.running.append(seq)
+
+    @torch.inference_mode()
+    def _prefill_chunk(self, seq: Sequence, most: int) -> int:
+        """Up to `most` of the sequence's prompt tokens through the model; how many it took."""
+        chunk = seq.prompt_ids[seq.filled:seq.filled + most]
+        t_forward = time.perf_counter_ns()
+        extra = {"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {}
+        out = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache, use_cache=True,
+                            logits_to_keep=1, **extra)
+        hardware.sync(self.lm.device)
+        t_sync = time.perf_counter_ns()
+        seq.prefill_forward_ns += t_sync - t_forward
+        seq.filled += len(chunk)
+        if seq.filled < len(seq.prompt_ids):
+            return len(chunk)
+        token = select_token(out.logits[0, -1].float().cpu(), seq.cfg, seq.generator)
+        t_host = time.perf_counter_ns()
+        # the prompt's forwards as one phase, which ended at t_sync; everything else since the request (waiting
+        # to be admitted, the other sequences' steps between the chunks) is the host phase: serial waiting
+        began = t_sync - seq.prefill_forward_ns
+        seq.past = len(seq.prompt_ids)
+        seq.phase = seq.status = "decode"
+        self._emit(seq, Outcome(n_input=len(seq.prompt_ids), past=0, drafted=0, accepted=0, emitted=[token],
+                                marks=(seq.t_request, began, began, began, t_sync, t_sync, t_host)))
+        return len(chunk)
+
+    @torch.inference_mode()
+    def _decode(self, seqs: list[Sequence]) -> None:
+        t_forward = time.perf_counter_ns()
+        out = self.lm.model.decode_batch([s.token_ids[-1] for s in seqs], [s.past for s in seqs],
+                                         [s.cache for s in seqs], self.kv_dtype)
+        hardware.sync(self.lm.device)
+        t_sync = time.perf_counter_ns()
+        logits = out.logits if out.logits.dtype == torch.float32 and out.logits.is_cpu else out.logits.float().cpu()
+        tokens = [select_token(row, s.cfg, s.generator) for s, row in zip(seqs, logits)]
+        t_host = time.perf_counter_ns()
+        self.batch_sizes.append(len(seqs))
+        per_token = self.shape.kv_bytes_per_token
+        for seq, token in zip(seqs, tokens):
+            outcome = Outcome(n_input=1, past=seq.past, drafted=0, accepted=0, emitted=[token],
+                              marks=(seq.t_last, t_forward, t_forward, t_forward, t_sync, t_sync, t_host),
+                              kv_bytes=(per_token * (seq.past + 1), per_token), batch=len(seqs))
+            seq.past += 1
+            self._emit(seq, outcome)
+
+    def _emit(self, seq: Sequence, out: Outcome) -> None:
+        """Take the step's token into the sequence's output, rows, journal and stream; end it when done."""
+        events, text, done = seq.output.take(out.emitted)
+        t_end = time.perf_counter_ns()
+        row, token_rows = account(self.attribution, seq.step, out,
+                                  [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
+                                  len(seq.token_ids) - len(events), seq.t_request, t_end)
+        seq.steps.append(columns(row))
+        seq.tokens.extend(columns(r) for r in token_rows)
+        if seq.recorder is not None:
+            seq.recorder.add(row, token_rows, text)
+        if seq.sink is not None:
+            buckets = {b: getattr(token_rows[0], f"{b}_ms") for b in BUCKETS} if token_rows else {}
+            for r, (token, piece) in zip(token_rows, events):
+                seq.sink.put(TokenEvent(index=r.idx, token_id=token, piece=piece, step=seq.step, t_ms=r.t_ms,
+                                        gap_ms=r.gap_ms, buckets=buckets))
+        seq.step += 1
+        seq.t_last = t_end
+        if done:
+            self._end(seq, "ok", done)
+
+    def _end(self, seq: Sequence, status: str, reason: str | None) -> None:
+        """Finish the sequence's run and free its slot, reservation and cache."""
+        for pool in (self.queued, self.running):
+            if seq in pool:
+                pool.remove(seq)
+        seq.phase, seq.status, seq.stop_reason, seq.cache = "done", status, reason, None
+        metrics = self._summary(seq)
+        seq.result = {"run_id": seq.run_id, "status": status, "error": seq.error, "text": seq.text,
+                      "token_ids": list(seq.token_ids), **metrics}
+        self.finished.append(seq)
+        try:
+            if seq.recorder is not None:
+                seq.recorder.finish(status=status, output=seq.text, token_ids=seq.token_ids,
+                                    metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=seq.error,
+                                    steps=seq.steps, tokens=seq.tokens, telemetry=[])
+        finally:
+            if seq.sink is not None:
+                seq.sink.put(None)
+
+    def _summary(self, seq: Sequence) -> dict:
+        metrics = run_metrics([t["t_ms"] for t in seq.tokens], len(seq.prompt_ids))
+        decode = [s for s in seq.steps if s["kind"] == "decode"]
+        metrics.update({
+            "distances_ms": sum_buckets([{b: s[f"{b}_ms"] for b in BUCKETS} for s in seq.steps]),
+            "stop_reason": seq.stop_reason,
+            "queue_ms": ((seq.t_admitted or time.perf_counter_ns()) - seq.t_request) / 1e6,
+            "batch_mean": sum(s["batch"] for s in decode) / len(decode) if decode else None,
+            "batch_max": max((s["batch"] for s in decode), default=None),
+            "kv_bytes_per_token": self.shape.kv_bytes_per_token,
+            "kv_dtype": name_of(self.kv_dtype or self.lm.dtype),
+            "weight_bytes_per_forward": self.shape.weight_bytes,
+        })
+        return metrics
+
+    def _dtype(self) -> str:
+        return str(self.lm.dtype).removeprefix("torch.")
+
+    def _config(self, cfg: GenConfig) -> dict:
+        return {"model": self.lm.name, "device": str(self.lm.device), "dtype": self._dtype(), "quant": self.lm.quant,
+                "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode, **asdict(cfg),
+                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes}
+
+
+def batch_summary(seqs: list[Sequence], wall_s: float) -> dict:
+    """What a batch of sequences did together: tokens per second in total over the wall time and per user (each
+    sequence's tokens over its own time), and each sequence's run."""
+    tokens = sum(len(s.token_ids) for s in seqs)
+    per_user = [len(s.token_ids) / (s.result["total_ms"] / 1e3) for s in seqs if s.result.get("total_ms")]
+    return {
+        "users": len(seqs),
+        "status": "ok" if all(s.status == "ok" for s in seqs) else "incomplete",
+        "wall_s": wall_s,
+        "n_new_tokens": tokens,
+        "tokens_per_s_total": tokens / wall_s if wall_s > 0 else None,
+        "tokens_per_s_per_user": sum(per_user) / len(per_user) if per_user else None,
+        "run_ids": [s.run_id for s in seqs],
+        "runs": [{k: s.result.get(k) for k in ("run_id", "status", "n_prompt_tokens", "n_new_tokens", "ttft_ms",
+                                               "tpot_ms", "total_ms", "queue_ms", "batch_mean", "stop_reason", "text")}
+                 for s in seqs],
+    }

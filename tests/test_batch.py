@@ -1,0 +1,283 @@
+"""Batching: sequences decoded together give each one the tokens it gets alone, join and leave between
+steps, wait for the KV budget, and are each a recorded run whose buckets sum to its own time."""
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.errors import UserError
+from engine.model.cpu_kernels import optional_kernel
+from engine.run.batch import BatchEngine, BatchError
+from engine.run.generate import Generation
+from engine.run.local import LocalEngine
+from engine.run.spec import GenConfig
+from engine.store import journal
+from engine.store.db import Store
+from engine.switches.quant import quantize
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["Count the stars", "Name three rivers in Europe and say which is longest",
+           "Hi", "Write a haiku about a kettle that sings in the morning before anyone wakes"]
+EXACT_LEVELS = ["fp32", "int8-wo", "int8-dyn", "int4-dyn"]
+
+
+def greedy(prompt: str, tokens: int = 12, **settings) -> GenConfig:
+    return GenConfig(prompt=prompt, max_new_tokens=tokens, ignore_eos=True, **settings)
+
+
+def sampled(prompt: str, tokens: int, seed: int) -> GenConfig:
+    """A request that samples with its own seed: the tiny random model's greedy text repeats one token, its
+    samples differ from request to request, so each sequence's text is its own."""
+    return greedy(prompt, tokens, temperature=1.0, seed=seed)
+
+
+def alone(lm, cfg: GenConfig, calibration) -> list[int]:
+    return Generation(lm, cfg, calibration=calibration, telemetry=False).run()["token_ids"]
+
+
+def batched(lm, cfgs: list[GenConfig], calibration, **engine_settings) -> list:
+    engine = BatchEngine(lm, max_batch=len(cfgs), calibration=calibration, **engine_settings)
+    seqs = [engine.submit(cfg) for cfg in cfgs]
+    engine.run()
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def levels(tiny_lm):
+    return {name: tiny_lm if name == "fp32" else quantize(tiny_lm, name) for name in EXACT_LEVELS + ["int4-wo"]}
+
+
+@torch.inference_mode()
+def _lockstep_logits(lm, prompts: list[str], steps: int, kv_dtype=None) -> tuple[float, int | None]:
+    """Teacher-forced: each sequence's logits from one batched forward per step against its own forward alone.
+    (largest difference, first step where a greedy token differs or None)."""
+    ids = [lm.tokenizer(p)["input_ids"] for p in prompts]
+    pairs = [(DynamicCache(config=lm.config), DynamicCache(config=lm.config)) for _ in prompts]
+    last = []
+    for seq, (a, b) in zip(ids, pairs):
+        for cache in (a, b):
+            out = lm.model(input_ids=torch.tensor([seq]), cache=cache, use_cache=True, kv_dtype=kv_dtype)
+        last.append(int(out.logits[0, -1].argmax()))
+    worst, diverged = 0.0, None
+    for step in range(steps):
+        positions = [len(seq) + step for seq in ids]
+        together = lm.model.decode_batch(last, positions, [a for a, _ in pairs], kv_dtype).logits
+        for i, (_, b) in enumerate(pairs):
+            own = lm.model(input_ids=torch.tensor([[last[i]]]), cache=b, use_cache=True, kv_dtype=kv_dtype).logits[0, -1]
+            worst = max(worst, float((together[i] - own).abs().max()))
+            if diverged is None and int(together[i].argmax()) != int(own.argmax()):
+                diverged = step
+        last = [int(row.argmax()) for row in together]
+    return worst, diverged
+
+
+@pytest.mark.parametrize("level", EXACT_LEVELS)
+def test_every_sequence_in_a_batch_gets_the_logits_it_gets_alone_to_the_bit(levels, level, calibration):
+    """The kernels' rows do not depend on the rows beside them: each sequence's logits in a batch of ragged
+    lengths equal its own forward's, step after step, and the engine emits the tokens a run alone emits."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    worst, diverged = _lockstep_logits(levels[level], PROMPTS, 6)
+    assert worst == 0.0, f"logits differ by up to {worst:g}; greedy tokens first differ at step {diverged}"
+    cfgs = [sampled(p, 10 + 3 * i, i) for i, p in enumerate(PROMPTS)]  # ragged: they leave at different steps
+    seqs = batched(levels[level], cfgs, calibration)
+    for cfg, seq in zip(cfgs, seqs):
+        assert seq.status == "ok" and seq.token_ids == alone(levels[level], cfg, calibration), cfg.prompt
+    assert max(s["batch"] for seq in seqs for s in seq.steps) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("level,kv_dtype", [("int4-wo", None), ("fp32", torch.bfloat16)])
+def test_where_the_summation_order_differs_batched_logits_stay_within_a_tolerance(levels, level, kv_dtype):
+    """PyTorch's int4 kernel (int4-wo) and a bf16 cache take another path whose sums may depend on the batch:
+    logits within 1e-2 of the sequence's own, and the first step whose greedy token differs is reported."""
+    worst, diverged = _lockstep_logits(levels[level], PROMPTS, 8, kv_dtype)
+    assert worst < 1e-2, f"logits differ by up to {worst:g}; greedy tokens first differ at step {diverged}"
+
+
+def test_the_default_model_decodes_the_same_tokens_in_a_batch_as_alone(default_lm, calibration):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    for lm in (default_lm, quantize(default_lm, "int4-dyn")):
+        worst, diverged = _lockstep_logits(lm, PROMPTS, 4)
+        assert worst == 0.0, f"{lm.quant}: logits differ by up to {worst:g}, tokens first at step {diverged}"
+        cfgs = [greedy(p, tokens=16) for p in PROMPTS]
+        for cfg, seq in zip(cfgs, batched(lm, cfgs, calibration)):
+            assert seq.token_ids == alone(lm, cfg, calibration), (lm.quant, cfg.prompt)
+
+
+def test_sequences_join_and_leave_between_steps_and_keep_their_own_tokens(tiny_lm, calibration):
+    engine = BatchEngine(tiny_lm, max_batch=3, calibration=calibration)
+    first = [engine.submit(sampled(p, n, seed)) for seed, (p, n) in enumerate(zip(PROMPTS[:2], (4, 14)))]
+    for _ in range(6):
+        engine.step()
+    assert first[0].status == "ok" and first[1].status == "decode"  # one left, one still running
+    later = [engine.submit(sampled(p, 9, 10 + seed)) for seed, p in enumerate(PROMPTS[2:])]
+    engine.run()
+    for seq in first + later:
+        assert seq.token_ids == alone(tiny_lm, seq.cfg, calibration)
+    assert {1, 2, 3} <= set(engine.batch_sizes)
+
+
+def test_a_cancelled_sequence_frees_its_slot_and_its_cache(tiny_lm, calibration, store):
+    engine = BatchEngine(tiny_lm, store, max_batch=1, calibration=calibration)
+    running, waiting = engine.submit(sampled(PROMPTS[0], 50, 1)), engine.submit(sampled(PROMPTS[1], 5, 2))
+    for _ in range(4):
+        engine.step()
+    assert waiting.status == "queued" and running.cache is not None
+    running.cancel()
+    engine.step()
+    assert running.status == "cancelled" and running.cache is None and engine.running == [waiting]
+    engine.run()
+    assert waiting.status == "ok" and waiting.token_ids == alone(tiny_lm, waiting.cfg, calibration)
+    runs = store.runs(10).set_index("run_id")
+    assert runs.loc[running.run_id, "status"] == "cancelled"
+    assert runs.loc[running.run_id, "n_new_tokens"] == len(running.token_ids) >= 3
+
+
+def test_an_exhausted_kv_budget_queues_arrivals_instead_of_failing_them(tiny_lm, calibration):
+    per_position = BatchEngine(tiny_lm, calibration=calibration).shape.kv_bytes_per_token
+    cfgs = [sampled(p, 6, seed) for seed, p in enumerate(PROMPTS)]
+    engine = BatchEngine(tiny_lm, max_batch=4, calibration=calibration, kv_budget_bytes=per_position * 70)
+    seqs = [engine.submit(cfg) for cfg in cfgs]
+    engine.step()
+    assert engine.reserved_bytes <= engine.kv_budget_bytes and 1 <= len(engine.running) < 4 and engine.queued
+    engine.run()
+    assert all(s.status == "ok" and s.token_ids == alone(tiny_lm, s.cfg, calibration) for s in seqs)
+    assert max(engine.batch_sizes) < 4
+    with pytest.raises(BatchError, match="smaller than one sequence needs"):
+        engine.check(greedy(PROMPTS[1], tokens=200))
+
+
+def test_a_hundred_requests_against_a_cap_of_eight_finish_with_their_own_text_and_runs(tiny_lm, calibration, store):
+    engine = BatchEngine(tiny_lm, store, max_batch=8, calibration=calibration)
+    seqs = [engine.submit(sampled(f"{PROMPTS[i % 4]} {i}", 3 + i % 5, i)) for i in range(100)]
+    engine.run()
+    assert max(engine.batch_sizes) == 8 and len({s.text for s in seqs}) > 90
+    runs = store.runs(200).set_index("run_id")
+    assert len(runs) == 100
+    for seq in seqs:
+        assert seq.status == "ok" and seq.token_ids == alone(tiny_lm, seq.cfg, calibration)
+        run = runs.loc[seq.run_id]
+        assert run["status"] == "ok" and run["output"] == seq.text and run["prompt"] == seq.cfg.prompt
+        assert list(store.tokens(seq.run_id)["token_id"]) == seq.token_ids
+
+
+def test_each_token_carries_its_share_of_the_weights_and_the_buckets_sum_to_each_sequences_time(
+        tiny_lm, calibration, store):
+    one = batched(tiny_lm, [greedy(PROMPTS[0], tokens=8)], calibration)[0]
+    solo = {s["context_len"]: s for s in one.steps if s["kind"] == "decode"}
+    engine = BatchEngine(tiny_lm, store, max_batch=4, calibration=calibration)
+    seqs = [engine.submit(greedy(PROMPTS[0], tokens=8)) for _ in range(4)]
+    engine.run()
+    assert 4 in engine.batch_sizes
+    for seq in seqs:
+        steps = store.steps(seq.run_id).to_dict("records")
+        assert steps[0]["kind"] == "prefill" and steps[0]["batch"] == 1
+        for step in steps[1:]:
+            own = solo[step["context_len"]]
+            assert step["weight_bytes"] == own["weight_bytes"] // step["batch"]
+            assert step["compute_est_ms"] == pytest.approx(own["compute_est_ms"])
+            if step["batch"] > 1:
+                assert step["memory_est_ms"] < own["memory_est_ms"]
+        tokens = store.tokens(seq.run_id)
+        buckets = sum(tokens[f"{b}_ms"].sum() for b in ("physical", "memory", "compute", "time", "decision"))
+        assert buckets == pytest.approx(tokens["t_ms"].iloc[-1], rel=1e-9)
+
+
+def test_time_waiting_to_be_admitted_is_the_time_distance(tiny_lm, calibration):
+    engine = BatchEngine(tiny_lm, max_batch=1, calibration=calibration)
+    first, second = engine.submit(greedy(PROMPTS[0], tokens=20)), engine.submit(greedy(PROMPTS[1], tokens=4))
+    engine.run()
+    queued = second.result["queue_ms"]
+    assert queued >= first.result["total_ms"] * 0.9
+    assert second.steps[0]["time_ms"] >= queued and second.result["ttft_ms"] >= queued
+
+
+def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, calibration, store):
+    engine = LocalEngine(tiny_lm, store=store, max_batch=4)
+    try:
+        handles = [engine.submit(p, max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=i)
+                   for i, p in enumerate(PROMPTS)]
+        streams = [list(h) for h in handles]
+        cancelled = engine.submit(PROMPTS[0], max_new_tokens=400, ignore_eos=True)
+        cancelled.cancel()
+        assert cancelled.wait()["status"] == "cancelled"
+        with pytest.raises(UserError, match="prompt is empty"):
+            engine.submit("", max_new_tokens=4)
+    finally:
+        engine.close()
+    for i, (prompt, handle, events) in enumerate(zip(PROMPTS, handles, streams)):
+        assert [e.token_id for e in events] == alone(tiny_lm, sampled(prompt, 6, i), calibration)
+        times = [e.t_ms for e in events]
+        assert times == sorted(times) and handle.result["ttft_ms"] == times[0]
+        assert store.runs(20).set_index("run_id").loc[handle.result["run_id"], "status"] == "ok"
+
+
+def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "engine", "generate", "--model", str(model), "--db", str(db), "--raw", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path):
+    import json
+
+    db = tmp_path / "runs.duckdb"
+    out = cli("--prompt", "Count the stars", "--users", "3", "--max-new-tokens", "5", "--json", db=db,
+              model=tiny_folder)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["users"] == 3 and len(result["run_ids"]) == 3 and result["tokens_per_s_total"] > 0
+    assert result["tokens_per_s_per_user"] > 0
+    runs = Store(db).runs(10)
+    assert sorted(runs["run_id"]) == sorted(result["run_ids"]) and set(runs["status"]) == {"ok"}
+    assert runs.set_index("run_id").loc[result["run_ids"][0], "prompt"] == "Count the stars"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--users", "0"], "1 to 16"),
+    (["--users", "17"], "1 to 16"),
+    (["--users", "2", "--kv-budget-mb", "0.0001"], "smaller than one sequence"),
+    (["--users", "2", "--max-new-tokens", "4000"], "context"),
+    (["--users", "2", "--spec", "prompt-lookup"], "Speculative decoding"),
+    (["--users", "2", "--sparsity", "0.5"], "sparsity"),
+    (["--users", "2", "--no-kv-cache"], "KV cache"),
+])
+def test_bad_batch_input_is_one_sentence_exit_2_and_nothing_recorded(tiny_folder, tmp_path, args, says):
+    db = tmp_path / "runs.duckdb"
+    out = cli("--prompt", "Count the stars", *args, db=db, model=tiny_folder)
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not db.exists() or Store(db).runs(10).empty
+
+
+def test_a_kill_mid_batch_keeps_every_sequences_tokens(long_tiny_folder, tmp_path):
+    import time
+
+    db = tmp_path / "runs.duckdb"
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--model", str(long_tiny_folder), "--db",
+                             str(db), "--raw", "--prompt", "Count the stars", "--users", "3", "--max-new-tokens",
+                             "4000"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline, seen = time.monotonic() + 300, {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        paths = list(journal.journal_dir(db).glob("run-*.jsonl")) if journal.journal_dir(db).is_dir() else []
+        seen = {p.name: len(journal.read(p)["tokens"]) for p in paths}
+        if len(seen) == 3 and min(seen.values()) >= 10:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert len(seen) == 3 and min(seen.values()) >= 10, seen
+    store = Store(db)  # opening it folds the journals in
+    runs = store.runs(10).to_dict("records")
+    assert len(runs) == 3
+    for run in runs:
+        assert run["status"] == "interrupted" and run["n_new_tokens"] >= 10
+        assert run["n_new_tokens"] == len(store.tokens(run["run_id"]))
+        assert set(store.steps(run["run_id"])["batch"]) >= {3}
