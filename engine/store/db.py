@@ -108,8 +108,11 @@ class Store:
             except duckdb.Error as exc:
                 raise StoreError(f"{self.path} cannot be written ({str(exc).splitlines()[0]}); nothing was recorded: "
                                  "point --db or TOKENPATH_DB at a writable file.") from None
-            # the runs table read whole, so that a file cut short fails here, not when a run is recorded
-            con.execute("SELECT count(*), max(run_id), max(length(status)), max(length(prompt)) FROM runs").fetchone()
+            # a run row written and taken back (its id outside the sequence's), so that a file cut short fails
+            # here, before a model loads, rather than when the run starts
+            con.execute("BEGIN")
+            con.execute("INSERT INTO runs (run_id, started_at, status) VALUES (-1, ?, 'probe')", [utcnow()])
+            con.execute("ROLLBACK")
 
     def recover(self) -> int:
         """Fold in the runs whose process died (engine.store.recovery); returns how many changed."""
