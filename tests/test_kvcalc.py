@@ -236,3 +236,38 @@ def test_preset_ids_are_accepted_and_every_id_resolves(capsys):
     for pid, name in preset_ids().items():
         assert main(["kvcalc", "--preset", pid, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["model"] == name
+
+
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+             "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 34, "num_attention_heads": 8,
+                             "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2560, "sliding_window": 1024,
+                             "sliding_window_pattern": 6, "max_position_embeddings": 131072}}
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "cache_implementation": "hybrid",
+             "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+             "hidden_size": 3584, "sliding_window": 4096, "max_position_embeddings": 8192}
+
+
+def test_gemma3_without_layer_types_has_every_sixth_layer_full():
+    s = spec_from_config(GEMMA3_4B)
+    assert (s.layers, s.sliding_layers, s.window) == (34, 29, 1024)
+    # 5 full layers x 131072 tokens + 29 sliding layers x 1024, each 2 x 4 heads x 256 values of 2 bytes
+    assert kv_bytes(s, 131072, "bf16") == (5 * 131072 + 29 * 1024) * 2 * 4 * 256 * 2
+    assert 2.7e9 < kv_bytes(s, 131072, "bf16") < 2.9e9
+    no_pattern = {**GEMMA3_4B, "text_config": {k: v for k, v in GEMMA3_4B["text_config"].items()
+                                               if k != "sliding_window_pattern"}}
+    assert spec_from_config(no_pattern).sliding_layers == 29  # Gemma-3's own default
+
+
+def test_gemma2_with_a_hybrid_cache_alternates_sliding_and_full_layers():
+    s = spec_from_config(GEMMA2_9B)
+    assert (s.sliding_layers, s.window) == (21, 4096)
+    listed = {**GEMMA2_9B, "layer_types": ["sliding_attention", "full_attention"] * 21}
+    assert kv_bytes(s, 8192, "bf16") == kv_bytes(spec_from_config(listed), 8192, "bf16")
+    for config in ({**GEMMA2_9B, "model_type": "other"}, {k: v for k, v in GEMMA2_9B.items() if k != "model_type"}):
+        assert spec_from_config(config).sliding_layers == 21  # the hybrid cache alone says so
+
+
+def test_a_sliding_window_alone_still_applies_to_every_layer():
+    mistral = {"architectures": ["MistralForCausalLM"], "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "hidden_size": 4096, "sliding_window": 4096}
+    assert spec_from_config(mistral).sliding_layers == 32

@@ -29,6 +29,21 @@ def test_each_python_environment_gets_a_folder_of_its_own(monkeypatch):
     assert cpu_kernels.build_directory().parent == here.parent
 
 
+def test_every_kernel_source_and_header_names_the_build(monkeypatch, tmp_path):
+    """The build folder changes with any file of engine/model/kernels, and the builder compiles every source."""
+    assert {p.name for p in cpu_kernels.SOURCES} == {p.name for p in cpu_kernels.KERNELS.glob("*.cpp")}
+    assert len(cpu_kernels.SOURCES) > 3 and any(p.suffix == ".h" for p in cpu_kernels.FILES)
+    here = cpu_kernels.build_directory()
+    for original in cpu_kernels.FILES:
+        copy = tmp_path / original.name
+        copy.write_text(original.read_text() + "\n// changed\n")
+        monkeypatch.setattr(cpu_kernels, "FILES", tuple(copy if p == original else p for p in cpu_kernels.FILES))
+        assert cpu_kernels.build_directory() != here, original.name
+        monkeypatch.undo()
+    monkeypatch.setenv("TOKENPATH_KERNELS", "portable")
+    assert cpu_kernels.build_directory() != here and "-march=native" not in cpu_kernels.cflags()
+
+
 def _builder(env, *code):
     return subprocess.Popen([sys.executable, "-c", "; ".join(code)], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,4 +1,5 @@
-"""Activation sparsity: mask and skip compute the same function; skip reads fewer bytes."""
+"""Activation sparsity: mask and skip compute the same function to the bit, on the tiny model and on the
+default one; skip reads fewer bytes."""
 import pytest
 import torch
 from transformers import DynamicCache
@@ -6,6 +7,7 @@ from transformers import DynamicCache
 from engine.model import cpu_kernels
 from engine.switches import sparsity
 from engine.run.generate import Generation, GenConfig
+from engine.run.text import prompt_ids
 from engine.switches.sparsity import SparsityError, calibrate_thresholds, sparsify, zeroed_fraction
 
 
@@ -36,7 +38,7 @@ def test_mask_and_skip_give_the_same_logits(tiny_lm, thresholds):
     skip = prefill_and_step(sparsify(tiny_lm, 0.5, "skip", thresholds[0.5]))
     dense = prefill_and_step(tiny_lm)
     for a, b in zip(mask, skip):
-        assert torch.allclose(a, b, atol=1e-4)
+        assert torch.equal(a, b)
     assert not torch.allclose(mask[1], dense[1], atol=1e-3)  # sparsity really changed something
 
 
@@ -89,10 +91,72 @@ def test_skip_needs_fp32_weights(tiny_lm):
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.7, 2.5, 100.0])
-def test_the_sparse_kernel_equals_the_masked_product(threshold):
+def test_the_sparse_kernel_skips_rows_without_changing_a_bit(threshold):
     generator = torch.Generator().manual_seed(0)
     x, w_t = torch.randn(1536, generator=generator), torch.randn(1536, 576, generator=generator)
-    y, active = cpu_kernels.kernel().sparse_gemv(x, w_t, threshold)
+    x[::7] = 0.0  # exact zeros are inputs like any other
     keep = x.abs() >= threshold
-    assert active == int(keep.sum())
-    torch.testing.assert_close(y, (x * keep) @ w_t, rtol=0, atol=1e-3)
+    skipped, zeroed, rows = cpu_kernels.kernel().sparse_linear(x, w_t, threshold, True)
+    masked, zeroed_too, none = cpu_kernels.kernel().sparse_linear(x, w_t, threshold, False)
+    assert torch.equal(skipped, masked)
+    assert zeroed == zeroed_too == rows == int((~keep).sum()) and none == 0
+    torch.testing.assert_close(skipped, (x * keep) @ w_t, rtol=0, atol=1e-3)
+
+
+def test_the_sparse_kernel_gives_each_row_what_it_gives_that_row_alone():
+    """A verification of drafts (several rows) computes each row as a decode step does, in both modes;
+    skip reads a weight row when any row needs it."""
+    generator = torch.Generator().manual_seed(1)
+    x, w_t = torch.randn(5, 1536, generator=generator), torch.randn(1536, 3072, generator=generator)
+    x[:, 100:400] = 0.0  # no row needs these 300 weight rows
+    kernel = cpu_kernels.kernel()
+    for skip in (True, False):
+        together, zeroed, rows = kernel.sparse_linear(x, w_t, 0.8, skip)
+        alone = torch.stack([kernel.sparse_linear(row, w_t, 0.8, skip)[0] for row in x])
+        assert torch.equal(together, alone)
+        assert zeroed == int((x.abs() < 0.8).sum())
+        assert rows == (int(((x.abs() >= 0.8).sum(0) == 0).sum()) if skip else 0) and (not skip or rows >= 300)
+
+
+CHAT = "Write one sentence about why memory bandwidth limits language model decoding."
+
+
+@pytest.fixture(scope="module")
+def default_half(default_lm):
+    return calibrate_thresholds(default_lm, 0.5)
+
+
+@torch.inference_mode()
+def greedy_logits(lm, ids: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The prefill's logits and those of each greedy decode step after it, with the tokens chosen."""
+    cache = DynamicCache(config=lm.config)
+    logits = [lm.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]]
+    tokens = [int(logits[-1][-1].argmax())]
+    for _ in range(steps):
+        logits.append(lm.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1])
+        tokens.append(int(logits[-1].argmax()))
+    return logits, tokens
+
+
+def test_mask_and_skip_give_bit_identical_logits_on_the_default_model(default_lm, default_half):
+    """The chat-templated prompt of 42 tokens where the two modes used to part (an activation next to its
+    threshold kept in one mode and zeroed in the other): the prefill's logits at every position and each
+    decode step's logits are the same to the bit, and so is the text."""
+    ids = prompt_ids(default_lm, CHAT, raw=False)
+    assert len(ids) > 30
+    mask, mask_tokens = greedy_logits(sparsify(default_lm, 0.5, "mask", default_half), ids, 24)
+    skip, skip_tokens = greedy_logits(sparsify(default_lm, 0.5, "skip", default_half), ids, 24)
+    assert mask_tokens == skip_tokens
+    for step, (a, b) in enumerate(zip(mask, skip)):
+        assert torch.equal(a, b), f"step {step}: largest difference {float((a - b).abs().max())}"
+
+
+def test_a_generation_gives_the_same_tokens_in_both_modes_on_the_default_model(default_lm, default_half, calibration):
+    """The command's own path (Generation, 64 new tokens) on the chat prompt: the same token ids."""
+    texts = {}
+    for mode in sparsity.MODES:
+        lm = sparsify(default_lm, 0.5, mode, default_half)
+        gen = Generation(lm, GenConfig(CHAT, max_new_tokens=64), calibration=calibration, telemetry=False)
+        gen.run()
+        texts[mode] = gen.token_ids
+    assert texts["mask"] == texts["skip"] and len(texts["mask"]) > 8

@@ -134,3 +134,89 @@ def test_the_steps_and_tokens_tables_have_the_row_types_columns(store):
     for table, rows in (("steps", (StepRow, ServedStepRow)), ("tokens", (TokenRow, ServedTokenRow))):
         columns = set(store.query(f"SELECT * FROM {table} LIMIT 0").columns)
         assert columns == {f.name for row in rows for f in fields(row)} | {"run_id"}, table
+
+
+def test_a_database_cut_short_is_refused_in_one_sentence(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    store = Store(path)
+    for i in range(3):
+        store.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt="p" * 1000)
+    whole = path.read_bytes()
+    refused = 0
+    for cut in range(16384, len(whole), len(whole) // 12):
+        short = tmp_path / f"cut-{cut}.duckdb"
+        short.write_bytes(whole[:cut])
+        try:
+            opened = Store(short)
+        except StoreError as exc:
+            assert "damaged or cut short" in str(exc) or "not a readable DuckDB database" in str(exc)
+            refused += 1
+            continue
+        # a cut that only lost free blocks still records
+        opened.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt="x")
+    assert refused >= 6
+
+
+def test_reading_opens_the_file_without_writing_it(tmp_path):
+    path = tmp_path / "runs.duckdb"
+    Store(path).start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt="p")
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    frame = Store(path, read_only=True).runs()
+    assert list(frame["prompt"]) == ["p"] and frame["status"].iloc[0] == "running"
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.duckdb"]
+
+
+JOURNAL_WRITER = """
+import os, sys
+from pathlib import Path
+from engine.store.journal import Journal
+folder, first, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+lost = 0
+for run_id in range(first, first + count):
+    j = Journal(folder / f"run-{run_id}.jsonl")
+    j.write("run", {"run_id": run_id})
+    j.flush()
+    mine = os.fstat(j._file.fileno()).st_ino
+    try:
+        lost += os.stat(j.path).st_ino != mine
+    except FileNotFoundError:
+        lost += 1
+    j.close(remove=True)
+print(lost)
+"""
+
+JOURNAL_RECOVERER = """
+import sys
+from pathlib import Path
+from engine.store import journal
+folder = Path(sys.argv[1])
+taken = 0
+while not (folder.parent / "stop").exists():
+    for path in folder.glob("run-*.jsonl"):
+        with journal.claimed(path) as kept:
+            taken += kept is not None
+print(taken)
+"""
+
+
+def test_no_recovery_takes_a_journal_its_writer_is_creating(tmp_path):
+    """Writers create, fill and remove journals as fast as they can while recoverers claim every journal
+    they see without a live owner: none may ever be taken from a live writer."""
+    folder = tmp_path / "runs.duckdb.journal"
+    folder.mkdir()
+
+    def start(code, *args):
+        return subprocess.Popen([sys.executable, "-c", code, str(folder), *map(str, args)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    recoverers = [start(JOURNAL_RECOVERER) for _ in range(3)]
+    writers = [start(JOURNAL_WRITER, 1 + 100_000 * i, 1000) for i in range(4)]
+    results = [p.communicate(timeout=600) for p in writers]
+    (tmp_path / "stop").touch()
+    results += [p.communicate(timeout=600) for p in recoverers]
+    assert all(p.returncode == 0 for p in writers + recoverers), [err for _, err in results]
+    lost = [int(out) for out, _ in results[:len(writers)]]
+    taken = [int(out) for out, _ in results[len(writers):]]
+    assert lost == [0] * len(writers) and taken == [0] * len(recoverers)
+    assert list(folder.iterdir()) == []

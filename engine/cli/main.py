@@ -227,7 +227,7 @@ def cmd_quality(args) -> int:
 def cmd_runs(args) -> int:
     from engine.store.db import Store
 
-    frame = Store(args.db).runs(args.limit)
+    frame = Store(args.db, read_only=True).runs(args.limit)
     if args.json:
         _print_json(json.loads(frame.to_json(orient="records", date_format="iso")))
         return 0
@@ -546,9 +546,14 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, previous)
     _cancel_on_sigterm()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone already shows here, inside the handling below, not at exit
+        return code
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:  # a command's own run records its cancellation; this one had none running
         _cancelled()
+    except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, and nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush finds no pipe
+        return 1

@@ -1,5 +1,5 @@
-"""The project's small C++ extension (engine/model/kernels/cpu_kernels.cpp): the activation-sparse GEMV,
-the masking of engine.switches.sparsity and the int8 x int8 product of the int8-dyn level.
+"""The project's small C++ extension (engine/model/kernels/: a header and one source per concern): the
+few-row float32 products, the int8 and int4 products, activation sparsity and the lean decode step.
 
 Built during setup (`make`, `python -m engine prepare`, or `python -m engine.model.cpu_kernels`) with
 PyTorch's cpp_extension into the checkout's git-ignored build/ folder, one folder per version of the
@@ -13,15 +13,18 @@ import functools
 import hashlib
 import importlib.util
 import os
+import platform
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from engine.paths import REPO_ROOT
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "cpu_kernels.cpp"
-# without contracted multiply-adds, so that element-wise kernels round as PyTorch's separate operations do
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+KERNELS = Path(__file__).resolve().parent / "kernels"
+SOURCES = tuple(sorted(KERNELS.glob("*.cpp")))
+FILES = tuple(sorted([*SOURCES, *KERNELS.glob("*.h")]))  # all of them name a build
+# the architecture's baseline for a portable build, per machine
+BASELINE = {"x86_64": "-march=x86-64", "AMD64": "-march=x86-64", "aarch64": "-march=armv8-a", "arm64": "-march=armv8-a"}
 LDFLAGS = ("-fopenmp",)
 _kernel = None
 _unavailable: str | None = None
@@ -29,6 +32,17 @@ _unavailable: str | None = None
 
 class KernelBuildError(Exception):
     """The extension could not be built here; the message is one sentence."""
+
+
+def variant() -> str:
+    """native (this CPU's instructions) or portable (TOKENPATH_KERNELS=portable)."""
+    return "portable" if os.environ.get("TOKENPATH_KERNELS") == "portable" else "native"
+
+
+def cflags() -> tuple[str, ...]:
+    # without contracted multiply-adds, so that element-wise kernels round as PyTorch's separate operations do
+    march = BASELINE.get(platform.machine(), "-march=native") if variant() == "portable" else "-march=native"
+    return ("-O3", march, "-fopenmp", "-ffp-contract=off")
 
 
 def _cpu_flags() -> set[str]:
@@ -61,11 +75,12 @@ def build_root() -> Path:
 
 
 def build_directory() -> Path:
-    """The folder of this version: a change of source, flags, CPU (-march=native), Python
+    """The folder of this version: a change of any source or header, flags, CPU (-march=native), Python
     environment or torch gets a folder of its own, so two environments never rebuild each other's."""
     import torch
 
-    key = "\n".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, _cpu_model(), sys.prefix, torch.__version__])
+    sources = [f"{path.name}\n{path.read_text()}" for path in FILES]
+    key = "\n".join([*sources, *cflags(), *LDFLAGS, _cpu_model(), sys.prefix, torch.__version__])
     return build_root() / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -115,12 +130,13 @@ def build(verbose: bool = False):
         try:
             # copies: PyTorch appends to the lists it is given. -fopenmp also at link time: ATen's
             # parallel_for is a header template, so without it the kernels would run on one thread
-            module = load(name=module_name(directory), sources=[str(SOURCE)], build_directory=str(directory),
-                          extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=verbose)
+            module = load(name=module_name(directory), sources=[str(path) for path in SOURCES],
+                          build_directory=str(directory), extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
+                          verbose=verbose)
         except Exception as exc:  # no compiler, no ninja, a compile error: all reported in one sentence
             detail = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
             raise KernelBuildError(f"The C++ kernels could not be built in {directory} ({detail}).") from None
-        _done_marker(directory).write_text(SOURCE.name + "\n")
+        _done_marker(directory).write_text("".join(f"{path.name}\n" for path in SOURCES))
         return module
 
 

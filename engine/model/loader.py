@@ -174,8 +174,19 @@ def _from_pretrained(source: str, local_only: bool, dtype: torch.dtype):
 
     kwargs = dict(local_files_only=local_only, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kwargs)
+    refuse_missing_weights(source, info["missing_keys"])
     return model, tokenizer
+
+
+def refuse_missing_weights(source: str, missing) -> None:
+    """transformers fills the parameters a weights file lacks with random values and carries on: a model
+    whose weights did not load is refused instead, naming what is missing."""
+    missing = sorted(missing)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelError(f"The weights of '{source}' do not match its config: {len(missing)} of the model's "
+                         f"tensors are missing from them ({shown}), so it would run on random weights.")
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:

@@ -73,14 +73,25 @@ def _field(config: dict, *names, low: int = 1, as_name: str = "layers"):
     return None
 
 
+# Gemma-2 alternates sliding and full layers; Gemma-3 makes every sixth layer full. Their hub configs
+# often say so only by the model type, a "hybrid" cache or sliding_window_pattern, without layer_types.
+HYBRID_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
 def _sliding(text: dict, layers: int) -> tuple[int | None, int]:
-    """(window, how many layers use it) from sliding_window, use_sliding_window and layer_types."""
+    """(window, how many layers use it) from sliding_window, use_sliding_window, layer_types and, without
+    layer_types, sliding_window_pattern (every pattern-th layer full, as transformers reads it) or a
+    hybrid cache; otherwise every layer slides."""
     if not text.get("sliding_window") or text.get("use_sliding_window", True) is False:
         return None, 0
     window = _field(text, "sliding_window", as_name="window")
     layer_types = text.get("layer_types")
     if layer_types is None:
-        return window, layers
+        pattern = _field(text, "sliding_window_pattern", as_name="layers")
+        kind = text.get("model_type")
+        if pattern is None and (text.get("cache_implementation") == "hybrid" or kind in HYBRID_PATTERN):
+            pattern = HYBRID_PATTERN.get(kind, 2)
+        return window, (layers - layers // pattern if pattern else layers)
     if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
         raise KVCalcError("layer_types must be a list of layer names such as \"sliding_attention\".")
     if len(layer_types) != layers:
@@ -140,11 +151,17 @@ def spec_from_model_folder(model: str) -> AttentionSpec:
     from engine.model.loader import default_model_dir
 
     folder = default_model_dir() if model in ("default", DEFAULT_MODEL_NAME) else Path(model)
+    from safetensors import SafetensorError
+
     config = read_config_file(folder / "config.json")
     params = 0
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise KVCalcError(f"{file} is not a readable safetensors file ({detail}).") from None
     name = DEFAULT_MODEL_NAME if model in ("default", DEFAULT_MODEL_NAME) else folder.name
     return spec_from_config(config, name=name, params=params or None)
 

@@ -453,6 +453,9 @@ def speculative(setup: Setup, context: int) -> dict:
     return {"buckets": {b: v / emitted for b, v in buckets.items()}, "tokens_per_step": emitted}
 
 
+NODE_GPUS = 8  # the GPUs a GPU-to-GPU link joins where the data sheet states no limit: one server node
+
+
 def check_setup(setup: Setup) -> Setup:
     """The setup with its counts checked; one sentence for what is wrong and what is allowed."""
     whole = shapes.whole
@@ -466,10 +469,12 @@ def check_setup(setup: Setup) -> Setup:
     if setup.interconnect not in interconnects():
         raise PlanError(f"Unknown interconnect {shapes._show(setup.interconnect)}: use one of "
                         f"{', '.join(interconnects())}.")
-    most = setup.gpu["gpu_link"].get("max_gpus")
-    if interconnects()[setup.interconnect]["link"] == "gpu" and most and (tp or gpus // pp) > most:
-        raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} joins at most {most} GPUs: "
-                        f"use the pcie interconnect for tensor parallel over more.")
+    stated = setup.gpu["gpu_link"].get("max_gpus")
+    most = stated or NODE_GPUS
+    if interconnects()[setup.interconnect]["link"] == "gpu" and (tp or gpus // pp) > most:
+        joins = "joins" if stated else "is assumed (no limit stated for it) to join"
+        raise PlanError(f"The {setup.gpu['name']}'s {setup.gpu['gpu_link']['name']} {joins} at most {most} GPUs, "
+                        "one node: use the pcie interconnect for tensor parallel over more.")
     if (tp or gpus // pp) > 1 or pp > 1:
         link_gbps(setup)  # refuses an interconnect the GPU does not have
     kvcalc.bits_per_value(setup.kv_dtype)

@@ -36,10 +36,18 @@ def _is_lock_error(exc: Exception) -> bool:
 
 
 class Store:
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, read_only: bool = False):
+        """read_only: for commands that only read (an existing file is then opened without write access, so a
+        read-only folder or file serves, and runs whose process died are left for the next writer to fold)."""
         self.path = Path(path) if path else default_db_path()
-        self._prepare()
-        self.recover()
+        self.read_only = read_only and self.path.is_file()
+        try:
+            self._prepare()
+            if not self.read_only:
+                self.recover()
+        except duckdb.Error as exc:  # a file cut short or damaged: found before anything is loaded or run
+            raise StoreError(f"{self.path} is damaged or cut short, so it is not a readable DuckDB database "
+                             f"({str(exc).splitlines()[0][:160]}); point --db or TOKENPATH_DB at another file.") from None
 
     @contextmanager
     def connect(self):
@@ -47,7 +55,7 @@ class Store:
         delay = 0.01
         while True:
             try:
-                con = duckdb.connect(str(self.path))
+                con = duckdb.connect(str(self.path), read_only=self.read_only)
                 break
             except duckdb.Error as exc:
                 if _is_lock_error(exc) and time.monotonic() < deadline:
@@ -81,6 +89,13 @@ class Store:
                 version = int(row[0]) if row else 0
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} was written by a newer Tokenpath (schema {version}); update this copy.")
+            if self.read_only:
+                if not tables:
+                    raise StoreError(f"{self.path} holds no Tokenpath tables yet, so there is nothing to read.")
+                if version < SCHEMA_VERSION:
+                    raise StoreError(f"{self.path} was written by an older Tokenpath (schema {version}): open it once "
+                                     "with write access (any command that records) to update it.")
+                return
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 con.execute("BEGIN")
                 for statement in MIGRATIONS[v]:
@@ -93,6 +108,11 @@ class Store:
             except duckdb.Error as exc:
                 raise StoreError(f"{self.path} cannot be written ({str(exc).splitlines()[0]}); nothing was recorded: "
                                  "point --db or TOKENPATH_DB at a writable file.") from None
+            # a run row written and taken back (its id outside the sequence's), so that a file cut short fails
+            # here, before a model loads, rather than when the run starts
+            con.execute("BEGIN")
+            con.execute("INSERT INTO runs (run_id, started_at, status) VALUES (-1, ?, 'probe')", [utcnow()])
+            con.execute("ROLLBACK")
 
     def recover(self) -> int:
         """Fold in the runs whose process died (engine.store.recovery); returns how many changed."""

@@ -1,14 +1,16 @@
 """A run's append-only side file: each step and token as a JSON line the moment it exists.
 
-The writer holds an exclusive lock on the file while its run is live; the kernel drops the lock when
-the process dies, even by kill -9, so the next store opened on the database knows the run has no
-owner and folds the file in (engine.store.db). Lines reach the operating system at every step, so a
+The writer holds an exclusive lock on the file while its run is live, from before the file appears
+under its name; the kernel drops the lock when the process dies, even by kill -9, so the next store
+opened on the database knows the run has no owner and folds the file in (engine.store.db). Lines reach the operating system at every step, so a
 killed process loses nothing the file holds; appending a line costs the decode loop microseconds,
 where a database write costs it a core."""
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -26,8 +28,17 @@ class Journal:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
-        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # created and locked under a name recovery does not look at, then renamed: a file visible
+        # under its final name is always locked, so no recovery can take it for a dead run's
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        self._file = open(temporary, "w", encoding="utf-8")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temporary, path)
+        except BaseException:
+            self._file.close()
+            temporary.unlink(missing_ok=True)
+            raise
 
     def write(self, kind: str, row: dict) -> None:
         self._file.write(json.dumps({"record": kind, **row}, default=str) + "\n")
@@ -45,7 +56,7 @@ class Journal:
 def owner_gone(path: Path) -> bool:
     """True when no live process holds the file's lock."""
     try:
-        with open(path, "a") as f:
+        with open(path, encoding="utf-8") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
         return True
@@ -53,22 +64,49 @@ def owner_gone(path: Path) -> bool:
         return False
 
 
+@contextmanager
+def claimed(path: Path):
+    """The rows of a journal whose owner is gone (as read gives them), its lock held by this process
+    until the block ends, when the file is removed; None when a live process holds it or it is gone
+    (another recovery took it first). The block's rows are then this process's alone to fold."""
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        yield None
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino  # not removed while we opened it
+        except (BlockingIOError, FileNotFoundError):
+            same = False
+        if not same:
+            yield None
+            return
+        yield _rows(f)
+        path.unlink(missing_ok=True)
+
+
 def read(path: Path) -> dict:
     """{"run": header, "steps": [...], "tokens": [...], "text": streamed text, "finish": record or None}.
     A last line cut short by a kill is ignored."""
-    out = {"run": {}, "steps": [], "tokens": [], "text": "", "finish": None}
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            kind = row.pop("record")
-            if kind == "step":
-                out["text"] += row.pop("text", "")
-                out["steps"].append(row)
-            elif kind == "token":
-                out["tokens"].append(row)
-            elif kind in ("run", "finish"):
-                out[kind] = row
+        return _rows(f)
+
+
+def _rows(lines) -> dict:
+    out = {"run": {}, "steps": [], "tokens": [], "text": "", "finish": None}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        kind = row.pop("record")
+        if kind == "step":
+            out["text"] += row.pop("text", "")
+            out["steps"].append(row)
+        elif kind == "token":
+            out["tokens"].append(row)
+        elif kind in ("run", "finish"):
+            out[kind] = row
     return out

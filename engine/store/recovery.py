@@ -23,13 +23,15 @@ def recover(store) -> int:
     changed = 0
     folder = journal.journal_dir(store.path)
     journals = sorted(folder.glob("run-*.jsonl")) if folder.is_dir() else []
-    ownerless = [p for p in journals if journal.owner_gone(p)]
+    live = set()
     with store.connect() as con:
-        for path in ownerless:
+        for path in journals:
             run_id = int(path.stem.removeprefix("run-"))
-            changed += fold(con, run_id, journal.read(path))
-            path.unlink(missing_ok=True)
-        live = {int(p.stem.removeprefix("run-")) for p in journals if p not in ownerless}
+            with journal.claimed(path) as kept:  # held until folded, so that no other recovery folds it too
+                if kept is not None:
+                    changed += fold(con, run_id, kept)
+                elif path.exists():
+                    live.add(run_id)
         rows = con.execute("SELECT run_id, pid, pid_started FROM runs WHERE status = 'running' AND host = ?",
                            [socket.gethostname()]).fetchall()
         for run_id, pid, started in rows:

@@ -46,7 +46,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
 class Int8DynamicLinear(torch.nn.Module):
     """int8 weights (per channel) and int8 activations (per token, chosen at run time). The project's
-    kernel (engine/model/kernels/cpu_kernels.cpp) runs it where the extension is built, with exact integer
+    kernel (engine/model/kernels/int8.cpp) runs it where the extension is built, with exact integer
     sums; elsewhere fbgemm's quantized::linear_dynamic."""
 
     def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None, folded: bool = False):
@@ -176,7 +176,7 @@ class _BlockLinear(torch.nn.Module):
 class Int4DynamicLinear(_BlockLinear):
     """4-bit weights, each block with an fp16 scale d and minimum m (w = q * d + m, q in 0..15: the
     layout of llama.cpp's Q4_1); the kernel sums the products with the int8 activations in integers
-    (engine/model/kernels/cpu_kernels.cpp)."""
+    (engine/model/kernels/int4.cpp)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)

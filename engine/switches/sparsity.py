@@ -1,13 +1,15 @@
 """Training-free activation sparsity: inputs to the linear layers whose magnitude is below a
 per-layer threshold are treated as zero. Two execution modes show when that becomes speed:
 
-- mask: the small inputs are zeroed and the dense matmul runs as before; the arithmetic
+- mask: the small inputs are zeroed and the whole product runs as before; the arithmetic
   notionally shrinks, the weight bytes moved do not.
-- skip: the weights are stored transposed, so one input channel's weights are one contiguous row,
-  and a small C++ kernel (engine/model/kernels/cpu_kernels.cpp) reads only the rows of active inputs.
-  On the CPU the masking and counting is one pass of the same extension in both modes.
-  Only a single-token forward (decoding) can skip: with several tokens some token needs almost
-  every row, so multi-token forwards (the prefill) run the masked dense product.
+- skip: the weight rows of zeroed inputs are never read.
+
+Both modes store the weights transposed (one input channel's weights are one contiguous row) and, on
+the CPU in float32, run the same kernel (engine/model/kernels/sparsity.cpp) for decoding and verifying
+drafts: each output sums its terms in the same order, so a zero input's term adds exactly nothing
+and the two modes give the same logits to the bit. Forwards of more rows than that (the prefill)
+need nearly every weight row, so both modes run the same masked product in PyTorch there.
 
 Thresholds are calibrated per layer on data/calibration.txt as the magnitude quantile equal to
 the target sparsity, and stored per (model, sparsity) in DuckDB."""
@@ -41,36 +43,28 @@ class SparseLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.threshold, self.mode = float(threshold), mode
         weight = linear.weight.detach()
-        if mode == "skip":
-            self.weight_t = torch.nn.Parameter(weight.t().contiguous(), requires_grad=False)
-        else:
-            self.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        # the same layout in both modes, so that their products are the same arithmetic
+        self.weight_t = torch.nn.Parameter(weight.t().contiguous(), requires_grad=False)
         self.bias = linear.bias
         self.row_bytes = weight.element_size() * self.out_features  # one input channel's weights
         self.reset_counts()
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.weight_t.t() if self.mode == "skip" else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         counts = self.counts  # a plain list: nn.Module's attribute assignment costs microseconds per call
         n = x.numel()
         counts[0] += n
-        if self.mode == "skip" and n == self.in_features and x.is_cpu and x.dtype == torch.float32:  # decoding
-            y, active = kernel().sparse_gemv(x, self.weight_t, self.threshold)
-            counts[1] += self.in_features - active
-            counts[2] += self.in_features - active
-        elif not x.is_cpu:
-            keep = x.abs() >= self.threshold
-            counts[1] += int(keep.numel() - keep.sum())
-            y = F.linear(x * keep, self.dense_weight())
-        else:
+        if x.is_cpu and x.dtype == torch.float32 and n <= SMALL_ROWS * self.in_features:  # decoding, verifying
+            y, zeroed, skipped = kernel().sparse_linear(x, self.weight_t, self.threshold, self.mode == "skip")
+            counts[1] += zeroed
+            counts[2] += skipped * (n // self.in_features)
+        elif x.is_cpu:
             masked, zeroed = kernel().mask_small(x, self.threshold)
             counts[1] += zeroed
-            if self.mode == "mask" and x.dtype == torch.float32 and n <= SMALL_ROWS * self.in_features:
-                y = kernel().small_linear(masked, self.weight, None)  # the dense decode's kernel, zeros and all
-            else:
-                y = F.linear(masked, self.dense_weight())
+            y = F.linear(masked, self.weight_t.t())
+        else:
+            keep = x.abs() >= self.threshold
+            counts[1] += int(keep.numel() - keep.sum())
+            y = F.linear(x * keep, self.weight_t.t())
         return y + self.bias if self.bias is not None else y
 
     @property
@@ -86,7 +80,7 @@ class SparseLinear(torch.nn.Module):
         return self.counts[2]
 
     def reset_counts(self) -> None:
-        self.counts = [0, 0, 0]  # inputs seen, inputs zeroed, weight rows skipped
+        self.counts = [0, 0, 0]  # inputs seen, inputs zeroed, weight rows skipped (once per token)
 
 
 def sparse_layers(model: torch.nn.Module) -> list[SparseLinear]:
@@ -102,7 +96,7 @@ def forward_savings(layers: list[SparseLinear]) -> dict:
     for layer in layers:
         tokens = max(layer.inputs_seen // layer.in_features, 1)
         masked = layer.inputs_zeroed - layer.rows_skipped
-        totals["skipped_bytes"] += layer.rows_skipped * layer.row_bytes
+        totals["skipped_bytes"] += layer.rows_skipped * layer.row_bytes // tokens
         totals["skipped_flops"] += 2 * layer.rows_skipped * layer.out_features
         totals["zero_bytes"] += masked * layer.row_bytes // tokens
         totals["zero_flops"] += 2 * masked * layer.out_features

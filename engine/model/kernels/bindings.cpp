@@ -1,0 +1,26 @@
+// The Python module: every kernel the sources beside this file define, by the name engine code calls.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+using namespace tokenpath;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "x w^T with int8 weights, activations quantized to int8 per row");
+  m.def("small_linear", &small_linear, "x w^T (+ bias) for a few rows of x, float32, each row's result independent of M");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32");
+  m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
+  m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
+  m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
+  m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
+  py::class_<DecodeForms>(m, "DecodeForms", "the embedding, every layer's form and the head's, as decode_layers reads them")
+      .def(py::init<at::Tensor, std::vector<LayerForm>, HeadForm>());
+  m.def("decode_layers", &decode_layers, "the logits of one new token per sequence: its embedding, every Llama decoder layer, appending to each sequence's KV caches, then the last norm and the head");
+  m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
+  m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
+  m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
+  m.def("sparse_linear", &sparse_linear, "x W^T with inputs below a threshold as zero, skipping their weight rows or multiplying their zeros, the same sums either way");
+  m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
+}
+

@@ -1,0 +1,195 @@
+// decode_layers: a whole decode step of B sequences in one call (embedding, every layer, the last norm and
+// the head), on the row functions the lean model's modules call one by one, growing the KV caches in place.
+#include "kernels.h"
+
+namespace tokenpath {
+
+static int64_t linear_outputs(const LinearForm& form) {
+  const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
+  return kind == 3 ? scales->size(1) : w.size(0);  // PyTorch's int4 packing keeps N in its scales' shape
+}
+
+// y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in
+// between. Each weight row is read once for all M rows, and a row's result does not depend on M.
+static void apply_linear(const LinearForm& form, const float* x, int64_t M, int64_t K, float* y) {
+  const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
+  const int64_t N = linear_outputs(form);
+  std::vector<float> smoothed;
+  switch (kind) {
+    case 0: small_linear_rows(x, M, w.data_ptr<float>(), N, K, y); break;
+    case 1:
+      int8_wo_rows(x, M, w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales->data_ptr<at::BFloat16>()), N,
+                   K, y);
+      break;
+    case 2:
+      if (inv_smooth.has_value()) {
+        const float* f = inv_smooth->data_ptr<float>();
+        smoothed.resize(static_cast<size_t>(M * K));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k) smoothed[m * K + k] = x[m * K + k] * f[k];
+        x = smoothed.data();
+      }
+      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y);
+      break;
+    case 3: {
+      const auto rows = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
+      const auto out = at::_weight_int4pack_mm_for_cpu(rows.to(at::kBFloat16), w, group, *scales).to(at::kFloat);
+      std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
+      break;
+    }
+    case 5: int8_block_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
+    case 4: int4_dyn_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
+    default: TORCH_CHECK(false, "unknown linear kind ", kind);
+  }
+  if (bias.has_value()) {
+    const float* b = bias->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
+  }
+}
+
+// Positions a growing cache reserves at a time: copying a layer's keys and values to add each token
+// would move the whole cache on every step.
+constexpr int64_t kCacheRoom = 128;
+
+// Whether cache [1, KV, T, D] is a view into storage with room for one more position after its last
+// (the caches decode_layers grows or copies; a crop keeps the room).
+static bool has_room(const at::Tensor& cache, int64_t KV, int64_t D) {
+  const int64_t T = cache.size(2), head = cache.stride(1);
+  return cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
+         cache.stride(0) == KV * head && cache.storage_offset() == 0 &&
+         cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
+}
+
+// Head g's new row, from row + g * D, written at `position` of cache [1, KV, >position, D] (or of its
+// storage's room just after it).
+static void write_position(const at::Tensor& cache, int64_t position, const float* row, int64_t KV, int64_t D) {
+  float* dst = cache.data_ptr<float>();
+  for (int64_t g = 0; g < KV; ++g) std::memcpy(dst + g * cache.stride(1) + position * D, row + g * D, sizeof(float) * D);
+}
+
+// cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions, as
+// [1, KV, T + 1, D] with the new rows from row written at T.
+static at::Tensor regrown(const at::Tensor& cache, const float* row, int64_t KV, int64_t D) {
+  const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
+  auto out = at::empty({1, KV, capacity, D}, cache.options()).narrow(2, 0, T + 1);
+  for (int64_t g = 0; g < KV; ++g)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
+                  cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
+  write_position(out, T, row, KV, D);
+  return out;
+}
+
+// A decode step of B sequences in one call from Python: each one's new token's embedding (ids [B]),
+// every Llama decoder layer, then the last norm and the output head; sequence b's cos and sin are row
+// rows[b] of the rotary tables [1, rows, head_dim], and its caches are keys and values [b * layers + i]
+// (each [1, kv_heads, T_b, head_dim], the lengths free to differ). Every product takes the B rows at
+// once, so each weight is read once for all of them; attention runs per sequence over its own caches.
+// The same row functions, in the same order, as the lean forward's modules run one by one, and a row's
+// result does not depend on the rows beside it, so each sequence's logits are the same to the bit as
+// when it is decoded alone, with no tensor made between the functions but a cache copied when its
+// storage has no room left. A cache with room grows in place: the tensor given becomes [1, kv_heads,
+// T + 1, head_dim]. Returns (logits [B, 1, vocabulary], (index, keys, values) of each cache pair that
+// was copied instead, cache bytes read, cache bytes written); the bytes are what attention and the
+// caches' growth moved, all sequences together.
+std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
+    at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table,
+    std::vector<int64_t> rows, std::vector<at::Tensor> keys, std::vector<at::Tensor> values, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, double scaling) {
+  const auto& layers = forms.layers;
+  const auto& embedding = forms.embedding;
+  const int64_t B = static_cast<int64_t>(rows.size()), L = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == B && B > 0, "decode_layers takes one token id per row");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B * L && static_cast<int64_t>(values.size()) == B * L,
+              "one cache per sequence and layer");
+  for (const auto* table : {&cos_table, &sin_table})
+    for (int64_t row : rows)
+      TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 3 &&
+                      table->size(2) == head_dim && row >= 0 && row < table->size(1),
+                  "cos and sin: float32 tables [1, rows, head_dim] holding the rows");
+  const auto id_tensor = ids.contiguous();
+  const int64_t* tokens = id_tensor.data_ptr<int64_t>();
+  const int64_t H = embedding.size(1), D = head_dim, KV = kv_heads, rotated_heads = heads + kv_heads;
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK_INDEX(tokens[b] >= 0 && tokens[b] < embedding.size(0), "token id ", tokens[b],
+                      " is out of the embedding's range");
+  auto out = at::empty({B, 1, H}, embedding.options());
+  float* residual = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(residual + b * H, embedding.data_ptr<float>() + tokens[b] * H, sizeof(float) * H);
+  const float* cos = cos_table.data_ptr<float>();
+  const float* sin = sin_table.data_ptr<float>();
+  std::vector<float> normed(B * H), delta(B * H), rotated(B * rotated_heads * D), attended(B * heads * D), fused,
+      gate_up, act;
+  // A cache with room gets its new position written in place, and its size one position longer after
+  // the last layer, all together: a longer view made per layer between the products cost several
+  // microseconds each, and a step that fails part-way leaves every cache's size as it was.
+  std::vector<char> longer(2 * keys.size());
+  const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
+  int64_t cache_read = 0, cache_written = 0;
+  auto appended = [&](at::Tensor& cache, const float* row) {
+    const int64_t T = cache.size(2);
+    cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
+    cache_written += position_bytes;
+    if (has_room(cache, KV, D)) {
+      write_position(cache, T, row, KV, D);
+      return true;
+    }
+    cache_read += T * position_bytes;  // and a cache without room is copied first
+    cache_written += T * position_bytes;
+    cache = regrown(cache, row, KV, D);
+    return false;
+  };
+  auto add_residual = [&]() {
+    for (int64_t k = 0; k < B * H; ++k) residual[k] += delta[k];
+  };
+  for (int64_t i = 0; i < L; ++i) {
+    const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
+    rms_norm_rows(residual, norm1.data_ptr<float>(), eps, B, H, normed.data());
+    const int64_t width = linear_outputs(qkv);
+    fused.resize(static_cast<size_t>(B * width));
+    apply_linear(qkv, normed.data(), B, H, fused.data());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t c = b * L + i;
+      TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
+                      values[c].sizes() == keys[c].sizes(), "a cache is not [1, kv_heads, T, head_dim]");
+      float* rot = rotated.data() + b * rotated_heads * D;
+      const float* row = fused.data() + b * width;
+      rotary_row(row, cos + rows[b] * D, sin + rows[b] * D, rotated_heads, D, rot, D);
+      const int64_t T = keys[c].size(2);
+      longer[2 * c] = appended(keys[c], rot + heads * D);
+      longer[2 * c + 1] = appended(values[c], row + rotated_heads * D);
+      attend(rot, keys[c].data_ptr<float>(), values[c].data_ptr<float>(), 1, heads, KV, T + 1, D, keys[c].stride(1),
+             values[c].stride(1), static_cast<float>(scaling), attended.data() + b * heads * D);
+    }
+    apply_linear(o, attended.data(), B, heads * D, delta.data());
+    add_residual();
+    rms_norm_rows(residual, norm2.data_ptr<float>(), eps, B, H, normed.data());
+    const int64_t inner = linear_outputs(up) / 2;
+    gate_up.resize(static_cast<size_t>(B * 2 * inner));
+    act.resize(static_cast<size_t>(B * inner));
+    apply_linear(up, normed.data(), B, H, gate_up.data());
+    silu_mul_rows(gate_up.data(), B, inner, act.data());
+    apply_linear(down, act.data(), B, inner, delta.data());
+    add_residual();
+  }
+  const auto& [norm, eps, linear] = forms.head;
+  rms_norm_rows(residual, norm.data_ptr<float>(), eps, B, H, normed.data());
+  auto logits = at::empty({B, 1, linear_outputs(linear)}, out.options());
+  apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>());
+  // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
+  // or freed, and Python's caches need no new objects.
+  std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> copied;
+  for (size_t c = 0; c < keys.size(); ++c) {
+    for (auto [cache, grown] : {std::pair{&keys[c], longer[2 * c]}, std::pair{&values[c], longer[2 * c + 1]}})
+      if (grown) {
+        const std::vector<int64_t> strides = cache->strides().vec();  // not a view of what it overwrites
+        cache->unsafeGetTensorImpl()->set_sizes_and_strides({1, KV, cache->size(2) + 1, D}, strides);
+      }
+    if (!longer[2 * c] || !longer[2 * c + 1]) copied.emplace_back(static_cast<int64_t>(c), keys[c], values[c]);
+  }
+  return {logits, copied, cache_read, cache_written};
+}
+
+}  // namespace tokenpath

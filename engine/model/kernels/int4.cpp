@@ -1,0 +1,95 @@
+// int4_dyn_linear, the int4-dyn level: 4-bit weights in blocks of 32 along the input, each block with
+// an fp16 scale d and minimum m (w = q * d + m, q in 0..15: the format of llama.cpp's Q4_1), times
+// activations quantized to int8 per block of 32 at run time (x = xq * dx). Per block the product is
+// d * dx * sum(q * xq) + m * dx * sum(xq): the first sum is exact in integers, the second is the
+// activations' own. The weights of a block are 16 bytes, byte j holding q[j] in its low half and
+// q[j + 16] in its high half.
+#include "kernels.h"
+
+namespace tokenpath {
+
+// One row of packed weights (wr, with its blocks' d and m) against one row of activations quantized
+// per block (xq, dx, dx * sum): sum over blocks of d * dx * sum(q * xq) + m * dx * sum(xq).
+static inline float int4_row_dot(const uint8_t* wr, const at::Half* d, const at::Half* m, const int8_t* xq,
+                                 const float* dx, const float* dsum, int64_t blocks) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // A block's 16 bytes go to both halves of a register, the upper half shifted down by four bits:
+  // masked, that is q[0..15] then q[16..31], in the order of the activations. maddubs multiplies
+  // those unsigned bytes by the signed activations (a pair sums to at most 2 * 15 * 127, so nothing
+  // saturates); the scales of eight blocks are multiplied in one go, two accumulators alternate.
+  const __m256i low = _mm256_set1_epi8(0xF);
+  const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, mins = acc0;
+  alignas(32) float scale[8];
+  int64_t b = 0;
+  for (; b < blocks; b += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - b);
+    if (n == 8) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)));
+      mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b))),
+                             _mm256_loadu_ps(dsum + b), mins);
+    } else {
+      for (int64_t j = 0; j < n; ++j) scale[j] = _cvtsh_ss(d[b + j].x) * dx[b + j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* raw = reinterpret_cast<const __m128i*>(wr + (b + j) * kBlock / 2);
+      const __m256i q = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+      if (j & 1)
+        acc1 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc1);
+      else
+        acc0 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc0);
+    }
+  }
+  float total = hsum8(mins);
+  for (b = blocks - blocks % 8; b < blocks; ++b) total += _cvtsh_ss(m[b].x) * dsum[b];
+  return hsum8(_mm256_add_ps(acc0, acc1)) + total;
+#else
+  float acc = 0.f, total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = wr + b * kBlock / 2;
+    const int8_t* x = xq + b * kBlock;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock / 2; ++j)
+      sum += static_cast<int32_t>(w[j] & 0xF) * x[j] + static_cast<int32_t>(w[j] >> 4) * x[j + kBlock / 2];
+    acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[b]);
+    total += half_to_float(m[b]) * dsum[b];
+  }
+  return acc + total;
+#endif
+}
+
+// y = x w^T for x [M, K] float32 and the packed weights w [N, K / 2] uint8 with d and m [N, K / 32]
+// fp16. Threads take shares of the weight rows; each row of y is computed on its own, so a row's
+// result does not depend on M.
+void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
+                          int64_t N, int64_t K, float* yp) {
+  const int64_t KB = K / kBlock;
+  const BlockActivations a(xp, M, K);
+  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * N + n] = int4_row_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, a.q.data() + r * K,
+                                     a.d.data() + r * KB, a.dsum.data() + r * KB, KB);
+  });
+}
+
+at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KB = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(1) * 2 == K,
+              "w must be contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.is_contiguous() &&
+              m.is_contiguous() && d.numel() == N * KB && m.numel() == N * KB, "d and m: fp16 [N, K / 32]");
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  int4_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), N, K,
+                y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace tokenpath

@@ -1,0 +1,304 @@
+// What every kernel source shares: how threads share a product's weight rows, the float dot products
+// (AVX-512, AVX2 with FMA, or plain lanes where the build targets neither), the number formats, the
+// quantized activations of the block kernels, the forms decode_layers reads, and the row functions one
+// source calls in another. Built by engine/model/cpu_kernels.py with every .cpp beside it.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX512VNNI__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace tokenpath {
+
+
+// Below this many bytes of float32 weights a product runs on the calling thread: waking a sleeping
+// thread costs more than the second core saves on so few bytes. Products that widen int8 weights to
+// floats do as much work per weight as a float32 one and count their weights at four bytes; the
+// integer product counts its actual bytes.
+constexpr int64_t kParallelBytes = int64_t{1} << 19;
+
+// A thread's share of rows [lo, hi), both in one word so that its owner taking rows from the front
+// and another thread taking rows from the back never take the same rows.
+struct alignas(64) RowShare {
+  std::atomic<uint64_t> span;
+  void set(int64_t lo, int64_t hi) { span.store(static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(lo)); }
+  // rows as [begin, end): from the back n of them, from the front a quarter of what is left and at
+  // least n (few claims while the end is far, small ones near it); false once the share is empty
+  bool take(int64_t n, bool front, int64_t& begin, int64_t& end) {
+    uint64_t word = span.load();
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(word & 0xffffffffu), hi = static_cast<int64_t>(word >> 32);
+      if (lo >= hi) return false;
+      const int64_t take = front ? std::max(n, (hi - lo) / 4) : n;
+      begin = front ? lo : std::max(lo, hi - take);
+      end = front ? std::min(hi, lo + take) : hi;
+      const uint64_t rest = front ? (static_cast<uint64_t>(hi) << 32 | static_cast<uint64_t>(end))
+                                  : (static_cast<uint64_t>(begin) << 32 | static_cast<uint64_t>(lo));
+      if (span.compare_exchange_weak(word, rest)) return true;
+    }
+  }
+};
+
+// The fewest rows a thread takes at a time: 8 KB of weights, so that a thread that runs out of its
+// own share waits for no more than that.
+constexpr int64_t kChunkBytes = int64_t{1} << 13;
+
+// f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
+// weights (counted as kParallelBytes counts them), in groups of up to S ranges [begin[j], end[j]) that
+// f reads side by side: S streams from far-apart places keep more of memory's bandwidth busy than one
+// (the loads of several misses are in flight at once), where one range after another would not.
+// Threads share the rows when there are enough: each starts with S equal contiguous shares of its
+// own and walks them from the front, chunk after adjacent chunk; a thread done with its own takes
+// chunks from the back of the others'. Equal shares alone leave a core idle while the other, slowed by
+// a late start or a neighbour on the machine, finishes its part. Which thread computes a row, and
+// beside which others, never changes the row's result.
+template <int S, typename F>
+static void shared_streams(int64_t N, int64_t row_bytes, const F& f) {
+  const int64_t T = at::get_num_threads(), chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(row_bytes, 1));
+  if (T == 1 || N * row_bytes < kParallelBytes || N <= chunk || at::in_parallel_region()) {
+    int64_t begin[S], end[S];
+    for (int j = 0; j < S; ++j) begin[j] = N * j / S, end[j] = N * (j + 1) / S;
+    f(begin, end, S);
+    return;
+  }
+  std::vector<RowShare> shares(static_cast<size_t>(T * S));
+  for (int64_t i = 0; i < T * S; ++i) shares[i].set(N * i / (T * S), N * (i + 1) / (T * S));
+  at::parallel_for(0, T, 1, [&](int64_t first, int64_t last) {
+    int64_t begin[S], end[S];
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t k = 0; k < T; ++k) {
+        RowShare* own = shares.data() + (t + k) % T * S;
+        for (;;) {
+          int count = 0;
+          for (int j = 0; j < S; ++j) count += own[j].take(chunk, k == 0, begin[count], end[count]);
+          if (count == 0) break;
+          f(begin, end, count);
+        }
+      }
+  });
+}
+
+// f(begin, end) over rows [0, N), one range after another (shared_streams with one stream).
+template <typename F>
+static void shared_rows(int64_t N, int64_t row_bytes, const F& f) {
+  shared_streams<1>(N, row_bytes, [&](const int64_t* begin, const int64_t* end, int) { f(begin[0], end[0]); });
+}
+
+// g(rows, count) for the rows of up to S ranges side by side: the first row of each range that has
+// one, then the second, and so on.
+template <int S, typename G>
+static void side_by_side(const int64_t* begin, const int64_t* end, int ranges, const G& g) {
+  for (int64_t i = 0;; ++i) {
+    int64_t rows[S];
+    int count = 0;
+    for (int j = 0; j < ranges; ++j)
+      if (begin[j] + i < end[j]) rows[count++] = begin[j] + i;
+    if (count == 0) return;
+    g(rows, count);
+  }
+}
+
+// Sum of a[d] * b[d] in 8 independent lanes (one vector register), the lanes then added in a fixed
+// order: vectorized without reassociating a single running sum.
+static inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[d + j] * b[d + j];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+
+#if defined(__AVX2__)
+// The eight lanes of an AVX register added in a fixed order.
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+
+// One vector register of float lanes and the few operations the dot products need: AVX-512's
+// sixteen lanes or AVX2's eight (with FMA). Either sum adds the lanes in a fixed order.
+#if defined(__AVX512F__)
+#define HAVE_LANES 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_LANES 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float sum(V v) { return hsum8(v); }
+};
+#endif
+
+// Sum of a[k] * b[r][k] for each of R rows b[r], all read side by side: per row two registers of lanes,
+// then the registers and the lanes added in a fixed order, and the last few products one by one, so a
+// row's sum does not depend on the rows read beside it or on where the call comes from.
+template <int R>
+static inline void dot_rows(const float* __restrict a, const float* const* b, int64_t n, float* out) {
+#ifdef HAVE_LANES
+  using V = Lanes::V;
+  constexpr int W = Lanes::W;
+  V acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Lanes::zero();
+  int64_t k = 0;
+  for (; k + 2 * W <= n; k += 2 * W) {
+    const V x0 = Lanes::load(a + k), x1 = Lanes::load(a + k + W);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
+      acc1[r] = Lanes::fma(x1, Lanes::load(b[r] + k + W), acc1[r]);
+    }
+  }
+  if (k + W <= n) {
+    const V x0 = Lanes::load(a + k);
+    for (int r = 0; r < R; ++r) acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
+    k += W;
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = Lanes::sum(Lanes::add(acc0[r], acc1[r]));
+    for (int64_t j = k; j < n; ++j) sum += a[j] * b[r][j];
+    out[r] = sum;
+  }
+#else
+  for (int r = 0; r < R; ++r) out[r] = dot_lanes(a, b[r], n);
+#endif
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float out;
+  dot_rows<1>(a, &b, n, &out);
+  return out;
+}
+
+static inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// Inputs per block of the block formats (int4.cpp, int8.cpp): each block has scales of its own.
+constexpr int64_t kBlock = 32;
+
+static inline float half_to_float(const at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
+// (1 where the block is all zero), and each block's dx * sum(q).
+static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int32_t v = static_cast<int32_t>(std::min(std::max(std::nearbyint(xb[k] / d), -127.f), 127.f));
+      q[b * kBlock + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    dx[b] = d;
+    dsum[b] = d * static_cast<float>(sum);
+  }
+}
+
+// M rows of K activations quantized per block, as the block kernels take them.
+struct BlockActivations {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  BlockActivations(const float* x, int64_t M, int64_t K)
+      : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), dsum(d.size()) {
+    for (int64_t r = 0; r < M; ++r)
+      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + r * K / kBlock, dsum.data() + r * K / kBlock);
+  }
+};
+
+// One linear layer as decode_layers takes it from Python (each layer class's decode_form()):
+// (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
+// which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
+// 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
+// (scales holding d, sums m), 5 int8 weights in blocks and int8 activations (scales holding d). The arithmetic is the layer's own forward.
+using LinearForm = std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                              c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>>;
+
+// A layer as decode_layers takes it: its two norms' weights, their eps, qkv, o, gate_up and down.
+using LayerForm = std::tuple<at::Tensor, at::Tensor, double, LinearForm, LinearForm, LinearForm, LinearForm>;
+
+// The model's last norm and its output head: (norm weight, eps, head).
+using HeadForm = std::tuple<at::Tensor, double, LinearForm>;
+
+// The token embedding's weight, every layer's form and the head's, converted from Python once and kept
+// by the model: converting the nested tuples of tensors on every call would cost a hundred
+// microseconds a step.
+struct DecodeForms {
+  at::Tensor embedding;  // [vocabulary, hidden] float32
+  std::vector<LayerForm> layers;
+  HeadForm head;
+};
+
+// Row functions: y = x w^T for x [M, K] float32 in each weight format (small_rows.cpp, int8.cpp, int4.cpp).
+void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp);
+void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K, float* yp);
+void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
+                   int64_t K, float* yp);
+void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
+                     float* yp);
+void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
+                   int64_t K, float* yp);
+
+// The layer pieces around the products (layers.cpp).
+void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);
+void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out, int64_t stride);
+void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op);
+void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
+            int64_t k_stride, int64_t v_stride, float s, float* op);
+
+// What bindings.cpp gives Python, each defined in the source named.
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum);  // int8.cpp
+at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales);
+at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d);
+bool has_vnni();
+at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m);  // int4.cpp
+std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor w_t, double threshold,
+                                                      bool skip);  // sparsity.cpp
+std::tuple<at::Tensor, int64_t> mask_small(at::Tensor x, double threshold);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);  // layers.cpp
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t D);
+at::Tensor silu_mul(at::Tensor x);
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
+int64_t argmax(at::Tensor x);
+std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
+    at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> rows,
+    std::vector<at::Tensor> keys, std::vector<at::Tensor> values, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    double scaling);  // decode.cpp
+
+}  // namespace tokenpath

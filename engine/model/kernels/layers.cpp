@@ -1,0 +1,236 @@
+// The pieces of a Llama layer around its products, float32: rms_norm, rotary, silu_mul, decode_attention
+// (one query row over a KV cache), and argmax over a step's logits.
+#include "kernels.h"
+
+namespace tokenpath {
+
+// RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
+// the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
+// PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
+// weight stream has just flushed.
+void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xp + r * H;
+    double squares = 0.0;
+    for (int64_t k = 0; k < H; ++k) squares += static_cast<double>(row[k]) * row[k];
+    const float scale = 1.f / std::sqrt(static_cast<float>(squares / H) + static_cast<float>(eps));
+    for (int64_t k = 0; k < H; ++k) op[r * H + k] = wp[k] * (row[k] * scale);
+  }
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm takes float32");
+  x = x.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
+  auto out = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), eps, rows, H, out.data_ptr<float>());
+  return out;
+}
+
+// The first `heads` heads of one row v rotated: head h goes to out + h * stride.
+void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out,
+                       int64_t stride) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* vh = v + h * D;
+    float* o = out + h * stride;
+    for (int64_t d = 0; d < half; ++d) {
+      const float rotated = -vh[d + half];
+      o[d] = vh[d] * c[d] + rotated * s[d];
+    }
+    for (int64_t d = half; d < D; ++d) o[d] = vh[d] * c[d] + vh[d - half] * s[d];
+  }
+}
+
+// Rotary embedding of the first `heads` heads of each row of x [B, L, >= heads * D] (e.g. a fused
+// q/k/v projection's output): returns [B, heads, L, D] with out = x * cos + rotate_half(x) * sin,
+// cos and sin [B, L, D]. Same arithmetic as the PyTorch expression, element by element.
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t D) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat, "rotary takes float32");
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t B = x.size(0), L = x.size(1), width = x.size(2);
+  TORCH_CHECK(width >= heads * D && cos.size(-1) == D && cos.numel() == B * L * D, "rotary: shapes disagree");
+  auto out = at::empty({B, heads, L, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l)
+      rotary_row(xp + (b * L + l) * width, cp + (b * L + l) * D, sp + (b * L + l) * D, heads, D,
+                 op + (b * heads * L + l) * D, L * D);
+  return out;
+}
+
+// e^x within about two units in the last place for x in [-87, 88], and e^-87 or e^88 beyond (silu and
+// softmax need no more: 1 + e^-87 is 1): x = n ln 2 + r with |r| <= ln 2 / 2, e^r from a polynomial
+// (Cephes' coefficients), times 2^n built in the exponent bits. The vector form below does the same
+// operations on eight lanes, so a value gets the same bits in either. The library's expf, one value at
+// a time, cost a decode step several times as much: silu takes tens of thousands of them a step.
+constexpr float kExpHigh = 88.f, kExpLow = -87.f;  // 2^n stays a normal float
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_approx(float x) {
+  if (std::isnan(x)) return x;
+  x = std::max(std::min(x, kExpHigh), kExpLow);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2High) - n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
+  const float e = (p * (r * r) + r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+#if defined(__AVX2__)
+static inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHigh)), _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2High))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Low)));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpPoly[i]));
+  const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// w[t] = e^(w[t] - top) for t < T.
+static void exp_shifted(float* w, int64_t T, float top) {
+  int64_t t = 0;
+#if defined(__AVX2__)
+  for (; t + 8 <= T; t += 8)
+    _mm256_storeu_ps(w + t, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(top))));
+#endif
+  for (; t < T; ++t) w[t] = exp_approx(w[t] - top);
+}
+
+// silu(g) * u = g / (1 + e^-g) * u, for each row of x [rows, 2 * I] holding g then u.
+void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = xp + r * 2 * I;
+    const float* up = gate + I;
+    float* out = op + r * I;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    for (; k + 8 <= I; k += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + k);
+      const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      _mm256_storeu_ps(out + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+    }
+#endif
+    for (; k < I; ++k) out[k] = gate[k] / (1.f + exp_approx(-gate[k])) * up[k];
+  }
+}
+
+// silu(gate) * up for x [..., 2 * I] holding gate then up (a fused gate/up projection's output).
+at::Tensor silu_mul(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul takes float32");
+  x = x.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, x.options());
+  silu_mul_rows(x.data_ptr<float>(), rows, I, out.data_ptr<float>());
+  return out;
+}
+
+// k_stride, v_stride: floats from one key (value) head to the next, T * D when they are contiguous.
+void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T,
+                   int64_t D, int64_t k_stride, int64_t v_stride, float s, float* op) {
+  const int64_t group = H / KV;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (T * D));
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(static_cast<size_t>(T));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* qh = qp + bh * D;
+      const float* kh = kp + (b * KV + h / group) * k_stride;
+      const float* vh = vp + (b * KV + h / group) * v_stride;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) {
+        w[t] = dot(qh, kh + t * D, D) * s;
+        top = std::max(top, w[t]);
+      }
+      exp_shifted(w.data(), T, top);
+      float total = 0.f;
+      for (int64_t t = 0; t < T; ++t) total += w[t];
+      float* o = op + bh * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const float p = w[t] / total;
+        const float* vt = vh + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * vt[d];
+      }
+    }
+  });
+}
+
+// Attention of one new token per sequence over all cached positions (a decode step: every key is
+// visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
+// a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
+// takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every call, which
+// for one query row costs far more than the arithmetic; this is one plain pass per head, split over
+// threads only when there is enough work to pay for them.
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat, "decode_attention takes float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == 1,
+              "decode_attention: q [B, H, 1, D], k and v [B, KV, T, D]");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
+  auto out = at::empty({B, 1, H * D}, q.options());
+  attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, H, KV, T, D, T * D, T * D,
+         static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
+
+// The index of the largest of n floats, the first one where several are equal, and the first NaN
+// where there is one: what torch.argmax returns, which on a decode step's 49152 logits costs tens of
+// microseconds in a scalar loop.
+int64_t argmax(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.numel() > 0, "argmax takes a 1-D float32 tensor");
+  x = x.contiguous();
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  float top = p[0];
+  int64_t k = 0;
+#if defined(__AVX2__)
+  __m256 best = _mm256_set1_ps(p[0]);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(p + k);
+    best = _mm256_max_ps(best, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(unordered)) k = 0;  // a NaN: the plain loop below finds the first
+  else {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, best);
+    for (float lane : lanes) top = std::max(top, lane);
+  }
+#endif
+  for (; k < n; ++k) {
+    if (std::isnan(p[k])) return k;
+    top = std::max(top, p[k]);
+  }
+  for (k = 0; k < n; ++k)
+    if (p[k] == top) return k;
+  return 0;
+}
+
+}  // namespace tokenpath

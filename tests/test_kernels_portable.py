@@ -1,0 +1,79 @@
+"""The C++ kernels built for the architecture's baseline (no AVX2, no AVX-512: the branches a user's
+CPU without them takes) give what this CPU's vector build gives: to the bit where both run the same
+arithmetic (integer sums, element-wise kernels, the sparse product, argmax), and within 1e-4 where the
+vector build sums float products in other lanes or with fused multiply-adds."""
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model import cpu_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# kernels whose vector and plain branches do the same operations in the same order
+EXACT = {"int8_linear", "int8_wo_linear_prefill", "sparse_skip", "sparse_mask", "mask_small", "rms_norm", "rotary",
+         "silu_mul", "argmax"}
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def outputs(kernel) -> dict:
+    """Every kernel on fixed inputs of the default model's widths."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 576, generator=g)
+    w = torch.randn(960, 576, generator=g) / 24
+    int8 = torch.randint(-127, 128, (960, 576), generator=g, dtype=torch.int8)
+    scales = torch.rand(960, generator=g) / 100
+    q4 = torch.randint(0, 256, (960, 288), generator=g, dtype=torch.uint8)
+    d, m = (torch.rand(960, 18, generator=g) / 50).half(), (torch.randn(960, 18, generator=g) / 50).half()
+    q, k, v = torch.randn(1, 9, 1, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g)
+    cos, sin = torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 64, generator=g)
+    gate_up = torch.randn(3, 2 * 1536, generator=g) * 4
+    w_t = torch.randn(1536, 576, generator=g)
+    wide = torch.randn(30, 576, generator=g)
+    return {
+        "small_linear": kernel.small_linear(x, w, torch.randn(960, generator=g)),
+        "int8_linear": kernel.int8_linear(x, int8, scales, int8.sum(dim=1, dtype=torch.int32)),
+        "int8_wo_linear": kernel.int8_wo_linear(x, int8, scales.bfloat16()),
+        "int8_wo_linear_prefill": kernel.int8_wo_linear(wide, int8, scales.bfloat16()),
+        "int8_block_linear": kernel.int8_block_linear(x, int8, d),
+        "int4_dyn_linear": kernel.int4_dyn_linear(x, q4, d, m),
+        "sparse_skip": kernel.sparse_linear(gate_up[:, :1536], w_t, 0.9, True)[0],
+        "sparse_mask": kernel.sparse_linear(gate_up[:, :1536], w_t, 0.9, False)[0],
+        "mask_small": kernel.mask_small(gate_up, 1.0)[0],
+        "rms_norm": kernel.rms_norm(x, torch.rand(576, generator=g), 1e-5),
+        "rotary": kernel.rotary(torch.randn(1, 3, 960, generator=g), cos, sin, 15, 64),
+        "silu_mul": kernel.silu_mul(gate_up),
+        "decode_attention": kernel.decode_attention(q, k, v, 0.125),
+        "argmax": torch.tensor([kernel.argmax(gate_up[i]) for i in range(3)]),
+    }
+
+
+@pytest.mark.skipif(platform.machine() not in cpu_kernels.BASELINE, reason="no baseline known for this machine")
+def test_the_portable_build_equals_the_vector_build(tmp_path):
+    saved = tmp_path / "portable.pt"
+    code = ("import runpy, sys, torch; from engine.model import cpu_kernels; "
+            f"ns = runpy.run_path({str(Path(__file__))!r}); "
+            f"torch.save(ns['outputs'](cpu_kernels.kernel()), {str(saved)!r}); "
+            "print(cpu_kernels.build_directory())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "TOKENPATH_KERNELS": "portable", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    folder = Path(done.stdout.split()[-1])
+    assert folder != cpu_kernels.build_directory()  # a build of its own
+    if shutil.which("objdump"):  # nothing in it uses a 256- or 512-bit register
+        library = next(folder.glob("*.so"))
+        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True).stdout
+        assert "%ymm" not in listing and "%zmm" not in listing
+    portable, native = torch.load(saved), outputs(cpu_kernels.kernel())
+    assert set(portable) == set(native)
+    for name in native:
+        if name in EXACT:
+            assert torch.equal(portable[name], native[name]), name
+        else:
+            torch.testing.assert_close(portable[name], native[name], **TOLERANCE, msg=name)
