@@ -22,7 +22,7 @@ from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
 from engine.run.spec import RunSpec
 from engine.store.db import Store, StoreError
-from engine.run.worker import GenerationWorker, WorkerFailed
+from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
 # (file, label) of every page, in the order the sidebar lists them
 PAGES = [("app.py", "Home"), ("pages/story.py", "Story"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
@@ -201,6 +201,31 @@ def open_store() -> Store | None:
 @st.cache_data(show_spinner=False)
 def device_facts(device: str) -> dict:
     return hardware.hardware_summary(pick_device(device))
+
+
+def calibration_verdict(store: Store | None) -> hardware.CalibrationVerdict:
+    """The engine's verdict on this device's calibration in use (engine.measure.hardware)."""
+    return hardware.calibration_verdict(store, hardware.device_key(pick_device("auto")))
+
+
+def show_calibration_verdict(store: Store | None, where: str, always_offer: bool = False) -> hardware.CalibrationVerdict:
+    """The calibration verdict as every page shows it: the sentence, its evidence, and the one action
+    (calibrate now, in the generation process) when it is not trustworthy, or always_offer."""
+    verdict = calibration_verdict(store)
+    box = st.success if verdict.trustworthy else st.warning
+    box(f"**Calibration:** {md_escape(verdict.headline)}", icon=":material/speed:")
+    st.caption(md_escape(verdict.why))
+    action = verdict.action or ("Calibrate again (a few seconds)" if always_offer else None)
+    if action and store is not None and st.button(action, key=f"_calibrate_{where}"):
+        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
+                        "(after any generation already queued)..."):
+            try:
+                run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
+            except (WorkerRefused, WorkerFailed) as exc:
+                st.error(md_escape(str(exc)))
+                return verdict
+        st.rerun()
+    return verdict
 
 
 def default_model_id() -> str:

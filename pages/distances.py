@@ -7,7 +7,7 @@ import streamlit as st
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
 from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
-                plot_escape, run_label)
+                plot_escape, run_label, show_calibration_verdict)
 
 page_setup("Distances")
 st.title("Latency by distance")
@@ -17,7 +17,8 @@ st.markdown("Every step's measured wall time split into five buckets that add up
 store = open_store()
 if store is None:
     st.stop()
-runs = store.query("SELECT * FROM runs WHERE n_new_tokens > 0 ORDER BY run_id DESC LIMIT 200")
+verdict = show_calibration_verdict(store, "distances")
+runs = store.runs_with_tokens(200)
 if runs.empty:
     st.info("No finished runs yet: start one on Live generation.")
     st.stop()
@@ -56,11 +57,12 @@ def calibration_note(run_metrics) -> str:
     when = f"measured {found['created_at']} UTC" if found else "no longer stored"
     note = (f"Attributed with the calibration {when}: memory {summary['memory_gbps']:.1f} GB/s, fp32 peak "
             f"{summary['matmul_gflops']['float32']:,.0f} GFLOP/s, dispatch {summary['dispatch_us']:.1f} µs.")
-    if found and found.get("suspect"):
-        note += f" :orange[This calibration is flagged: {md_escape(found['suspect'])}]"
-    beyond = (json.loads(run_metrics).get("peak_check") or {}).get("beyond_peak")
+    in_use = verdict.calibration
+    if in_use is None or summary["memory_gbps"] != in_use["memory_gbps"]:
+        note += " Not the calibration in use now (see the verdict above)."
+    beyond = hardware.above_peak_sentence((json.loads(run_metrics).get("peak_check") or {}).get("peak_fraction"))
     if beyond:
-        note += f" :red[This run beat the calibrated peak. {md_escape(beyond)}]"
+        note += f" Its decode read memory faster than that peak: {md_escape(beyond)}"
     return note
 
 
@@ -85,6 +87,7 @@ for run_id in chosen:
     st.caption("The roofline is what the bytes and FLOPs of each forward would take at the calibrated bandwidth and "
                "peak; the gap to the measured forward is dispatch, launch and kernels running below peak "
                f"(the time bucket). Decode steps: the estimate is {ratio:.0%} of the measured forward time."
+               + (f" {hardware.above_peak_sentence(ratio)}" if hardware.above_peak_sentence(ratio) else "")
                if ratio else "Only a prefill step in this run.")
 
     if steps["drafted"].sum() > 0:

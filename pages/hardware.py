@@ -5,8 +5,7 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.model.loader import pick_device
-from engine.run.worker import WorkerFailed, WorkerRefused
-from ui import device_facts, md_escape, open_store, page_setup, run_in_worker
+from ui import device_facts, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Hardware")
 st.title("Hardware")
@@ -33,24 +32,10 @@ with c[0]:
 with c[1]:
     st.subheader("Calibration")
     key = hardware.device_key(device)
-    if st.button("Calibrate now (a few seconds)") and store is not None:
-        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
-                        "(after any generation already queued)..."):
-            try:
-                run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
-            except (WorkerRefused, WorkerFailed) as exc:
-                st.error(md_escape(str(exc)))
+    verdict = show_calibration_verdict(store, "hardware", always_offer=True)
     recent = hardware.recent_calibrations(store, key) if store is not None else []
-    stored = hardware.choose_calibration(recent)
-    if stored is None:
-        st.info("Not calibrated yet on this device: press the button, or run `python -m engine calibrate`. "
-                "The first generation also calibrates.")
-    else:
-        if recent[0].get("suspect"):
-            st.warning(f"The newest calibration ({recent[0]['created_at']} UTC) is flagged and not used: "
-                       f"{md_escape(recent[0]['suspect'])}" if recent[0] is not stored else
-                       f"The calibration in use is flagged: {md_escape(stored['suspect'])} Calibrate again on a "
-                       "quiet machine.")
+    stored = verdict.calibration
+    if stored is not None:
         methods = stored.get("memory_methods_gbps") or {"streaming sum": stored["stream_read_gbps"]}
         rows = [(f"memory read peak (best method: {stored.get('memory_method', 'gemv')})", f"{stored['memory_gbps']:.1f} GB/s"),
                 *[(f"memory read, {name.replace('_', ' ')}", f"{gbps:.1f} GB/s") for name, gbps in methods.items()],
@@ -71,7 +56,7 @@ with c[1]:
         with st.expander(f"The last {len(recent)} calibration(s) of this device"):
             st.dataframe(pd.DataFrame([{
                 "measured (UTC)": r["created_at"], "memory GB/s": round(r["memory_gbps"], 1),
-                "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r is stored,
+                "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r["created_at"] == stored["created_at"],
                 "flag": r.get("suspect") or ""} for r in recent]), hide_index=True, width="stretch")
 
 st.subheader("Links and bandwidths")

@@ -5,6 +5,7 @@ import time
 
 import streamlit as st
 
+from engine.measure import hardware
 from engine.report.definitions import METRICS, SERVED_METRICS
 from engine.switches.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
 from engine.dtypes import KV_CHOICES
@@ -16,13 +17,14 @@ from engine.run.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunS
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                md_escape, open_store, page_setup, worker_request)
+                md_escape, open_store, page_setup, show_calibration_verdict, worker_request)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
 # draws frame by frame while the model's first tokens run on the same cores.
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
+show_calibration_verdict(open_store(), "live")
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
              "drawing less often leaves more of it to the model (the measured cost of each choice is in "
@@ -222,6 +224,9 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
         for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
             col.metric(name, value, help=(SERVED_METRICS if "e2e_ms" in done["result"] else LOCAL_METRICS).get(name))
+    beyond = hardware.above_peak_sentence(done["result"].get("roofline_ratio_decode"))
+    if beyond:
+        st.warning(f"Roofline estimate / measured forward: {md_escape(beyond)}")
     if "e2e_ms" in done["result"]:
         st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. TTFT, ITL and E2E are measured by this "
                    "client; queue, prefill and decode times come from the server's /metrics where it has them; a "

@@ -10,7 +10,8 @@ import streamlit as st
 from engine.plan import planner as plan
 from engine.plan.kvcalc import human, project_model_folders
 from engine.plan.shapes import ShapeError
-from ui import BUCKET_COLOURS, md_escape, open_store, page_setup
+from engine.measure import hardware
+from ui import BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Planner")
 
@@ -186,8 +187,7 @@ st.caption("Left: the physical bucket grows with the GPU count while memory shri
 
 
 def planned_vs_measured(store) -> pd.DataFrame:
-    runs = store.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
-                       "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT 8")
+    runs = store.plain_decode_runs(8)
     rows = []
     for run in runs.to_dict("records"):
         calibration = json.loads(run["metrics"] or "{}").get("calibration")
@@ -213,11 +213,16 @@ st.markdown("The planner with the calibration each run was attributed with (the 
             "per output token.")
 store = open_store()
 if store is not None:
+    show_calibration_verdict(store, "planner")
     table = planned_vs_measured(store)
     if table.empty:
         st.info("No recorded local runs yet: generate one on the Live page or with `python -m engine generate`.")
     else:
         st.dataframe(table, hide_index=True, width="stretch")
+        beyond = hardware.above_peak_sentence(table["planned / measured"].max())
+        if beyond:
+            st.warning(f"Planned / measured up to {md_escape(beyond)} The planned time reads weights at the "
+                       "calibrated bandwidth, so a low calibration plans slower decodes than the machine runs.")
 
 
 st.subheader("Capacity: how many requests a second at a latency target (estimates)")

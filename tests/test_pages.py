@@ -20,7 +20,7 @@ def live_run(prompt="Name a colour.", tokens=5, **widgets) -> AppTest:
     for label, value in widgets.items():
         next(w for w in [*at.selectbox, *at.toggle, *at.slider, *at.checkbox, *at.text_input]
              if w.label == label).set_value(value)
-    at.button[0].click().run()
+    next(b for b in at.button if b.label == "Generate").click().run()
     return at
 
 

@@ -137,6 +137,22 @@ class Store:
     def runs(self, limit: int = 50):
         return self.query("SELECT * EXCLUDE (pid, pid_started) FROM runs ORDER BY run_id DESC LIMIT ?", [limit])
 
+    def runs_with_tokens(self, limit: int):
+        """The newest runs that produced at least one token."""
+        return self.query("SELECT * FROM runs WHERE n_new_tokens > 0 ORDER BY run_id DESC LIMIT ?", [limit])
+
+    def plain_decode_runs(self, limit: int):
+        """The newest finished runs that decoded with a KV cache and no speculation (what the planner plans)."""
+        return self.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
+                          "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT ?", [limit])
+
+    def recent_run_metrics(self, limit: int) -> list[str]:
+        """The metrics JSON of the newest finished local runs, newest first."""
+        frame = self.query("SELECT metrics FROM runs WHERE status = 'ok' AND metrics IS NOT NULL AND "
+                           "coalesce(backend, 'local') = 'local' "
+                           "ORDER BY run_id DESC LIMIT ?", [limit])
+        return list(frame["metrics"])
+
     def run(self, run_id: int) -> dict | None:
         frame = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
         return None if frame.empty else frame.iloc[0].to_dict()
