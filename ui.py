@@ -24,10 +24,17 @@ from engine.run.spec import RunSpec
 from engine.store.db import Store, StoreError
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
-# (file, label) of every page, in the order the sidebar lists them
-PAGES = [("app.py", "Home"), ("pages/story.py", "Story"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
-         ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/serving.py", "Serving"),
-         ("pages/hardware.py", "Hardware"), ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
+# (file, label, what it is for) of every page, in the order the sidebar and the home page list them
+PAGES = [("app.py", "Home", "the thesis, this machine, the latest runs"),
+         ("pages/story.py", "Story", "the four distances, measured live on this machine, in about a minute"),
+         ("pages/live.py", "Live generation", "run a prompt with every switch and watch each token's time split live"),
+         ("pages/distances.py", "Distances", "where the time went, per token and per run, against the roofline"),
+         ("pages/runs.py", "Runs", "every recorded run: filter, compare, export, delete"),
+         ("pages/sweeps.py", "Sweeps", "a grid of settings on one workload, and what limits this machine"),
+         ("pages/serving.py", "Serving", "a served model under load: latency and throughput as concurrency grows"),
+         ("pages/hardware.py", "Hardware", "calibration, telemetry, links, and the path data travels in a DGX A100"),
+         ("pages/kv_calculator.py", "KV calculator", "KV-cache and weights memory against GPUs"),
+         ("pages/planner.py", "Planner", "a deployment's time per token split into the five buckets, before buying it")]
 
 
 ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"  # a file, so no page load fetches a font
@@ -40,7 +47,7 @@ def page_setup(title: str) -> None:
                        page_icon=str(ICON), layout="wide")
     access_gate()
     with st.sidebar:
-        for path, label in PAGES:
+        for path, label, _ in PAGES:
             st.page_link(path, label=label)
         if access.shared_mode() and st.button("Sign out", key="_sign_out"):
             st.session_state.pop("_signed_in", None)
@@ -114,6 +121,45 @@ def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
             out[column] = out[column].map(lambda v: f"'{v}" if isinstance(v, str) and v.startswith(_FORMULA_START)
                                           else v)
     return out
+
+
+SIGNIFICANT = 3  # a timing repeated on this machine varies by a few percent: three figures carry it
+
+
+def figure(value) -> float | None:
+    """A measured number rounded to the digits the measurement supports."""
+    if value is None or value != value:
+        return None
+    return float(f"{float(value):.{SIGNIFICANT}g}")
+
+
+def _sparsity_words(row) -> str:
+    return f"{row['sparsity']:.0%} {row['sparsity_mode']}" if row.get("sparsity") else "dense"
+
+
+# the columns people compare, in words a person would say, each from a runs row
+RUN_COLUMNS = {
+    "run": lambda r: f"#{int(r['run_id'])}",
+    "started (UTC)": lambda r: r["started_at"].strftime("%Y-%m-%d %H:%M") if r.get("started_at") is not None else "",
+    "status": lambda r: r["status"],
+    "model": lambda r: r["model"],
+    "weights": lambda r: r.get("quant") or r.get("dtype") or "",
+    "KV cache": lambda r: "on" if r.get("kv_cache") else "off",
+    "sparsity": _sparsity_words,
+    "speculative": lambda r: r.get("spec") or "none",
+    "tag": lambda r: r.get("tag") or "",
+    "new tokens": lambda r: int(r["n_new_tokens"] or 0),
+    "time to first token (ms)": lambda r: figure(r.get("ttft_ms")),
+    "time per output token (ms)": lambda r: figure(r.get("tpot_ms")),
+    "tokens/s": lambda r: figure(r.get("tokens_per_s")),
+}
+
+
+def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs as people read them: human column names with units, rounded figures, the settings that
+    tell runs apart (weights, KV cache, sparsity, speculative method, tag), text made safe to export."""
+    rows = [{name: get(row) for name, get in RUN_COLUMNS.items()} for row in runs.to_dict("records")]
+    return csv_safe(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
 
 
 def log_ticks(values) -> dict:

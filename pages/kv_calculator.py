@@ -157,9 +157,7 @@ if store is not None:
                 run_in_worker(worker_request(spec, store))
         except (WorkerRefused, WorkerFailed) as exc:
             st.error(md_escape(str(exc)))
-    runs = store.query(
-        "SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' AND model = ? "
-        "AND kv_cache ORDER BY run_id DESC LIMIT 10", [live.name])
+    runs = store.cached_runs_of(live.name, 10)
     if runs.empty:
         st.info("No recorded runs of the default model with a KV cache yet: press the button above.")
     else:

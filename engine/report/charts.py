@@ -25,22 +25,32 @@ def readable(fig: go.Figure, **layout) -> go.Figure:
     return fig
 
 
+def _given(value) -> bool:
+    """Whether a stored field holds something (a served run leaves the local switches empty: None or NaN)."""
+    return value is not None and value == value and value != ""
+
+
 def run_switches(row) -> list[str]:
-    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling."""
-    switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
-    if row.sparsity:
-        switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
-    if getattr(row, "spec", "none") not in (None, "none"):
-        switches.append(row.spec)
-    if row.temperature:
+    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling;
+    a served run names its server instead of the switches the server decides."""
+    if getattr(row, "backend", "local") == "served":
+        switches = ["served"]
+    else:
+        switches = [row.quant if _given(row.quant) else "fp32", "KV cache" if row.kv_cache else "no KV cache"]
+        if _given(row.sparsity) and row.sparsity:
+            switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
+        spec = getattr(row, "spec", None)
+        if _given(spec) and spec != "none":
+            switches.append(spec)
+    if _given(row.temperature) and row.temperature:
         switches.append(f"T={row.temperature:g}")
     return switches
 
 
 def run_label(row) -> str:
     """A run in one line: number, model, switches, size, status."""
-    return (f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {row.n_new_tokens or 0} tokens · "
-            f"{row.status}")
+    tokens = int(row.n_new_tokens) if _given(row.n_new_tokens) else 0
+    return f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {tokens} tokens · {row.status}"
 
 
 def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
