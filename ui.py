@@ -20,7 +20,8 @@ from engine.report.definitions import BUCKET_MEANING  # noqa: F401
 from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
-from engine.run.spec import RunSpec
+from engine.run.spec import DEFAULTS as SPEC_DEFAULTS
+from engine.run.spec import LIMITS, RunSpec
 from engine.store.db import Store, StoreError
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
@@ -176,6 +177,20 @@ def log_ticks(values) -> dict:
     ticks = [m * 10 ** e for e in range(low, high + 1) for m in steps]
     ticks = [t for t in ticks if t <= 10 ** high]
     return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
+
+
+JS_SAFE_INTEGER = 2**53 - 1  # the largest whole number a browser's number field holds exactly
+
+
+def setting_input(where, label: str, name: str, step: float | None = None, value=None, help: str | None = None):
+    """A number field for a generation setting: its range from engine.run.spec.LIMITS (a whole-number
+    range capped at what the browser holds exactly), its default from the run specification's."""
+    limit = LIMITS[name]
+    default = SPEC_DEFAULTS[name] if value is None else value
+    if limit.whole:
+        return where.number_input(label, int(limit.low), min(int(limit.high), JS_SAFE_INTEGER), int(default),
+                                  help=help)
+    return where.number_input(label, float(limit.low), float(limit.high), float(default), step, help=help)
 
 
 def flash(message: str) -> None:
