@@ -73,11 +73,18 @@ def access_gate() -> None:
                               help=f"The secret this server was started with (${access.TOKEN_ENV}).")
         submitted = st.form_submit_button("Sign in", type="primary")
     if submitted:
-        if access.token_matches(given):
+        client = st.context.ip_address or "an unknown address"
+        wait = access.SIGN_IN.wait_s(client)
+        if wait > 0:  # no token is checked while this address waits, so parallel guesses gain nothing
+            st.error(f"Too many wrong tokens from this address: try again in {wait:.0f} s.")
+        elif access.token_matches(given):
+            access.SIGN_IN.succeeded(client)
             st.session_state["_signed_in"] = True
             st.rerun()
-        time.sleep(1.0)  # a wrong guess costs the guesser a second
-        st.error("That is not this server's access token.")
+        else:
+            access.SIGN_IN.failed(client)
+            time.sleep(1.0)  # a wrong guess costs the guesser a second
+            st.error("That is not this server's access token.")
     st.info("This dashboard is shared on the network: sign in with its access token to use it.")
     st.stop()
 

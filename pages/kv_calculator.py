@@ -5,6 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine import access
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.run.spec import GenConfig, RunSpec
@@ -32,7 +33,6 @@ def both_units(column, label: str, n_bytes: float | None) -> None:
         column.caption(binary.rstrip(")"))
 
 
-UPLOAD_MB = 1  # a config.json is a few kB
 
 
 def read_upload(upload) -> dict:
@@ -57,8 +57,8 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
         s = kvcalc.spec(layers=layers, kv_heads=kv_heads, head_dim=head_dim, attention_heads=heads)
         return kvcalc.with_window(s, window) if window else s
     if source == "Upload a config.json":
-        upload = st.file_uploader(f"A model's config.json (at most {UPLOAD_MB} MB)", type=["json"],
-                                  max_upload_size=UPLOAD_MB)
+        upload = st.file_uploader(f"A model's config.json (at most {access.UPLOAD_MB} MB)", type=["json"],
+                                  max_upload_size=access.UPLOAD_MB)
         if upload is None:
             st.info("Upload a model's config.json.")
             return None

@@ -109,7 +109,7 @@ chosen = {"model": model_id, "device": device, "max_new": max_new, "group": grou
           "spec_k": spec_k, "adaptive": adaptive, "max_ngram": max_ngram, "window": window, "guesses": guesses,
           "kv_dtype": kv_dtype, "redraw": redraw_label}
 changed = [f"{name.replace('_', ' ')} {value}" for name, value in chosen.items() if value != DEFAULTS[name]]
-st.caption("More settings: " + (html.escape(", ".join(changed)) if changed else "all at their defaults")
+st.caption("More settings: " + (md_escape(", ".join(changed)) if changed else "all at their defaults")
            + (", with the fp32 baseline" if baseline else ""))
 redraw_s = REDRAWS[redraw_label]
 with st.expander("Weight precision levels on this device: which kernel runs each"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine import access
 from engine.report.trace import trace_json
 from engine.serve import client as served
 from engine.serve import records as served_store
@@ -24,7 +25,7 @@ from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
 from engine.serve.capacity import describe
-from ui import open_store, plot_escape, page_setup
+from ui import md_escape, open_store, plot_escape, page_setup
 
 page_setup("Serving")
 st.title("Serving")
@@ -43,24 +44,28 @@ with st.expander("What the figures mean"):
         st.markdown(f"**{name}**: {text}")
 
 shipped = workloads()
-with st.form("sweep"):
-    c = st.columns([3, 2, 2])
-    endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
-    key_env = c[1].text_input("API key environment variable", "", help="the name of a variable set where the app "
-                              "runs; the key itself is never typed here, stored or logged")
-    model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
-    c = st.columns(4)
-    levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
-                                  "comma-separated")
-    n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
-    new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
-    prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
-    c = st.columns([2, 3])
-    arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
-    slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
-                               help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
-                                    "when it meets every one")
-    start = st.form_submit_button("Start the sweep", type="primary")
+if access.shared_mode():  # no form: a shared dashboard names no server and no key variable
+    st.info(access.SERVED_REFUSAL)
+    start = False
+else:
+    with st.form("sweep"):
+        c = st.columns([3, 2, 2])
+        endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
+        key_env = c[1].text_input("API key environment variable", "", help="the name of a variable set where the app "
+                                  "runs; the key itself is never typed here, stored or logged")
+        model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
+        c = st.columns(4)
+        levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
+                                      "comma-separated")
+        n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
+        new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
+        prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
+        c = st.columns([2, 3])
+        arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
+        slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
+                                   help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
+                                        "when it meets every one")
+        start = st.form_submit_button("Start the sweep", type="primary")
 
 
 RATES = arrival.startswith("arrivals")
@@ -92,7 +97,7 @@ if start:
         if model.strip() and model.strip() not in names:
             raise ServedError(f"The server has no model '{model.strip()}'; it serves: {', '.join(names[:8])}.")
     except (ServedError, UserError) as exc:
-        st.error(str(exc))
+        st.error(md_escape(str(exc)))
     else:
         progress = Path(tempfile.mkdtemp(prefix="tokenpath-load-")) / "progress.json"
         st.session_state["load"] = {"process": launch(progress), "progress": progress}
@@ -123,7 +128,7 @@ def progress_panel() -> None:
 
 progress_panel()
 if "load_error" in st.session_state:
-    st.error(st.session_state.pop("load_error"))
+    st.error(md_escape(st.session_state.pop("load_error")))
 
 frame = served_store.sweeps(store)
 if frame.empty:

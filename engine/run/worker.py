@@ -176,8 +176,7 @@ def start(spec: RunSpec, store: Store):
     servers, no models it does not offer."""
     spec.check()
     if spec.backend == "served" and access.shared_mode():  # a shared dashboard sends no requests to typed addresses
-        raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
-                                 "servers; measure a served model from a dashboard on 127.0.0.1.")
+        raise access.AccessError(access.SERVED_REFUSAL)
     if spec.backend == "local":
         for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
             if text and not access.model_choice_allowed(text, draft):
