@@ -21,7 +21,7 @@ from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
 from engine.run.spec import DEFAULTS as SPEC_DEFAULTS
-from engine.run.spec import LIMITS, RunSpec
+from engine.run.spec import LIMITS, GenConfig, RunSpec
 from engine.store.db import Store, StoreError
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
@@ -47,6 +47,7 @@ def page_setup(title: str) -> None:
     st.set_page_config(page_title=f"{title} · Tokenpath" if title != "Tokenpath" else title,
                        page_icon=str(ICON), layout="wide")
     access_gate()
+    warm_up()
     with st.sidebar:
         for path, label, _ in PAGES:
             st.page_link(path, label=label)
@@ -87,15 +88,6 @@ def access_gate() -> None:
             st.error("That is not this server's access token.")
     st.info("This dashboard is shared on the network: sign in with its access token to use it.")
     st.stop()
-
-
-def shared_mode() -> bool:
-    return access.shared_mode()
-
-
-def model_choice_allowed(text: str, draft: bool = False) -> bool:
-    """Whether a model (or draft model) field's text may be run here (engine.access)."""
-    return access.model_choice_allowed(text, draft)
 
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:=^&])")
@@ -256,6 +248,41 @@ def generation_worker() -> GenerationWorker:
     """The process the Live page's generations run in (engine.run.worker): the model's threads then share
     no process with the server's."""
     return GenerationWorker()
+
+
+@st.cache_resource(show_spinner=False)
+def warm_up() -> dict:
+    """Once per server, on the first page anyone opens: start the generation process and load the
+    default model in it, in a thread through the queue, so the first Generate click finds both ready
+    (a run clicked sooner waits its turn). The dict says how far it got: loading, ready or failed."""
+    state = {"state": "loading", "started": time.monotonic()}
+    queue, worker = generation_queue(), generation_worker()
+    try:
+        request = {"db": str(Store().path), "warm": True,
+                   "spec": RunSpec(gen=GenConfig("warm"), model=default_model_id()).to_dict()}
+    except StoreError as exc:
+        return {**state, "state": "failed", "message": str(exc)}
+
+    def load():
+        try:
+            with queue.turn(lambda position: None):
+                for kind, payload in worker.generate(request, every_s=60.0):
+                    if kind == "done":
+                        state.update(state="ready", seconds=payload["seconds"])
+        except (WorkerRefused, WorkerFailed) as exc:
+            state.update(state="failed", message=str(exc))
+
+    threading.Thread(target=load, daemon=True, name="tokenpath-warm-up").start()
+    return state
+
+
+def show_warm_up() -> None:
+    """What the generation process is doing while the default model loads, if it still is."""
+    state = warm_up()
+    if state["state"] == "loading":
+        st.info(f"Loading the default model in the generation process (since "
+                f"{time.monotonic() - state['started']:.0f} s, once per server start): a run started now begins "
+                "as soon as it is ready.", icon=":material/hourglass_top:")
 
 
 def open_store() -> Store | None:

@@ -18,7 +18,8 @@ from engine.run.spec import LIMITS, GenConfig, GenerationError, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                md_escape, open_store, page_setup, setting_input, show_calibration_verdict, worker_request)
+                md_escape, open_store, page_setup, setting_input, show_calibration_verdict, show_warm_up,
+                worker_request)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
@@ -26,6 +27,7 @@ page_setup("Live generation")
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
 show_calibration_verdict(open_store(), "live")
+show_warm_up()
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
              "drawing less often leaves more of it to the model (the measured cost of each choice is in "
@@ -290,19 +292,24 @@ if submitted and store is not None:
         st.stop()
     request = worker_request(run_spec, store)
     waiting = st.empty()
-    st.button("Stop", help="Ends the run now; it is kept as cancelled.",
-              on_click=lambda: st.session_state.update(stop_clicked=True))
+    run_area = st.empty()  # the Stop button and the run's heading go with it when the run is refused
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
+        done = None
         try:
-            done = stream(request, "This run", redraw_s, started)
-            if baseline:
-                base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
-                               device=device)
-                ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
-                             started)
-                if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
-                    st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
-                              f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
+            with run_area.container():
+                st.button("Stop", help="Ends the run now; it is kept as cancelled.",
+                          on_click=lambda: st.session_state.update(stop_clicked=True))
+                done = stream(request, "This run", redraw_s, started)
+                if baseline:
+                    base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
+                                   device=device)
+                    ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
+                                 started)
+                    if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
+                        st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
+                                  f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
         except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
+            if done is None:  # nothing of this run to show
+                run_area.empty()
             st.error(md_escape(str(exc)))

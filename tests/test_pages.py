@@ -139,6 +139,9 @@ def test_live_page_served_mode_with_a_server_that_does_not_answer_is_one_sentenc
     assert not at.exception
     assert len(at.error) == 1 and at.error[0].value.startswith("Nothing answers at")
     assert Store(page_db).runs().empty
+    # a refused run leaves nothing of itself behind: no heading, no Stop button
+    assert "Stop" not in [b.label for b in at.button]
+    assert "**This run**" not in [m.value for m in at.markdown]
 
 
 def test_a_limit_changed_in_the_one_table_reaches_the_command_line_and_the_live_page(page_db, monkeypatch, capsys):

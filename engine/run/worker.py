@@ -7,7 +7,8 @@ each message wakes the page's process, which then takes a core from the model (m
 bench/results/ui.md). A stop message cancels the run, which the engine records as cancelled.
 
 Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
-generation, {"db", "device", "calibrate": True} for a calibration), "stop", or None (quit). From it:
+generation, {"db", "device", "calibrate": True} for a calibration, {"db", "spec", "warm": True} to load a
+model ahead of its first run), "stop", or None (quit). From it:
 ("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
 request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
 sentence) for an engine failure.
@@ -153,6 +154,8 @@ def serve(conn) -> None:
                 continue
             if request.get("calibrate"):
                 calibrate(conn, request)
+            elif request.get("warm"):
+                warm(conn, request)
             else:
                 run(conn, request)
     except EOFError:
@@ -169,6 +172,19 @@ def calibrate(conn, request: dict) -> None:
         return
     conn.send(("ready", {"run_id": None, "special_ids": []}))
     conn.send(("done", {"calibration": results}))
+
+
+def warm(conn, request: dict) -> None:
+    """Load the model a spec names, kept for the runs that follow, so the first run starts at once;
+    answered ("ready", ...) and ("done", {"seconds": ...})."""
+    started = time.perf_counter()
+    try:
+        prepare(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+    except Exception as exc:  # the run that needs the model says why, in one sentence
+        conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"run_id": None, "special_ids": []}))
+    conn.send(("done", {"seconds": time.perf_counter() - started}))
 
 
 def start(spec: RunSpec, store: Store):
