@@ -15,7 +15,7 @@ import streamlit as st
 
 from engine import access
 from engine.measure import hardware
-from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, series  # noqa: F401 (pages read them from here)
+from engine.report.charts import BUCKET_COLOURS, bucket_chart, plot_escape, run_label, series  # noqa: F401 (pages read them from here)
 from engine.report.definitions import BUCKET_MEANING  # noqa: F401
 from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device
@@ -102,11 +102,6 @@ def md_escape(text) -> str:
     breaks become spaces, and nothing becomes a link."""
     escaped = _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
     return _AUTOLINK.sub("\u2060", escaped)
-
-
-def plot_escape(text) -> str:
-    """User text made literal in a Plotly label, which reads <b>, <a href> and entities."""
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")

@@ -18,6 +18,11 @@ TITLE_SIZE = 20
 LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal", font=dict(size=FONT_SIZE))
 
 
+def plot_escape(text) -> str:
+    """Text made literal in a Plotly label, which reads <b>, <a href> and entities."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def readable(fig: go.Figure, **layout) -> go.Figure:
     """Projector-sized fonts and the legend above the plot; layout entries override."""
     fig.update_layout(font=dict(size=FONT_SIZE), title_font_size=TITLE_SIZE, legend=LEGEND,
@@ -64,7 +69,7 @@ def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
 
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went",
                  clip_prefill: bool = False) -> go.Figure:
-    """Per-token stacked bars of the five buckets (ms). clip_prefill scales the axis to the decode
+    """Per-token stacked bars of the five buckets (ms), the title taken literally. clip_prefill scales the axis to the decode
     tokens and writes the first token's height on it, since the prefill can dwarf them."""
     fig = go.Figure()
     xs = [row["idx"] for row in token_rows]
@@ -78,7 +83,7 @@ def bucket_chart(token_rows: list[dict], title: str = "Where each token's time w
         fig.update_yaxes(range=[0, top])
         fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
                            showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
-    return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
+    return readable(fig, barmode="stack", title=plot_escape(title), xaxis_title="token index", yaxis_title="ms per token",
                     height=380, margin=dict(l=60, r=10, t=100, b=50))
 
 
@@ -88,8 +93,9 @@ def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, ti
     fig = go.Figure()
     for b in BUCKETS:
         values = [(row[f"{b}_ms"] or 0.0) / ((row["n_new_tokens"] or 1) if per_token else 1) for row in rows]
-        fig.add_bar(y=labels, x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b],
+        fig.add_bar(y=[plot_escape(label) for label in labels], x=values, name=b, orientation="h",
+                    marker_color=BUCKET_COLOURS[b],
                     hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
     unit = "ms per token" if per_token else "ms per run"
-    return readable(fig, barmode="stack", title=title, xaxis_title=unit, yaxis=dict(autorange="reversed"),
+    return readable(fig, barmode="stack", title=title and plot_escape(title), xaxis_title=unit, yaxis=dict(autorange="reversed"),
                     height=160 + 48 * len(rows), margin=dict(l=10, r=10, t=100 if title else 60, b=50))

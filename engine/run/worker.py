@@ -175,11 +175,14 @@ def calibrate(conn, request: dict) -> None:
 
 
 def warm(conn, request: dict) -> None:
-    """Load the model a spec names, kept for the runs that follow, so the first run starts at once;
+    """Load the model a spec names (kept for the runs that follow) and the calibration its runs are
+    attributed with (stored, or measured now when none is), so the first run starts at once;
     answered ("ready", ...) and ("done", {"seconds": ...})."""
     started = time.perf_counter()
     try:
-        prepare(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+        store = Store(request["db"])
+        lm = prepare(RunSpec.from_dict(request["spec"]), store)
+        hardware.calibration_for(lm.device, store)
     except Exception as exc:  # the run that needs the model says why, in one sentence
         conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
         return
