@@ -150,6 +150,7 @@ def first_click(tokens: int, read_s: float) -> None:
     db = Path(tempfile.mkdtemp()) / "first-click.duckdb"
     store = Store(db)
     with serve_app(db) as url, browser_page() as page:
+        page.set_default_timeout(300_000)  # the server's first page imports torch on a busy machine
         opened = time.time()
         page.goto(url + "/live")
         page.get_by_label("Prompt text").fill(PROMPT)

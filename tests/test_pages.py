@@ -161,3 +161,13 @@ def test_a_limit_changed_in_the_one_table_reaches_the_command_line_and_the_live_
     assert fields["Max new tokens"].value == spec.GenConfig("x").max_new_tokens
     with pytest.raises(spec.GenerationError, match="at most|between 0 and 7.5"):
         spec.GenConfig("x", temperature=8.0).check()
+
+
+def test_the_planner_answers_above_its_settings_and_refuses_efficiency_factors_of_zero(page_db):
+    at = open_page("pages/planner.py")
+    assert not at.exception
+    headings = [s.value for s in at.subheader]
+    assert headings.index("Side by side (estimates)") < headings.index("Settings")
+    factors = {w.label: w for w in at.number_input if w.key and w.key.startswith("eff-")}
+    assert factors["bandwidth"].min == 0.01 and factors["link"].min == 0.01  # 0 or less: the browser refuses it
+    assert factors["step_fixed_us"].min == 0.0
