@@ -157,9 +157,10 @@ def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:
     return csv_safe(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
 
 
-def log_ticks(values) -> dict:
+def log_ticks(values, thousands: bool = False) -> dict:
     """Tick values and labels for a log axis over these values: one tick a decade when the data
-    spans three or more, else the 1-2-5 steps between, each labelled as a plain number."""
+    spans three or more, else the 1-2-5 steps between, each labelled as a plain number (with
+    thousands: 1k, 10k, 1M for counts such as tokens)."""
     import math
 
     positive = [float(v) for v in values if v is not None and v == v and v > 0]
@@ -170,7 +171,15 @@ def log_ticks(values) -> dict:
     steps = (1,) if high - low >= 3 else (1, 2, 5)
     ticks = [m * 10 ** e for e in range(low, high + 1) for m in steps]
     ticks = [t for t in ticks if t <= 10 ** high]
-    return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
+    return {"tickvals": ticks, "ticktext": [count_label(t) if thousands else f"{t:g}" for t in ticks]}
+
+
+def count_label(value: float) -> str:
+    """A count in a few characters: 512, 1k, 10k, 1M."""
+    for size, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:g}{suffix}"
+    return f"{value:g}"
 
 
 JS_SAFE_INTEGER = 2**53 - 1  # the largest whole number a browser's number field holds exactly
@@ -249,7 +258,10 @@ def generation_worker() -> GenerationWorker:
 def warm_up() -> dict:
     """Once per server, on the first page anyone opens: start the generation process and load the
     default model in it, in a thread through the queue, so the first Generate click finds both ready
-    (a run clicked sooner waits its turn). The dict says how far it got: loading, ready or failed."""
+    (a run clicked sooner waits its turn). The dict says how far it got: loading, ready, failed, or off
+    where TOKENPATH_WARM=0 (tests of pages that run nothing)."""
+    if os.environ.get("TOKENPATH_WARM") == "0":
+        return {"state": "off"}
     state = {"state": "loading", "started": time.monotonic()}
     queue, worker = generation_queue(), generation_worker()
     try:

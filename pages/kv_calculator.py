@@ -11,7 +11,7 @@ from engine.plan import shapes
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.plan.kvcalc import KVCalcError, human
-from ui import default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")
 
@@ -35,6 +35,9 @@ def both_units(column, label: str, n_bytes: float | None) -> None:
 
 
 
+DEFAULT_PRESET = "Llama-3.1-8B"
+
+
 def read_upload(upload) -> dict:
     """An uploaded config.json, read with a size limit whatever the uploader let through."""
     return shapes.parse_json_bytes(upload.read(shapes.CONFIG_MAX_BYTES + 1), upload.name)
@@ -45,7 +48,9 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
     source = st.radio("Model", ["Preset", "Custom shape", "Upload a config.json", "Project model folder"],
                       horizontal=True)
     if source == "Preset":
-        name = st.selectbox("Preset", list(presets), index=0)
+        names = list(presets)
+        # a model that fits on common GPUs opens the page, so its first view shows both answers
+        name = st.selectbox("Preset", names, index=names.index(DEFAULT_PRESET) if DEFAULT_PRESET in names else 0)
         return presets[name]
     if source == "Custom shape":
         c = st.columns(5)
@@ -127,7 +132,7 @@ table = pd.DataFrame({
     # all None when the parameter count is unknown: numeric NaN, shown as empty cells
     "read the weights once (ms per decode step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
 })
-st.dataframe(table, hide_index=True, width="stretch")
+st.dataframe(table, hide_index=True, width="stretch", height=36 * (len(table) + 1) + 4)  # every GPU, no scrolling
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
            "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
 
@@ -141,7 +146,9 @@ for s in [spec] + [presets[n] for n in chosen if n != spec.name]:
                      name=s.name, mode="lines+markers")
 line.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log scale)",
                    yaxis_title=f"KV cache, GiB ({dtype}, batch {int(batch)})", height=380,
-                   margin=dict(l=40, r=10, t=30, b=40))
+                   margin=dict(l=40, r=10, t=30, b=40), legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))
+line.update_xaxes(**log_ticks(points, thousands=True))
+line.update_yaxes(**log_ticks([y for trace in line.data for y in trace.y]))
 st.plotly_chart(line, width="stretch")
 
 st.subheader("Checked against the live model")

@@ -167,3 +167,8 @@ def test_the_report_keeps_a_served_model_id_literal_and_wraps_a_long_prompt(stor
     assert '<a href="https://evil.example">' not in page and "\\u003ca href" not in page
     assert "&lt;a href=" in page  # in the tables and in the Plotly labels alike
     assert "overflow-wrap: anywhere" in page  # so a 3,000-character word wraps instead of widening the page
+
+
+def test_count_axes_read_1k_10k_100k():
+    ticks = log_ticks([128, 131072], thousands=True)
+    assert ticks["ticktext"] == ["100", "1k", "10k", "100k", "1M"]
