@@ -2,7 +2,9 @@
 the story, a sweep, a served run and a load sweep (against tests/stream_server.py, a small real
 OpenAI-style server), in a fresh database. They go to bench/screens/ (not committed), to look at.
 
-    .venv/bin/python bench/screens.py [--out bench/screens] [--tokens 8] [--skip-runs DB]
+    .venv/bin/python bench/screens.py [--out bench/screens] [--tokens 8] [--skip-runs DB] [--quick]
+
+--quick replaces the story and the sweep by one local run from the command line (a busy machine).
 """
 import argparse
 import subprocess
@@ -73,13 +75,17 @@ def main():
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "screens")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--skip-runs", type=Path, help="an existing database to show, instead of making the runs")
+    parser.add_argument("--quick", action="store_true", help="one local run instead of the story and the sweep")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     db = args.skip_runs or Path(tempfile.mkdtemp()) / "screens.duckdb"
     if not args.skip_runs:
         served_runs(db, args.tokens)
-    with serve_app(db, timeout_s=180) as url:
-        if not args.skip_runs:
+        if args.quick:
+            engine("generate", "--prompt", "Why does decoding wait on memory?", "--max-new-tokens", str(args.tokens),
+                   db=db)
+    with serve_app(db, timeout_s=300) as url:
+        if not args.skip_runs and not args.quick:
             page_runs(url, args.tokens)
         for name in shoot(url, args.out):
             print(name)
