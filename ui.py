@@ -15,7 +15,7 @@ import streamlit as st
 
 from engine import access
 from engine.measure import hardware
-from engine.report.charts import BUCKET_COLOURS, bucket_chart, plot_escape, run_label, series  # noqa: F401 (pages read them from here)
+from engine.report.charts import BUCKET_COLOURS, LEGEND, bucket_chart, plot_escape, run_label, series  # noqa: F401 (pages read them from here)
 from engine.report.definitions import BUCKET_MEANING  # noqa: F401
 from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device

@@ -6,7 +6,7 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
-from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
+from ui import (LEGEND, BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
                 plot_escape, run_label, show_calibration_verdict)
 
 page_setup("Distances")
@@ -44,7 +44,7 @@ for b in BUCKETS:
     values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
     fig.add_bar(y=[plot_escape(labels[i]) for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
 fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
-                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=LEGEND)
 st.plotly_chart(fig, width="stretch")
 
 
@@ -78,7 +78,7 @@ for run_id in chosen:
     roof.add_scatter(x=steps["step"], y=steps["roofline_ms"], name="roofline estimate: max(bytes/bandwidth, FLOPs/peak)",
                      mode="lines", line_dash="dash")
     roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=40, b=40),
-                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), yaxis_type="log")
+                       legend=LEGEND, yaxis_type="log")
     roof.update_yaxes(**log_ticks([*steps["forward_ms"], *steps["roofline_ms"]]))
     roof.update_xaxes(dtick=1 if len(steps) <= 20 else None)  # steps are whole numbers
     decode = steps[steps["kind"] == "decode"]
@@ -96,7 +96,7 @@ for run_id in chosen:
         spec.add_bar(x=steps["step"], y=steps["drafted"] - steps["accepted"], name="drafts rejected",
                      marker_color="#d62728")
         spec.update_layout(barmode="stack", xaxis_title="step", yaxis_title="draft tokens", height=260,
-                           margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                           margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
         st.plotly_chart(spec, width="stretch")
         st.caption(f"Speculative decoding: {int(steps['accepted'].sum())} of {int(steps['drafted'].sum())} drafted "
                    f"tokens accepted; {steps['n_emitted'].sum() / len(steps):.2f} tokens per target forward. Rejected "
@@ -111,7 +111,7 @@ for run_id in chosen:
         tel.add_scatter(x=tokens["t_ms"], y=[100] * len(tokens), mode="markers", name="a token is ready",
                         marker=dict(symbol="line-ns-open", size=10))
         tel.update_layout(xaxis_title="ms since the request started", yaxis_title="%", yaxis_range=[0, 105], height=260,
-                          margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                          margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
         st.plotly_chart(tel, width="stretch")
         st.caption(f"Telemetry sampled every 100 ms; resident memory peaked at "
                    f"{telemetry['rss_bytes'].max() / 2**30:.2f} GiB.")

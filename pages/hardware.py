@@ -5,7 +5,7 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.model.loader import pick_device
-from ui import device_facts, md_escape, open_store, page_setup, show_calibration_verdict
+from ui import LEGEND, device_facts, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Hardware")
 st.title("Hardware")
@@ -87,7 +87,7 @@ def live_telemetry():
                     mode="lines", yaxis="y2")
     fig.update_layout(xaxis_title="seconds since this page opened", yaxis=dict(title="CPU %", range=[0, 100]),
                       yaxis2=dict(title="GB", overlaying="y", side="right", rangemode="tozero"),
-                      height=260, margin=dict(l=40, r=40, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                      height=260, margin=dict(l=40, r=40, t=40, b=40), legend=LEGEND)
     st.plotly_chart(fig, width="stretch")
 
 

@@ -11,7 +11,7 @@ from engine.plan import shapes
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.plan.kvcalc import KVCalcError, human
-from ui import default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import LEGEND, default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")
 
@@ -117,7 +117,7 @@ fig.add_bar(x=gpus["short"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker
 fig.add_scatter(x=gpus["short"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
                 marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
 fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
-                  margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                  margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
 st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")

@@ -11,7 +11,7 @@ from engine.plan import planner as plan
 from engine.plan.kvcalc import human, project_model_folders
 from engine.plan.shapes import ShapeError
 from engine.measure import hardware
-from ui import BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict
+from ui import LEGEND, BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Planner")
 
@@ -151,7 +151,7 @@ with answer:
         bars.add_bar(x=[label(r) for r in results], y=[r["distances_ms"][b] for r in results], name=b,
                      marker_color=BUCKET_COLOURS[b])
     bars.update_layout(barmode="stack", yaxis_title="ms per decode token (estimate)", height=380,
-                       margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                       margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
     st.plotly_chart(bars, width="stretch")
     for r, setup in zip(results, setups):
         with st.expander(f"Formulas: {label(r)}"):

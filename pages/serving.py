@@ -26,7 +26,7 @@ from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
 from engine.serve.capacity import describe
-from ui import figure, md_escape, open_store, plot_escape, page_setup
+from ui import LEGEND, figure, md_escape, open_store, plot_escape, page_setup
 
 # below the plot, clear of the title above it
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.25, x=0)
@@ -250,7 +250,7 @@ hist = go.Figure()
 for level, values in gaps.items():
     hist.add_histogram(x=values, name=f"{level} at once", opacity=0.6, nbinsx=40)
 hist.update_layout(barmode="overlay", xaxis_title="gap between chunks as read (ms)", yaxis_title="gaps", height=300,
-                   margin=dict(l=40, r=10, t=30, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                   margin=dict(l=40, r=10, t=30, b=40), legend=LEGEND)
 st.plotly_chart(hist, width="stretch")
 
 c = st.columns(2)
