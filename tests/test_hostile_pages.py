@@ -172,3 +172,39 @@ def test_the_report_keeps_a_served_model_id_literal_and_wraps_a_long_prompt(stor
 def test_count_axes_read_1k_10k_100k():
     ticks = log_ticks([128, 131072], thousands=True)
     assert ticks["ticktext"] == ["100", "1k", "10k", "100k", "1M"]
+
+
+@pytest.mark.integration
+def test_distances_shows_a_served_run_beside_a_local_one_without_an_exception(page_db, tiny_lm, calibration):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from browser import free_port
+    from engine.serve import client as served
+
+    local = recorded_run(page_db, tiny_lm, calibration, model="local-model", prompt="Hi")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stream_server.py")), str(port), "ok",
+                               "0.01"])
+    try:
+        for _ in range(100):  # until it listens
+            try:
+                served.list_models(f"http://127.0.0.1:{port}", None)
+                break
+            except served.ServedError:
+                time.sleep(0.2)
+        run = served.generate(f"http://127.0.0.1:{port}", served_model=None, prompt="Say something.",
+                              max_new_tokens=6, store=Store(page_db))
+        list(run)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    at = AppTest.from_file("../app.py", default_timeout=180)
+    at.switch_page("pages/distances.py")
+    at.query_params["run"] = [str(local), str(run.run_id)]
+    at.run()
+    assert not at.exception
+    labels = [s.value for s in at.subheader]
+    assert any("served" in label for label in labels) and not any("nan" in label for label in labels)
