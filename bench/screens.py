@@ -62,8 +62,9 @@ def shoot(url: str, out: Path) -> list[Path]:
             for path, label, _ in PAGES:
                 stem = "" if path == "app.py" else Path(path).stem
                 page.goto(f"{url}/{stem}")
-                page.wait_for_selector("[data-testid=stApp]", timeout=60_000)
-                time.sleep(8)  # Streamlit draws in steps; Plotly lays out after that
+                page.wait_for_selector("h1", timeout=600_000)  # the page's title: its script has run this far
+                page.wait_for_selector("[data-testid=stStatusWidget]", state="detached", timeout=600_000)
+                time.sleep(3)  # Plotly lays out after Streamlit has drawn
                 name = out / f"{width}-{stem or 'home'}.png"
                 page.screenshot(path=str(name))
                 taken.append(name)
