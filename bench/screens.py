@@ -59,6 +59,7 @@ def shoot(url: str, out: Path) -> list[Path]:
     taken = []
     for width in WIDTHS:
         with browser_page(width, HEIGHT) as page:
+            page.set_default_timeout(600_000)  # a busy machine draws slowly; a picture late is still a picture
             for path, label, _ in PAGES:
                 stem = "" if path == "app.py" else Path(path).stem
                 page.goto(f"{url}/{stem}")
