@@ -72,7 +72,7 @@ else:
         start = st.form_submit_button("Start the sweep", type="primary")
 
 
-RATES = arrival.startswith("arrivals")
+RATES = not access.shared_mode() and arrival.startswith("arrivals")
 
 
 def launch(progress: Path) -> subprocess.Popen:
