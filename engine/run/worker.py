@@ -30,6 +30,7 @@ from engine.serve.client import ServedRunError
 from engine.errors import UserError
 from engine.model.loader import pick_device
 from engine.run.open import open_run
+from engine.run.prepare import prepare
 from engine.run.record import RecordDeferred
 from engine.run.spec import RunSpec
 from engine.store.db import Store
