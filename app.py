@@ -2,7 +2,7 @@
 import streamlit as st
 
 from engine.measure.distances import BUCKETS, FORMULAS
-from ui import BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup
+from ui import PAGES, BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup, readable_runs
 
 page_setup("Tokenpath")
 
@@ -41,14 +41,7 @@ st.page_link("pages/story.py", label="Play the story: the four distances, measur
              "minute", icon=":material/play_circle:")
 
 st.subheader("Pages")
-for path, label, what in [
-    ("pages/live.py", "Live generation", "run a prompt with every switch and watch each token's time split live"),
-    ("pages/distances.py", "Distances", "where the time went, per token and per run, against the roofline"),
-    ("pages/runs.py", "Runs", "every recorded run: filter, compare, export, delete"),
-    ("pages/sweeps.py", "Sweeps", "a grid of settings on one workload, and what limits this machine"),
-    ("pages/hardware.py", "Hardware", "calibration, telemetry, links, and the path data travels in a DGX A100"),
-    ("pages/kv_calculator.py", "KV calculator", "KV-cache and weights memory against GPUs"),
-]:
+for path, label, what in PAGES[1:]:
     st.page_link(path, label=f"{label}: {what}")
 
 st.subheader("Latest runs")
@@ -58,6 +51,4 @@ if store is not None:
     if runs.empty:
         st.info("No runs recorded yet: start one on Live generation, or run `python -m engine generate --prompt ...`.")
     else:
-        st.dataframe(runs[["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity",
-                           "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "prompt"]], hide_index=True,
-                     width="stretch")
+        st.dataframe(readable_runs(runs), hide_index=True, width="stretch")

@@ -15,19 +15,27 @@ import streamlit as st
 
 from engine import access
 from engine.measure import hardware
-from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, series  # noqa: F401 (pages read them from here)
+from engine.report.charts import BUCKET_COLOURS, LEGEND, bucket_chart, plot_escape, run_label, series  # noqa: F401 (pages read them from here)
 from engine.report.definitions import BUCKET_MEANING  # noqa: F401
 from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
-from engine.run.spec import RunSpec
+from engine.run.spec import DEFAULTS as SPEC_DEFAULTS
+from engine.run.spec import LIMITS, GenConfig, RunSpec
 from engine.store.db import Store, StoreError
-from engine.run.worker import GenerationWorker, WorkerFailed
+from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
-# (file, label) of every page, in the order the sidebar lists them
-PAGES = [("app.py", "Home"), ("pages/story.py", "Story"), ("pages/live.py", "Live generation"), ("pages/distances.py", "Distances"),
-         ("pages/runs.py", "Runs"), ("pages/sweeps.py", "Sweeps"), ("pages/serving.py", "Serving"),
-         ("pages/hardware.py", "Hardware"), ("pages/kv_calculator.py", "KV calculator"), ("pages/planner.py", "Planner")]
+# (file, label, what it is for) of every page, in the order the sidebar and the home page list them
+PAGES = [("app.py", "Home", "the thesis, this machine, the latest runs"),
+         ("pages/story.py", "Story", "the four distances, measured live on this machine, in about a minute"),
+         ("pages/live.py", "Live generation", "run a prompt with every switch and watch each token's time split live"),
+         ("pages/distances.py", "Distances", "where the time went, per token and per run, against the roofline"),
+         ("pages/runs.py", "Runs", "every recorded run: filter, compare, export, delete"),
+         ("pages/sweeps.py", "Sweeps", "a grid of settings on one workload, and what limits this machine"),
+         ("pages/serving.py", "Serving", "a served model under load: latency and throughput as concurrency grows"),
+         ("pages/hardware.py", "Hardware", "calibration, telemetry, links, and the path data travels in a DGX A100"),
+         ("pages/kv_calculator.py", "KV calculator", "KV-cache and weights memory against GPUs"),
+         ("pages/planner.py", "Planner", "a deployment's time per token split into the five buckets, before buying it")]
 
 
 ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"  # a file, so no page load fetches a font
@@ -39,8 +47,9 @@ def page_setup(title: str) -> None:
     st.set_page_config(page_title=f"{title} · Tokenpath" if title != "Tokenpath" else title,
                        page_icon=str(ICON), layout="wide")
     access_gate()
+    warm_up()
     with st.sidebar:
-        for path, label in PAGES:
+        for path, label, _ in PAGES:
             st.page_link(path, label=label)
         if access.shared_mode() and st.button("Sign out", key="_sign_out"):
             st.session_state.pop("_signed_in", None)
@@ -65,22 +74,20 @@ def access_gate() -> None:
                               help=f"The secret this server was started with (${access.TOKEN_ENV}).")
         submitted = st.form_submit_button("Sign in", type="primary")
     if submitted:
-        if access.token_matches(given):
+        client = st.context.ip_address or "an unknown address"
+        wait = access.SIGN_IN.wait_s(client)
+        if wait > 0:  # no token is checked while this address waits, so parallel guesses gain nothing
+            st.error(f"Too many wrong tokens from this address: try again in {wait:.0f} s.")
+        elif access.token_matches(given):
+            access.SIGN_IN.succeeded(client)
             st.session_state["_signed_in"] = True
             st.rerun()
-        time.sleep(1.0)  # a wrong guess costs the guesser a second
-        st.error("That is not this server's access token.")
+        else:
+            access.SIGN_IN.failed(client)
+            time.sleep(1.0)  # a wrong guess costs the guesser a second
+            st.error("That is not this server's access token.")
     st.info("This dashboard is shared on the network: sign in with its access token to use it.")
     st.stop()
-
-
-def shared_mode() -> bool:
-    return access.shared_mode()
-
-
-def model_choice_allowed(text: str, draft: bool = False) -> bool:
-    """Whether a model (or draft model) field's text may be run here (engine.access)."""
-    return access.model_choice_allowed(text, draft)
 
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:=^&])")
@@ -97,11 +104,6 @@ def md_escape(text) -> str:
     return _AUTOLINK.sub("\u2060", escaped)
 
 
-def plot_escape(text) -> str:
-    """User text made literal in a Plotly label, which reads <b>, <a href> and entities."""
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
@@ -116,9 +118,49 @@ def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def log_ticks(values) -> dict:
+SIGNIFICANT = 3  # a timing repeated on this machine varies by a few percent: three figures carry it
+
+
+def figure(value) -> float | None:
+    """A measured number rounded to the digits the measurement supports."""
+    if value is None or value != value:
+        return None
+    return float(f"{float(value):.{SIGNIFICANT}g}")
+
+
+def _sparsity_words(row) -> str:
+    return f"{row['sparsity']:.0%} {row['sparsity_mode']}" if row.get("sparsity") else "dense"
+
+
+# the columns people compare, in words a person would say, each from a runs row
+RUN_COLUMNS = {
+    "run": lambda r: f"#{int(r['run_id'])}",
+    "started (UTC)": lambda r: r["started_at"].strftime("%Y-%m-%d %H:%M") if r.get("started_at") is not None else "",
+    "status": lambda r: r["status"],
+    "model": lambda r: r["model"],
+    "weights": lambda r: r.get("quant") or r.get("dtype") or "",
+    "KV cache": lambda r: "on" if r.get("kv_cache") else "off",
+    "sparsity": _sparsity_words,
+    "speculative": lambda r: r.get("spec") or "none",
+    "tag": lambda r: r.get("tag") or "",
+    "new tokens": lambda r: int(r["n_new_tokens"] or 0),
+    "time to first token (ms)": lambda r: figure(r.get("ttft_ms")),
+    "time per output token (ms)": lambda r: figure(r.get("tpot_ms")),
+    "tokens/s": lambda r: figure(r.get("tokens_per_s")),
+}
+
+
+def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs as people read them: human column names with units, rounded figures, the settings that
+    tell runs apart (weights, KV cache, sparsity, speculative method, tag), text made safe to export."""
+    rows = [{name: get(row) for name, get in RUN_COLUMNS.items()} for row in runs.to_dict("records")]
+    return csv_safe(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
+
+
+def log_ticks(values, thousands: bool = False) -> dict:
     """Tick values and labels for a log axis over these values: one tick a decade when the data
-    spans three or more, else the 1-2-5 steps between, each labelled as a plain number."""
+    spans three or more, else the 1-2-5 steps between, each labelled as a plain number (with
+    thousands: 1k, 10k, 1M for counts such as tokens)."""
     import math
 
     positive = [float(v) for v in values if v is not None and v == v and v > 0]
@@ -129,7 +171,29 @@ def log_ticks(values) -> dict:
     steps = (1,) if high - low >= 3 else (1, 2, 5)
     ticks = [m * 10 ** e for e in range(low, high + 1) for m in steps]
     ticks = [t for t in ticks if t <= 10 ** high]
-    return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
+    return {"tickvals": ticks, "ticktext": [count_label(t) if thousands else f"{t:g}" for t in ticks]}
+
+
+def count_label(value: float) -> str:
+    """A count in a few characters: 512, 1k, 10k, 1M."""
+    for size, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:g}{suffix}"
+    return f"{value:g}"
+
+
+JS_SAFE_INTEGER = 2**53 - 1  # the largest whole number a browser's number field holds exactly
+
+
+def setting_input(where, label: str, name: str, step: float | None = None, value=None, help: str | None = None):
+    """A number field for a generation setting: its range from engine.run.spec.LIMITS (a whole-number
+    range capped at what the browser holds exactly), its default from the run specification's."""
+    limit = LIMITS[name]
+    default = SPEC_DEFAULTS[name] if value is None else value
+    if limit.whole:
+        return where.number_input(label, int(limit.low), min(int(limit.high), JS_SAFE_INTEGER), int(default),
+                                  help=help)
+    return where.number_input(label, float(limit.low), float(limit.high), float(default), step, help=help)
 
 
 def flash(message: str) -> None:
@@ -190,6 +254,44 @@ def generation_worker() -> GenerationWorker:
     return GenerationWorker()
 
 
+@st.cache_resource(show_spinner=False)
+def warm_up() -> dict:
+    """Once per server, on the first page anyone opens: start the generation process and load the
+    default model in it, in a thread through the queue, so the first Generate click finds both ready
+    (a run clicked sooner waits its turn). The dict says how far it got: loading, ready, failed, or off
+    where TOKENPATH_WARM=0 (tests of pages that run nothing)."""
+    if os.environ.get("TOKENPATH_WARM") == "0":
+        return {"state": "off"}
+    state = {"state": "loading", "started": time.monotonic()}
+    queue, worker = generation_queue(), generation_worker()
+    try:
+        request = {"db": str(Store().path), "warm": True,
+                   "spec": RunSpec(gen=GenConfig("warm"), model=default_model_id()).to_dict()}
+    except StoreError as exc:
+        return {**state, "state": "failed", "message": str(exc)}
+
+    def load():
+        try:
+            with queue.turn(lambda position: None):
+                for kind, payload in worker.generate(request, every_s=60.0):
+                    if kind == "done":
+                        state.update(state="ready", seconds=payload["seconds"])
+        except (WorkerRefused, WorkerFailed) as exc:
+            state.update(state="failed", message=str(exc))
+
+    threading.Thread(target=load, daemon=True, name="tokenpath-warm-up").start()
+    return state
+
+
+def show_warm_up() -> None:
+    """What the generation process is doing while the default model loads, if it still is."""
+    state = warm_up()
+    if state["state"] == "loading":
+        st.info(f"Loading the default model in the generation process (since "
+                f"{time.monotonic() - state['started']:.0f} s, once per server start): a run started now begins "
+                "as soon as it is ready.", icon=":material/hourglass_top:")
+
+
 def open_store() -> Store | None:
     try:
         return Store()
@@ -201,6 +303,31 @@ def open_store() -> Store | None:
 @st.cache_data(show_spinner=False)
 def device_facts(device: str) -> dict:
     return hardware.hardware_summary(pick_device(device))
+
+
+def calibration_verdict(store: Store | None) -> hardware.CalibrationVerdict:
+    """The engine's verdict on this device's calibration in use (engine.measure.hardware)."""
+    return hardware.calibration_verdict(store, hardware.device_key(pick_device("auto")))
+
+
+def show_calibration_verdict(store: Store | None, where: str, always_offer: bool = False) -> hardware.CalibrationVerdict:
+    """The calibration verdict as every page shows it: the sentence, its evidence, and the one action
+    (calibrate now, in the generation process) when it is not trustworthy, or always_offer."""
+    verdict = calibration_verdict(store)
+    box = st.success if verdict.trustworthy else st.warning
+    box(f"**Calibration:** {md_escape(verdict.headline)}", icon=":material/speed:")
+    st.caption(md_escape(verdict.why))
+    action = verdict.action or ("Calibrate again (a few seconds)" if always_offer else None)
+    if action and store is not None and st.button(action, key=f"_calibrate_{where}"):
+        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
+                        "(after any generation already queued)..."):
+            try:
+                run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
+            except (WorkerRefused, WorkerFailed) as exc:
+                st.error(md_escape(str(exc)))
+                return verdict
+        st.rerun()
+    return verdict
 
 
 def default_model_id() -> str:

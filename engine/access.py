@@ -8,15 +8,22 @@ import argparse
 import hmac
 import ipaddress
 import os
+import logging
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from engine.errors import UserError
 from engine.paths import REPO_ROOT, models_dir
 
+log = logging.getLogger("tokenpath.access")
 TOKEN_ENV = "TOKENPATH_TOKEN"
 MIN_TOKEN_CHARS = 12
+# the largest upload any page accepts (a model's config.json on the KV calculator); the server refuses
+# larger ones before any page sees them (.streamlit/config.toml says the same, for `make run`)
+UPLOAD_MB = 1
 # model choices a shared dashboard accepts besides the folders under data/models
 PRESET_MODELS = ("default",)
 DRAFT_PRESETS = ("self-int8",)
@@ -41,6 +48,54 @@ def token_matches(given: str | None) -> bool:
     if token is None or not given:
         return False
     return hmac.compare_digest(given.encode(), token.encode())
+
+
+class SignInThrottle:
+    """Wrong tokens counted per client address, shared by every session of the server: after FREE_TRIES
+    wrong ones in a row an address waits, twice as long after each further one; each is logged."""
+
+    FREE_TRIES = 5
+    FIRST_WAIT_S = 2.0
+    LONGEST_WAIT_S = 300.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._failures: dict[str, tuple[int, float]] = {}  # address -> (wrong in a row, may try again at)
+
+    def wait_s(self, address: str) -> float:
+        """Seconds before this address may try a token again (0: now)."""
+        with self._lock:
+            _, until = self._failures.get(address, (0, 0.0))
+        return max(0.0, until - time.monotonic())
+
+    def failed(self, address: str) -> None:
+        with self._lock:
+            count = self._failures.get(address, (0, 0.0))[0] + 1
+            over = count - self.FREE_TRIES
+            wait = 0.0 if over < 0 else min(self.FIRST_WAIT_S * 2 ** over, self.LONGEST_WAIT_S)
+            self._failures[address] = (count, time.monotonic() + wait)
+        log.warning("A wrong access token from %s (%d in a row); it may try again in %.0f s.", address, count, wait)
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            self._failures.pop(address, None)
+
+
+SIGN_IN = SignInThrottle()
+
+
+def lan_addresses() -> list[str]:
+    """This machine's IPv4 addresses that other machines can reach (not loopback, not link-local)."""
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET:
+                ip = ipaddress.ip_address(a.address)
+                if not (ip.is_loopback or ip.is_link_local):
+                    found.append(a.address)
+    return sorted(set(found))
 
 
 def is_loopback(host: str | None) -> bool:
@@ -94,6 +149,12 @@ def model_choice_allowed(text: str | None, draft: bool = False) -> bool:
     return path.parent == root and path.name in model_folders()
 
 
+# what a shared dashboard answers wherever a served endpoint could be named (the Live page through the
+# worker, the Serving page, the Story): the same sentence, which says nothing of this host's ports or variables
+SERVED_REFUSAL = ("This dashboard is shared on the network, so it does not send requests to other servers; measure "
+                  "a served model from a dashboard on 127.0.0.1.")
+
+
 def refusal(text: str) -> str:
     """The sentence shown when a shared dashboard turns a model choice down."""
     choices = ", ".join([*PRESET_MODELS, *model_folders()])
@@ -118,10 +179,20 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str]:
 
 def streamlit_command(host: str, port: int, extra_hosts: list[str]) -> list[str]:
     command = [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "app.py"), "--server.address", host,
-               "--server.port", str(port)]
+               "--server.port", str(port), "--server.maxUploadSize", str(UPLOAD_MB)]
     for name in allowed_hosts(host, extra_hosts):
         command += ["--server.allowedHosts", name]
     return command
+
+
+def start_message(host: str, port: int) -> str:
+    """Where colleagues open the dashboard: the LAN addresses when it listens on every interface."""
+    if is_loopback(host):
+        return f"Serving on http://{host}:{port} (this machine only)."
+    hosts = lan_addresses() if host in ("0.0.0.0", "::", "") else [host]
+    urls = ", ".join(f"http://{h}:{port}" for h in hosts) or f"http://{host}:{port}"
+    return (f"Serving on {urls}; every page asks for the token in ${TOKEN_ENV}. It crosses the network "
+            "unencrypted: put a TLS proxy in front where others could listen.")
 
 
 def main(argv=None) -> int:
@@ -138,8 +209,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     command = streamlit_command(args.host, args.port, args.allow_host)
-    print(f"Serving on {args.host}:{args.port}" + (f"; every page asks for the token in ${TOKEN_ENV}"
-                                                    if shared_mode() else ""), flush=True)
+    print(start_message(args.host, args.port), flush=True)
     os.execv(command[0], command)
 
 

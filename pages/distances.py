@@ -6,8 +6,8 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
-from ui import (BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
-                plot_escape, run_label)
+from ui import (LEGEND, BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
+                plot_escape, run_label, show_calibration_verdict)
 
 page_setup("Distances")
 st.title("Latency by distance")
@@ -17,7 +17,8 @@ st.markdown("Every step's measured wall time split into five buckets that add up
 store = open_store()
 if store is None:
     st.stop()
-runs = store.query("SELECT * FROM runs WHERE n_new_tokens > 0 ORDER BY run_id DESC LIMIT 200")
+verdict = show_calibration_verdict(store, "distances")
+runs = store.runs_with_tokens(200)
 if runs.empty:
     st.info("No finished runs yet: start one on Live generation.")
     st.stop()
@@ -43,7 +44,7 @@ for b in BUCKETS:
     values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
     fig.add_bar(y=[plot_escape(labels[i]) for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
 fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
-                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=LEGEND)
 st.plotly_chart(fig, width="stretch")
 
 
@@ -56,11 +57,12 @@ def calibration_note(run_metrics) -> str:
     when = f"measured {found['created_at']} UTC" if found else "no longer stored"
     note = (f"Attributed with the calibration {when}: memory {summary['memory_gbps']:.1f} GB/s, fp32 peak "
             f"{summary['matmul_gflops']['float32']:,.0f} GFLOP/s, dispatch {summary['dispatch_us']:.1f} µs.")
-    if found and found.get("suspect"):
-        note += f" :orange[This calibration is flagged: {md_escape(found['suspect'])}]"
-    beyond = (json.loads(run_metrics).get("peak_check") or {}).get("beyond_peak")
+    in_use = verdict.calibration
+    if in_use is None or summary["memory_gbps"] != in_use["memory_gbps"]:
+        note += " Not the calibration in use now (see the verdict above)."
+    beyond = hardware.above_peak_sentence((json.loads(run_metrics).get("peak_check") or {}).get("peak_fraction"))
     if beyond:
-        note += f" :red[This run beat the calibrated peak. {md_escape(beyond)}]"
+        note += f" Its decode read memory faster than that peak: {md_escape(beyond)}"
     return note
 
 
@@ -76,7 +78,7 @@ for run_id in chosen:
     roof.add_scatter(x=steps["step"], y=steps["roofline_ms"], name="roofline estimate: max(bytes/bandwidth, FLOPs/peak)",
                      mode="lines", line_dash="dash")
     roof.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="ms", height=300, margin=dict(l=40, r=10, t=40, b=40),
-                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), yaxis_type="log")
+                       legend=LEGEND, yaxis_type="log")
     roof.update_yaxes(**log_ticks([*steps["forward_ms"], *steps["roofline_ms"]]))
     roof.update_xaxes(dtick=1 if len(steps) <= 20 else None)  # steps are whole numbers
     decode = steps[steps["kind"] == "decode"]
@@ -85,6 +87,7 @@ for run_id in chosen:
     st.caption("The roofline is what the bytes and FLOPs of each forward would take at the calibrated bandwidth and "
                "peak; the gap to the measured forward is dispatch, launch and kernels running below peak "
                f"(the time bucket). Decode steps: the estimate is {ratio:.0%} of the measured forward time."
+               + (f" {hardware.above_peak_sentence(ratio)}" if hardware.above_peak_sentence(ratio) else "")
                if ratio else "Only a prefill step in this run.")
 
     if steps["drafted"].sum() > 0:
@@ -93,7 +96,7 @@ for run_id in chosen:
         spec.add_bar(x=steps["step"], y=steps["drafted"] - steps["accepted"], name="drafts rejected",
                      marker_color="#d62728")
         spec.update_layout(barmode="stack", xaxis_title="step", yaxis_title="draft tokens", height=260,
-                           margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                           margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
         st.plotly_chart(spec, width="stretch")
         st.caption(f"Speculative decoding: {int(steps['accepted'].sum())} of {int(steps['drafted'].sum())} drafted "
                    f"tokens accepted; {steps['n_emitted'].sum() / len(steps):.2f} tokens per target forward. Rejected "
@@ -108,7 +111,7 @@ for run_id in chosen:
         tel.add_scatter(x=tokens["t_ms"], y=[100] * len(tokens), mode="markers", name="a token is ready",
                         marker=dict(symbol="line-ns-open", size=10))
         tel.update_layout(xaxis_title="ms since the request started", yaxis_title="%", yaxis_range=[0, 105], height=260,
-                          margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                          margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
         st.plotly_chart(tel, width="stretch")
         st.caption(f"Telemetry sampled every 100 ms; resident memory peaked at "
                    f"{telemetry['rss_bytes'].max() / 2**30:.2f} GiB.")

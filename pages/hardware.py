@@ -5,8 +5,7 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.model.loader import pick_device
-from engine.run.worker import WorkerFailed, WorkerRefused
-from ui import device_facts, md_escape, open_store, page_setup, run_in_worker
+from ui import LEGEND, device_facts, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Hardware")
 st.title("Hardware")
@@ -33,24 +32,10 @@ with c[0]:
 with c[1]:
     st.subheader("Calibration")
     key = hardware.device_key(device)
-    if st.button("Calibrate now (a few seconds)") and store is not None:
-        with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
-                        "(after any generation already queued)..."):
-            try:
-                run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
-            except (WorkerRefused, WorkerFailed) as exc:
-                st.error(md_escape(str(exc)))
+    verdict = show_calibration_verdict(store, "hardware", always_offer=True)
     recent = hardware.recent_calibrations(store, key) if store is not None else []
-    stored = hardware.choose_calibration(recent)
-    if stored is None:
-        st.info("Not calibrated yet on this device: press the button, or run `python -m engine calibrate`. "
-                "The first generation also calibrates.")
-    else:
-        if recent[0].get("suspect"):
-            st.warning(f"The newest calibration ({recent[0]['created_at']} UTC) is flagged and not used: "
-                       f"{md_escape(recent[0]['suspect'])}" if recent[0] is not stored else
-                       f"The calibration in use is flagged: {md_escape(stored['suspect'])} Calibrate again on a "
-                       "quiet machine.")
+    stored = verdict.calibration
+    if stored is not None:
         methods = stored.get("memory_methods_gbps") or {"streaming sum": stored["stream_read_gbps"]}
         rows = [(f"memory read peak (best method: {stored.get('memory_method', 'gemv')})", f"{stored['memory_gbps']:.1f} GB/s"),
                 *[(f"memory read, {name.replace('_', ' ')}", f"{gbps:.1f} GB/s") for name, gbps in methods.items()],
@@ -71,7 +56,7 @@ with c[1]:
         with st.expander(f"The last {len(recent)} calibration(s) of this device"):
             st.dataframe(pd.DataFrame([{
                 "measured (UTC)": r["created_at"], "memory GB/s": round(r["memory_gbps"], 1),
-                "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r is stored,
+                "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r["created_at"] == stored["created_at"],
                 "flag": r.get("suspect") or ""} for r in recent]), hide_index=True, width="stretch")
 
 st.subheader("Links and bandwidths")
@@ -98,11 +83,11 @@ def live_telemetry():
     fig = go.Figure()
     fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["cpu_percent"], name="CPU use, % of all cores (whole machine)",
                     mode="lines")
-    fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["rss_bytes"] / 2**30, name="this process, GiB resident",
+    fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["rss_bytes"] / 1e9, name="this server's resident memory, GB",
                     mode="lines", yaxis="y2")
-    fig.update_layout(xaxis_title="seconds since this page opened", yaxis=dict(title="%", range=[0, 105]),
-                      yaxis2=dict(title="GiB", overlaying="y", side="right", rangemode="tozero"),
-                      height=260, margin=dict(l=40, r=40, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+    fig.update_layout(xaxis_title="seconds since this page opened", yaxis=dict(title="CPU %", range=[0, 100]),
+                      yaxis2=dict(title="GB", overlaying="y", side="right", rangemode="tozero"),
+                      height=260, margin=dict(l=40, r=40, t=40, b=40), legend=LEGEND)
     st.plotly_chart(fig, width="stretch")
 
 
@@ -113,24 +98,25 @@ st.caption("Sampled once a second while this page is open (CPU use of the whole 
 live_telemetry()
 
 st.subheader("The path data travels: a DGX A100")
-stages = [("HBM2", "weights and KV cache"), ("GPU", "compute units"), ("GPU module board", "carries each GPU"),
-          ("UBB baseboard", "~0.30 m², 26 layers,\nultra-low-loss, ≈3,000 CNY"), ("NVSwitch", "GPU to GPU"),
-          ("PCIe to host", "CPU, DRAM, NICs")]
+stages = [("HBM2", "weights and\nKV cache"), ("GPU", "compute\nunits"), ("GPU module\nboard", "carries\neach GPU"),
+          ("UBB\nbaseboard", "~0.30 m², 26 layers,\nultra-low-loss,\n≈3,000 CNY"), ("NVSwitch", "GPU to GPU"),
+          ("PCIe to host", "CPU, DRAM,\nNICs")]
 fig = go.Figure()
 for i, (name, what) in enumerate(stages):
     x = i * 1.7
     fig.add_shape(type="rect", x0=x, x1=x + 1.3, y0=0, y1=1, line_color="#1f6f8b", fillcolor="#e8f1f5")
-    fig.add_annotation(x=x + 0.65, y=0.68, text=f"<b>{name}</b>", showarrow=False)
-    fig.add_annotation(x=x + 0.65, y=0.32, text=what.replace("\n", "<br>"), showarrow=False, font_size=11)
+    fig.add_annotation(x=x + 0.65, y=0.75, text=f"<b>{name.replace(chr(10), '<br>')}</b>", showarrow=False,
+                       font_size=12)
+    fig.add_annotation(x=x + 0.65, y=0.3, text=what.replace("\n", "<br>"), showarrow=False, font_size=10)
     if i:
         fig.add_annotation(x=x, y=0.5, ax=x - 0.4, ay=0.5, xref="x", yref="y", axref="x", ayref="y",
                            showarrow=True, arrowhead=2, text="")
 fig.update_xaxes(visible=False, range=[-0.2, len(stages) * 1.7])
 fig.update_yaxes(visible=False, range=[-0.2, 1.2])
-fig.update_layout(height=200, margin=dict(l=0, r=0, t=0, b=0), plot_bgcolor="white")
+fig.update_layout(height=260, margin=dict(l=0, r=0, t=0, b=0), plot_bgcolor="white")
 st.plotly_chart(fig, width="stretch")
 st.markdown(
-    "From the seed essay (industry estimates, not measured here): in a DGX A100 the GPU baseboard, NVSwitch, GPU "
+    "Industry estimates, not measured here: in a DGX A100 the GPU baseboard, NVSwitch, GPU "
     "cards and GPU module boards use about **0.624 m² of PCB worth about 12,250 CNY per system**; the UBB that "
     "carries the GPU platform is about **0.30 m², 26 layers of through-hole design on ultra-low-loss material, "
     "about 3,000 CNY**. Multi-layer low-loss boards exist to keep these signal paths short and clean: the "

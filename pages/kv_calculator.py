@@ -5,12 +5,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine import access
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.plan.kvcalc import KVCalcError, human
-from ui import default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import LEGEND, default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("KV calculator")
 
@@ -32,7 +33,9 @@ def both_units(column, label: str, n_bytes: float | None) -> None:
         column.caption(binary.rstrip(")"))
 
 
-UPLOAD_MB = 1  # a config.json is a few kB
+
+
+DEFAULT_PRESET = "Llama-3.1-8B"
 
 
 def read_upload(upload) -> dict:
@@ -45,7 +48,9 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
     source = st.radio("Model", ["Preset", "Custom shape", "Upload a config.json", "Project model folder"],
                       horizontal=True)
     if source == "Preset":
-        name = st.selectbox("Preset", list(presets), index=0)
+        names = list(presets)
+        # a model that fits on common GPUs opens the page, so its first view shows both answers
+        name = st.selectbox("Preset", names, index=names.index(DEFAULT_PRESET) if DEFAULT_PRESET in names else 0)
         return presets[name]
     if source == "Custom shape":
         c = st.columns(5)
@@ -57,8 +62,8 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
         s = kvcalc.spec(layers=layers, kv_heads=kv_heads, head_dim=head_dim, attention_heads=heads)
         return kvcalc.with_window(s, window) if window else s
     if source == "Upload a config.json":
-        upload = st.file_uploader(f"A model's config.json (at most {UPLOAD_MB} MB)", type=["json"],
-                                  max_upload_size=UPLOAD_MB)
+        upload = st.file_uploader(f"A model's config.json (at most {access.UPLOAD_MB} MB)", type=["json"],
+                                  max_upload_size=access.UPLOAD_MB)
         if upload is None:
             st.info("Upload a model's config.json.")
             return None
@@ -112,7 +117,7 @@ fig.add_bar(x=gpus["short"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker
 fig.add_scatter(x=gpus["short"], y=gpus["memory_bytes"] / 2**30, mode="markers", name="GPU memory",
                 marker=dict(symbol="line-ew-open", size=40, color="#d62728", line_width=3))
 fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", height=380,
-                  margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                  margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
 st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")
@@ -127,7 +132,7 @@ table = pd.DataFrame({
     # all None when the parameter count is unknown: numeric NaN, shown as empty cells
     "read the weights once (ms per decode step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
 })
-st.dataframe(table, hide_index=True, width="stretch")
+st.dataframe(table, hide_index=True, width="stretch", height=36 * (len(table) + 1) + 4)  # every GPU, no scrolling
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
            "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
 
@@ -141,7 +146,9 @@ for s in [spec] + [presets[n] for n in chosen if n != spec.name]:
                      name=s.name, mode="lines+markers")
 line.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log scale)",
                    yaxis_title=f"KV cache, GiB ({dtype}, batch {int(batch)})", height=380,
-                   margin=dict(l=40, r=10, t=30, b=40))
+                   margin=dict(l=40, r=10, t=30, b=40), legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))
+line.update_xaxes(**log_ticks(points, thousands=True))
+line.update_yaxes(**log_ticks([y for trace in line.data for y in trace.y]))
 st.plotly_chart(line, width="stretch")
 
 st.subheader("Checked against the live model")
@@ -157,9 +164,7 @@ if store is not None:
                 run_in_worker(worker_request(spec, store))
         except (WorkerRefused, WorkerFailed) as exc:
             st.error(md_escape(str(exc)))
-    runs = store.query(
-        "SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' AND model = ? "
-        "AND kv_cache ORDER BY run_id DESC LIMIT 10", [live.name])
+    runs = store.cached_runs_of(live.name, 10)
     if runs.empty:
         st.info("No recorded runs of the default model with a KV cache yet: press the button above.")
     else:

@@ -5,24 +5,29 @@ import time
 
 import streamlit as st
 
+from engine.measure import hardware
 from engine.report.definitions import METRICS, SERVED_METRICS
 from engine.switches.drafters import MAX_GUESSES, MAX_K, MAX_WINDOW
 from engine.dtypes import KV_CHOICES
 from engine.paths import workloads
 from engine.plan.planner import gpu_ids
 from engine.switches.quant import INT4_GROUPS, LEVELS
-from engine.switches.sparsity import MODES
-from engine.run.spec import MAX_NEW_TOKENS_CAP, GenConfig, GenerationError, RunSpec
+from engine.switches.sparsity import ALL_MODES
+from engine.run.spec import DEFAULTS as SPEC
+from engine.run.spec import LIMITS, GenConfig, GenerationError, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                md_escape, open_store, page_setup, worker_request)
+                md_escape, open_store, page_setup, setting_input, show_calibration_verdict, show_warm_up,
+                worker_request)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
 # draws frame by frame while the model's first tokens run on the same cores.
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
+show_calibration_verdict(open_store(), "live")
+show_warm_up()
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
              "drawing less often leaves more of it to the model (the measured cost of each choice is in "
@@ -32,9 +37,13 @@ LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the mo
 LOCAL_METRICS = dict(METRICS)
 REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
 shipped = workloads()
-DEFAULTS = {"model": default_model_id(), "device": "auto", "max_new": 64, "group": 32, "mode": "mask",
-            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "draft_model": "self-int8", "spec_k": 4,
-            "adaptive": False, "max_ngram": 3, "window": 4, "guesses": 4, "kv_dtype": "auto", "redraw": "every 2 seconds"}
+# the form's defaults: the run specification's own (engine.run.spec.DEFAULTS), under the page's names
+DEFAULTS = {"model": default_model_id(), "device": SPEC["device"], "max_new": SPEC["max_new_tokens"],
+            "group": SPEC["group_size"], "mode": SPEC["sparsity_mode"], "temperature": SPEC["temperature"],
+            "top_p": SPEC["top_p"], "top_k": SPEC["top_k"], "seed": int(LIMITS["seed"].low), "draft_model": "self-int8",
+            "spec_k": SPEC["spec_k"], "adaptive": SPEC["adaptive"], "max_ngram": SPEC["max_ngram"],
+            "window": SPEC["window"], "guesses": SPEC["guesses"], "kv_dtype": SPEC["kv_dtype"],
+            "redraw": "every 2 seconds"}
 where = st.radio("Where the model runs", ["this machine", "a server"], horizontal=True,
                  help="A server: any OpenAI-compatible endpoint (vLLM, SGLang, llama.cpp's server, TGI), measured from "
                       "this client through its streaming API and, where it has one, its /metrics.")
@@ -62,25 +71,25 @@ with st.form("live"):
         level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
         spec = c[2].selectbox("Speculative decoding", list(METHODS),
                               help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
-        target = c[3].slider("Activation sparsity", 0.0, 0.9, 0.0, 0.05, help="The share of each layer's inputs set "
+        target = c[3].slider("Activation sparsity", LIMITS["sparsity"].low, LIMITS["sparsity"].high, SPEC["sparsity"], 0.05, help="The share of each layer's inputs set "
                              "to zero; the mode (under More settings) decides whether their weights are still read.")
     with st.expander("More settings"):
         c = st.columns(4)
         model_id = c[0].text_input("Model", DEFAULTS["model"], help="'default', a local folder or a Hugging Face id")
         device = c[1].selectbox("Device", ["auto", "cpu", "cuda", "mps"])
-        max_new = c[2].number_input("Max new tokens", 1, MAX_NEW_TOKENS_CAP, DEFAULTS["max_new"])
+        max_new = setting_input(c[2], "Max new tokens", "max_new_tokens")
         kv_dtype = c[3].selectbox("KV-cache precision", list(KV_CHOICES),
                                   help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
                                        "fp32 weights; attention then runs in that precision.")
         c = st.columns(4)
         group = c[0].selectbox("int4 group size", INT4_GROUPS)
-        mode = c[1].selectbox("Sparsity mode", [*MODES, "2:4"], help="mask: zero small inputs, dense matmul; "
+        mode = c[1].selectbox("Sparsity mode", ALL_MODES, help="mask: zero small inputs, dense matmul; "
                               "skip: never read their weights; 2:4: prune 2 of every 4 weights (NVIDIA GPUs, bf16/fp16)")
-        temperature = c[2].number_input("Temperature (0 = greedy)", 0.0, 5.0, DEFAULTS["temperature"], 0.1)
-        top_p = c[3].number_input("Top-p", 0.01, 1.0, DEFAULTS["top_p"], 0.05)
+        temperature = setting_input(c[2], "Temperature (0 = greedy)", "temperature", step=0.1)
+        top_p = setting_input(c[3], "Top-p", "top_p", step=0.05)
         c = st.columns(4)
-        top_k = c[0].number_input("Top-k (0 = off)", 0, 1000, DEFAULTS["top_k"])
-        seed = c[1].number_input("Seed", 0, 2**31 - 1, DEFAULTS["seed"])
+        top_k = setting_input(c[0], "Top-k (0 = off)", "top_k")
+        seed = setting_input(c[1], "Random seed (when sampling)", "seed", value=DEFAULTS["seed"])
         draft_model = c[2].text_input("Draft model (for draft)", DEFAULTS["draft_model"],
                                       help="self-int8, self-exit:K (the first K layers), or a model id or folder")
         spec_k = c[3].number_input("Draft length K", 1, MAX_K, DEFAULTS["spec_k"])
@@ -102,7 +111,7 @@ chosen = {"model": model_id, "device": device, "max_new": max_new, "group": grou
           "spec_k": spec_k, "adaptive": adaptive, "max_ngram": max_ngram, "window": window, "guesses": guesses,
           "kv_dtype": kv_dtype, "redraw": redraw_label}
 changed = [f"{name.replace('_', ' ')} {value}" for name, value in chosen.items() if value != DEFAULTS[name]]
-st.caption("More settings: " + (html.escape(", ".join(changed)) if changed else "all at their defaults")
+st.caption("More settings: " + (md_escape(", ".join(changed)) if changed else "all at their defaults")
            + (", with the fp32 baseline" if baseline else ""))
 redraw_s = REDRAWS[redraw_label]
 with st.expander("Weight precision levels on this device: which kernel runs each"):
@@ -222,6 +231,9 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
         for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
             col.metric(name, value, help=(SERVED_METRICS if "e2e_ms" in done["result"] else LOCAL_METRICS).get(name))
+    beyond = hardware.above_peak_sentence(done["result"].get("roofline_ratio_decode"))
+    if beyond:
+        st.warning(f"Roofline estimate / measured forward: {md_escape(beyond)}")
     if "e2e_ms" in done["result"]:
         st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. TTFT, ITL and E2E are measured by this "
                    "client; queue, prefill and decode times come from the server's /metrics where it has them; a "
@@ -280,19 +292,24 @@ if submitted and store is not None:
         st.stop()
     request = worker_request(run_spec, store)
     waiting = st.empty()
-    st.button("Stop", help="Ends the run now; it is kept as cancelled.",
-              on_click=lambda: st.session_state.update(stop_clicked=True))
+    run_area = st.empty()  # the Stop button and the run's heading go with it when the run is refused
     with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
         waiting.empty()
+        done = None
         try:
-            done = stream(request, "This run", redraw_s, started)
-            if baseline:
-                base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
-                               device=device)
-                ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
-                             started)
-                if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
-                    st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
-                              f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
+            with run_area.container():
+                st.button("Stop", help="Ends the run now; it is kept as cancelled.",
+                          on_click=lambda: st.session_state.update(stop_clicked=True))
+                done = stream(request, "This run", redraw_s, started)
+                if baseline:
+                    base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
+                                   device=device)
+                    ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
+                                 started)
+                    if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
+                        st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
+                                  f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
         except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
+            if done is None:  # nothing of this run to show
+                run_area.empty()
             st.error(md_escape(str(exc)))

@@ -10,7 +10,8 @@ import streamlit as st
 from engine.plan import planner as plan
 from engine.plan.kvcalc import human, project_model_folders
 from engine.plan.shapes import ShapeError
-from ui import BUCKET_COLOURS, md_escape, open_store, page_setup
+from engine.measure import hardware
+from ui import LEGEND, BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict
 
 page_setup("Planner")
 
@@ -86,8 +87,11 @@ def efficiency_form() -> plan.Efficiency:
         values = {}
         for name in ("bandwidth", "kv_bandwidth", "compute", "prefill_compute", "link", "collective_fixed_us",
                      "step_fixed_us", "host_sync_us"):
-            values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if
-                                           getattr(base, name) <= 1 else 1.0, key=f"eff-{name}")
+            fraction = getattr(base, name) <= 1  # a share of a peak; the others are microseconds
+            # a share of a peak above zero, a fixed cost not below zero: the browser refuses the rest
+            values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if fraction else 1.0,
+                                           min_value=0.01 if fraction else 0.0, max_value=1.0 if fraction else None,
+                                           key=f"eff-{name}")
             st.caption(md_escape(plan.ORIGIN[name]))
         st.caption("dequant_ops " + md_escape(f"{base.dequant_ops}: {plan.ORIGIN['dequant_ops']}"))
     return replace(base, **values)
@@ -104,6 +108,8 @@ def build(form: dict, workload: dict, efficiency: plan.Efficiency) -> plan.Setup
 
 
 story = st.selectbox("Preset", list(STORIES))
+answer = st.container()  # the answer first, filled once the settings below are read
+st.subheader("Settings")
 count = st.slider("Configurations", 1, 4, len(STORIES[story]), key=f"{story}-count")
 defaults = STORIES[story] + [STORIES[story][-1]] * 4
 columns = st.columns(count)
@@ -134,24 +140,25 @@ def summary_table(results: list[dict]) -> pd.DataFrame:
     } for r in results])
 
 
-st.subheader("Side by side (estimates)")
-st.dataframe(summary_table(results), hide_index=True, width="stretch")
-for r in results:
-    if not r["fits"]:
-        st.warning(md_escape(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
-bars = go.Figure()
-for b in plan.BUCKETS:
-    bars.add_bar(x=[label(r) for r in results], y=[r["distances_ms"][b] for r in results], name=b,
-                 marker_color=BUCKET_COLOURS[b])
-bars.update_layout(barmode="stack", yaxis_title="ms per decode token (estimate)", height=380,
-                   margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
-st.plotly_chart(bars, width="stretch")
-for r, setup in zip(results, setups):
-    with st.expander(f"Formulas: {label(r)}"):
-        for bucket, formula in plan.formulas(setup).items():
-            st.code(f"{bucket}: {formula}", language=None)
-        st.caption(f"Speculative steps emit {r['tokens_per_step']:.2f} tokens each. Pipeline stages run one after "
-                   f"another, so each GPU idles {r['pipeline_idle_fraction']:.0%} of a step.")
+with answer:
+    st.subheader("Side by side (estimates)")
+    st.dataframe(summary_table(results), hide_index=True, width="stretch")
+    for r in results:
+        if not r["fits"]:
+            st.warning(md_escape(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
+    bars = go.Figure()
+    for b in plan.BUCKETS:
+        bars.add_bar(x=[label(r) for r in results], y=[r["distances_ms"][b] for r in results], name=b,
+                     marker_color=BUCKET_COLOURS[b])
+    bars.update_layout(barmode="stack", yaxis_title="ms per decode token (estimate)", height=380,
+                       margin=dict(l=40, r=10, t=40, b=40), legend=LEGEND)
+    st.plotly_chart(bars, width="stretch")
+    for r, setup in zip(results, setups):
+        with st.expander(f"Formulas: {label(r)}"):
+            for bucket, formula in plan.formulas(setup).items():
+                st.code(f"{bucket}: {formula}", language=None)
+            st.caption(f"Speculative steps emit {r['tokens_per_step']:.2f} tokens each. Pipeline stages run one after "
+                       f"another, so each GPU idles {r['pipeline_idle_fraction']:.0%} of a step.")
 
 st.subheader("Scaling curves (estimates)")
 left, right = st.columns(2)
@@ -186,8 +193,7 @@ st.caption("Left: the physical bucket grows with the GPU count while memory shri
 
 
 def planned_vs_measured(store) -> pd.DataFrame:
-    runs = store.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
-                       "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT 8")
+    runs = store.plain_decode_runs(8)
     rows = []
     for run in runs.to_dict("records"):
         calibration = json.loads(run["metrics"] or "{}").get("calibration")
@@ -213,11 +219,16 @@ st.markdown("The planner with the calibration each run was attributed with (the 
             "per output token.")
 store = open_store()
 if store is not None:
+    show_calibration_verdict(store, "planner")
     table = planned_vs_measured(store)
     if table.empty:
         st.info("No recorded local runs yet: generate one on the Live page or with `python -m engine generate`.")
     else:
         st.dataframe(table, hide_index=True, width="stretch")
+        beyond = hardware.above_peak_sentence(table["planned / measured"].max())
+        if beyond:
+            st.warning(f"Planned / measured up to {md_escape(beyond)} The planned time reads weights at the "
+                       "calibrated bandwidth, so a low calibration plans slower decodes than the machine runs.")
 
 
 st.subheader("Capacity: how many requests a second at a latency target (estimates)")

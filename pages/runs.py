@@ -6,9 +6,10 @@ import pandas as pd
 import streamlit as st
 
 from engine.measure.compare import compare
+from engine.measure.distances import BUCKETS
 from engine.report.advisor import settings
 from engine.run.reproduce import command, spec_of
-from ui import csv_safe, flash, open_store, page_setup, show_flash
+from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, show_flash
 
 
 def calibration_label(run_metrics, flagged: set) -> str | None:
@@ -20,13 +21,23 @@ def calibration_label(run_metrics, flagged: set) -> str | None:
             + (" (flagged: taken on a busy machine)" if summary["memory_gbps"] in flagged else ""))
 
 
+def comparison(picked):
+    """The selected runs side by side, one column a run: the readable figures, then each bucket per
+    token. Every cell is text, so a column of settings and figures converts to one Arrow type."""
+    table = readable_runs(picked).set_index("run")
+    for b in BUCKETS:
+        table[f"{b} (ms per token)"] = [figure(row[f"{b}_ms"] / row["n_new_tokens"]) if row["n_new_tokens"] else None
+                                        for row in picked.to_dict("records")]
+    return table.T.map(lambda v: "" if v is None or v != v else str(v))
+
+
 page_setup("Runs")
 st.title("Runs")
 store = open_store()
 if store is None:
     st.stop()
 show_flash()
-runs = store.query("SELECT * EXCLUDE (pid, pid_started, hardware, token_ids) FROM runs ORDER BY run_id DESC")
+runs = store.all_runs()
 if runs.empty:
     st.info("No runs recorded yet: start one on Live generation or with `python -m engine generate`.")
     st.stop()
@@ -37,8 +48,7 @@ levels = c[1].multiselect("Weights", sorted(runs["quant"].dropna().unique()))
 specs = c[2].multiselect("Speculative", sorted(runs["spec"].dropna().unique()))
 statuses = c[3].multiselect("Status", sorted(runs["status"].dropna().unique()))
 kv = c[4].selectbox("KV cache", ["any", "on", "off"])
-flagged = {json.loads(r)["memory_gbps"] for r in store.query("SELECT results FROM calibration")["results"]
-           if "suspect" in json.loads(r)}
+flagged = store.flagged_calibration_figures()
 runs["calibration"] = runs["metrics"].map(lambda m: calibration_label(m, flagged))
 first, last = runs["started_at"].min().date(), runs["started_at"].max().date()
 dates = st.date_input("Started between (UTC)", (first, last), min_value=first, max_value=last)
@@ -60,10 +70,12 @@ if isinstance(dates, tuple) and len(dates) == 2:
 columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity", "sparsity_mode",
            "spec", "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
            "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "calibration", "prompt", "error"]
-st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Times in ms; "
-           "tokens/s end to end; started_at in UTC.")
-event = st.dataframe(view[columns], hide_index=True, width="stretch", on_select="rerun",
-                     selection_mode="multi-row", key=f"runs_table_{st.session_state.get('runs_table_round', 0)}")
+all_columns = st.toggle("All columns", False, help="Every stored field, as stored (times in ms).")
+st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Figures rounded to three "
+           "significant digits; tokens/s end to end.")
+shown = csv_safe(view[columns]) if all_columns else readable_runs(view)
+event = st.dataframe(shown, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
+                     key=f"runs_table_{st.session_state.get('runs_table_round', 0)}_{all_columns}")
 picked = view.iloc[event.selection.rows] if event.selection.rows else view.iloc[0:0]
 
 if picked.empty:
@@ -72,9 +84,7 @@ if picked.empty:
 
 ids = [int(i) for i in picked["run_id"]]
 st.subheader(f"{len(ids)} selected")
-compare = picked.set_index("run_id")[["model", "quant", "kv_cache", "sparsity", "spec", "n_new_tokens", "ttft_ms", "tpot_ms",
-                                       "tokens_per_s", "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms"]]
-st.dataframe(compare.T, width="stretch")
+st.dataframe(comparison(picked), width="stretch")
 SETTING = ["model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "backend"]
 rows = picked.sort_values("run_id").to_dict("records")
 arms = settings([{**r, "label": " · ".join(str(r[k]) for k in SETTING)} for r in rows])

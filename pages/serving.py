@@ -7,9 +7,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine import access
 from engine.report.trace import trace_json
 from engine.serve import client as served
 from engine.serve import records as served_store
@@ -24,7 +26,10 @@ from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
 from engine.serve.capacity import describe
-from ui import open_store, plot_escape, page_setup
+from ui import LEGEND, figure, md_escape, open_store, plot_escape, page_setup
+
+# below the plot, clear of the title above it
+LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.25, x=0)
 
 page_setup("Serving")
 st.title("Serving")
@@ -43,27 +48,31 @@ with st.expander("What the figures mean"):
         st.markdown(f"**{name}**: {text}")
 
 shipped = workloads()
-with st.form("sweep"):
-    c = st.columns([3, 2, 2])
-    endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
-    key_env = c[1].text_input("API key environment variable", "", help="the name of a variable set where the app "
-                              "runs; the key itself is never typed here, stored or logged")
-    model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
-    c = st.columns(4)
-    levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
-                                  "comma-separated")
-    n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
-    new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
-    prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
-    c = st.columns([2, 3])
-    arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
-    slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
-                               help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
-                                    "when it meets every one")
-    start = st.form_submit_button("Start the sweep", type="primary")
+if access.shared_mode():  # no form: a shared dashboard names no server and no key variable
+    st.info(access.SERVED_REFUSAL)
+    start = False
+else:
+    with st.form("sweep"):
+        c = st.columns([3, 2, 2])
+        endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
+        key_env = c[1].text_input("API key environment variable", "", help="the name of a variable set where the app "
+                                  "runs; the key itself is never typed here, stored or logged")
+        model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
+        c = st.columns(4)
+        levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
+                                      "comma-separated")
+        n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
+        new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
+        prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
+        c = st.columns([2, 3])
+        arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
+        slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
+                                   help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
+                                        "when it meets every one")
+        start = st.form_submit_button("Start the sweep", type="primary")
 
 
-RATES = arrival.startswith("arrivals")
+RATES = not access.shared_mode() and arrival.startswith("arrivals")
 
 
 def launch(progress: Path) -> subprocess.Popen:
@@ -92,7 +101,7 @@ if start:
         if model.strip() and model.strip() not in names:
             raise ServedError(f"The server has no model '{model.strip()}'; it serves: {', '.join(names[:8])}.")
     except (ServedError, UserError) as exc:
-        st.error(str(exc))
+        st.error(md_escape(str(exc)))
     else:
         progress = Path(tempfile.mkdtemp(prefix="tokenpath-load-")) / "progress.json"
         st.session_state["load"] = {"process": launch(progress), "progress": progress}
@@ -123,7 +132,7 @@ def progress_panel() -> None:
 
 progress_panel()
 if "load_error" in st.session_state:
-    st.error(st.session_state.pop("load_error"))
+    st.error(md_escape(st.session_state.pop("load_error")))
 
 frame = served_store.sweeps(store)
 if frame.empty:
@@ -198,13 +207,52 @@ for name, frame in levels.items():
                     name=plot_escape(name), text=list(rates["level"]), textposition="top center")
 fig.update_layout(title="Tokens/s per user against tokens/s per GPU", xaxis_title="output tokens/s per GPU, all users",
                   yaxis_title="tokens/s one user sees (1000 / TPOT p50)", height=380,
-                  margin=dict(l=40, r=10, t=60, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                  margin=dict(l=40, r=10, t=60, b=40), legend=LEGEND_BELOW)
 st.plotly_chart(fig, width="stretch")
 
 requests = served_store.sweep_requests(store, first)
 if requests.empty:
     st.info("This sweep stored no requests.")
     st.stop()
+DELIVERY_GAP_MS = 1.0  # chunks closer than this came in one read of the stream: one delivery
+
+
+def chunk_gaps(requests) -> dict:
+    """Per concurrency level, every gap between consecutive chunks of the completed requests (ms)."""
+    return {level: [b - a for r in part.itertuples() for a, b in zip(list(r.chunk_ms), list(r.chunk_ms)[1:])]
+            for level, part in requests[requests["status"] == "ok"].groupby("concurrency")}
+
+
+def delivery_table(requests, levels_table, gaps: dict) -> pd.DataFrame:
+    """Per level, what the client's inter-token latency measures: chunks per delivery, the share of gaps
+    under a millisecond, the client's ITL p50 beside the server's own inter-token mean and TPOT."""
+    rows = []
+    for level, part in requests[requests["status"] == "ok"].groupby("concurrency"):
+        chunks = sum(len(r.chunk_ms) for r in part.itertuples())
+        deliveries = len(part) + sum(g >= DELIVERY_GAP_MS for g in gaps[level])
+        level_row = levels_table[levels_table["concurrency"] == level]
+        pick = (lambda col: figure(level_row[col].iloc[0]) if not level_row.empty and col in level_row else None)
+        rows.append({"concurrency": level, "chunks per delivery": figure(chunks / deliveries),
+                     "gaps under 1 ms (%)": figure(100 * sum(g < DELIVERY_GAP_MS for g in gaps[level])
+                                                   / len(gaps[level])) if gaps[level] else None,
+                     "client ITL p50 (ms)": pick("itl p50 ms"), "server inter-token mean (ms)": pick("server itl mean ms"),
+                     "TPOT p50 (ms)": pick("tpot p50 ms")})
+    return pd.DataFrame(rows)
+
+
+st.subheader("What the inter-token latency measures")
+gaps = chunk_gaps(requests)
+st.dataframe(delivery_table(requests, table, gaps), hide_index=True, width="stretch")
+st.caption("ITL is the gap between chunks as this client reads them. Under load the server's chunks arrive several "
+           "per read, so most gaps are near zero and the ITL p50 can read far below the time of a token: the time "
+           "per token is TPOT (and the server's own inter-token figure where its /metrics has one).")
+hist = go.Figure()
+for level, values in gaps.items():
+    hist.add_histogram(x=values, name=f"{level} at once", opacity=0.6, nbinsx=40)
+hist.update_layout(barmode="overlay", xaxis_title="gap between chunks as read (ms)", yaxis_title="gaps", height=300,
+                   margin=dict(l=40, r=10, t=30, b=40), legend=LEGEND)
+st.plotly_chart(hist, width="stretch")
+
 c = st.columns(2)
 itl = sweep_views.itl_by_position(requests)
 fig = go.Figure()
@@ -243,7 +291,7 @@ else:
     fig.update_layout(title="Requests in flight, the server's queue and KV cache over time",
                       xaxis_title="seconds since the sweep started", yaxis_title="requests",
                       yaxis2=dict(title="KV cache %", overlaying="y", side="right", rangemode="tozero"),
-                      height=320, margin=dict(l=40, r=40, t=60, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                      height=320, margin=dict(l=40, r=40, t=60, b=40), legend=LEGEND_BELOW)
     st.plotly_chart(fig, width="stretch")
 failed = requests[requests["status"] != "ok"]
 if not failed.empty:

@@ -5,6 +5,7 @@ import time
 import pandas as pd
 import streamlit as st
 
+from engine import access
 from engine.report import story
 from engine.serve.client import ServedError, api_root
 from engine.run.worker import WorkerFailed, WorkerRefused
@@ -24,10 +25,15 @@ model = default_model_id()
 SERVER_KEY = "story_server_url"
 
 
+def server_url() -> str:
+    """The served run's URL, if one was given; none in shared mode, which sends no requests to servers."""
+    return "" if access.shared_mode() else st.session_state.get(SERVER_KEY, "").strip()
+
+
 def play(chapters, bar) -> list[str]:
     """Run the chapters' experiments in order through the queue; returns the sentences of runs refused."""
     specs = [(c, s) for c in chapters for s in story.chapter_specs(c, model)]
-    url = st.session_state.get(SERVER_KEY, "").strip()
+    url = server_url()
     if story.BY_KEY["physical"] in chapters and url:
         specs.append((story.BY_KEY["physical"], story.served_spec(url)))
     total, problems = len(specs), []
@@ -118,8 +124,11 @@ def physical_view(runs: dict) -> None:
                               for r in story.deployment_rows(results)])
         st.dataframe(frame, hide_index=True, width="stretch")
     st.subheader("Measured: one served run")
-    st.text_input("Server URL (an OpenAI-compatible server such as vLLM; empty: none)", key=SERVER_KEY,
-                  placeholder="http://127.0.0.1:8000")
+    if access.shared_mode():
+        st.info(access.SERVED_REFUSAL)
+    else:
+        st.text_input("Server URL (an OpenAI-compatible server such as vLLM; empty: none)", key=SERVER_KEY,
+                      placeholder="http://127.0.0.1:8000")
     served = runs.get("served")
     if served:
         values = story.figures(served, None, None)
@@ -138,7 +147,7 @@ for number, chapter in enumerate(story.CHAPTERS, start=1):
     st.header(f"{number}. {chapter.title}", divider="gray")
     st.markdown(f"{chapter.thesis}  \n**Lever:** {chapter.lever}")
     if st.button(f"Play chapter {number}", key=f"play-{chapter.key}"):
-        url = st.session_state.get(SERVER_KEY, "").strip()
+        url = server_url()
         problem = server_url_problem(url) if chapter.key == "physical" and url else None
         if problem:
             st.error(md_escape(problem))

@@ -17,7 +17,8 @@ from engine.switches.quant import available_levels
 from engine.run.spec import GenConfig, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
-from ui import BUCKET_COLOURS, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
+from engine.report.charts import LEGEND
+from ui import BUCKET_COLOURS, default_model_id, figure, md_escape, open_store, page_setup, run_in_worker, worker_request
 
 page_setup("Sweeps")
 st.title("Sweeps")
@@ -30,7 +31,7 @@ SPEC = {name: dict(spec=name, **m.sweep) if name != "none" else {} for name, m i
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
-    c = st.columns(6)
+    c = st.columns([3, 1.4, 2, 2, 1.2, 1.2])  # the weights' chips need room for their full names
     runnable = available_levels(pick_device(device))
     levels = c[0].multiselect("Weights", runnable, default=[lv for lv in ("fp32", "int8-dyn", "int4-wo") if lv in runnable])
     kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
@@ -90,10 +91,14 @@ if results:
     for b in BUCKETS:
         fig.add_bar(y=frame["label"], x=frame[f"{b}_ms"], name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
     fig.update_layout(barmode="stack", xaxis_title="ms per token (all steps, prefill included)",
-                      height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=40, b=40), legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                      height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=40, b=40), legend=LEGEND,
+                      yaxis=dict(autorange="reversed"))  # the baseline, the first setting, at the top
     st.plotly_chart(fig, width="stretch")
     frame["decode vs baseline"] = [compare(results[0]["decode_rates"], r["decode_rates"]).text() for r in results]
-    st.dataframe(frame.drop(columns=["decode_rates"]), hide_index=True, width="stretch")
+    shown = frame.drop(columns=["decode_rates"]).rename(columns={
+        "label": "setting", "run_id": "run", "decode_tokens_per_s": "decode tokens/s", "ttft_ms": "time to first token (ms)",
+        "tokens_per_s": "tokens/s", **{f"{b}_ms": f"{b} (ms per token)" for b in BUCKETS}})
+    st.dataframe(shown.map(lambda v: figure(v) if isinstance(v, float) else v), hide_index=True, width="stretch")
     st.caption("Figures are means over each setting's repeats; the ratio's 95% interval is Welch's t over the "
                "repeats' log speeds, and where it includes 1 there is no measurable difference.")
     st.subheader("Advisor")

@@ -74,6 +74,7 @@ def page_db(tmp_path, monkeypatch):
     """A fresh database the pages under test write to (through TOKENPATH_DB)."""
     path = tmp_path / "pages.duckdb"
     monkeypatch.setenv("TOKENPATH_DB", str(path))
+    monkeypatch.setenv("TOKENPATH_WARM", "0")  # no model loaded ahead for pages that may run nothing
     return path
 
 

@@ -166,3 +166,43 @@ def test_the_share_in_chromium_wrong_right_and_a_rebound_host(tmp_path):
         page.screenshot(path="/tmp/share-rebound.png")
         assert page.get_by_label("Access token", exact=True).count() == 0 and page.get_by_text("Latest runs").count() == 0
     assert outside == [], outside  # nothing left the machine: no font, no icon, no telemetry
+
+
+def test_a_shared_dashboard_names_no_server_on_the_serving_page_or_the_story(shared, page_db):
+    for page in ["pages/serving.py", "pages/story.py"]:
+        at = AppTest.from_file("../app.py", default_timeout=120)
+        at.session_state["_signed_in"] = True
+        at.switch_page(page).run()
+        assert not at.exception, page
+        assert access.SERVED_REFUSAL in [i.value for i in at.info], page
+        labels = [w.label for w in at.text_input]
+        assert not [label for label in labels if "URL" in label or "address" in label or "variable" in label], page
+
+
+def test_wrong_tokens_are_throttled_per_client_address_and_logged(caplog):
+    throttle = access.SignInThrottle()
+    for _ in range(throttle.FREE_TRIES):
+        assert throttle.wait_s("10.0.0.7") == 0
+        throttle.failed("10.0.0.7")
+    assert throttle.wait_s("10.0.0.7") > 0  # every session from that address now waits
+    assert throttle.wait_s("10.0.0.8") == 0  # another address does not
+    assert "10.0.0.7" in caplog.text and "wrong access token" in caplog.text
+    throttle.succeeded("10.0.0.7")
+    assert throttle.wait_s("10.0.0.7") == 0
+
+
+def test_the_start_message_names_the_lan_address_and_warns_it_is_unencrypted():
+    message = access.start_message("0.0.0.0", 8502)
+    assert "0.0.0.0" not in message and "unencrypted" in message and "TLS proxy" in message
+    for address in access.lan_addresses():
+        assert f"http://{address}:8502" in message
+    assert "unencrypted" in open(REPO / "README.md").read()
+
+
+def test_the_server_refuses_uploads_larger_than_any_page_accepts():
+    import tomllib
+
+    settings = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
+    assert settings["server"]["maxUploadSize"] == access.UPLOAD_MB
+    command = access.streamlit_command("0.0.0.0", 8502, [])
+    assert command[command.index("--server.maxUploadSize") + 1] == str(access.UPLOAD_MB)

@@ -22,6 +22,44 @@ def test_home_lists_the_latest_runs(page_db, tiny_lm, calibration):
     assert not at.exception
     table = at.dataframe[-1].value
     assert len(table) == 1 and table["status"].iloc[0] == "ok"
+    assert {"weights", "sparsity", "speculative", "tag", "time per output token (ms)"} <= set(table.columns)
+
+
+def test_home_links_every_page_in_the_pages_folder(page_db):
+    from pathlib import Path
+
+    at = AppTest.from_file("../app.py", default_timeout=60).run()
+    linked = {link.proto.page.strip("/") for link in at.main.get("page_link")}  # the body, not the sidebar
+    pages = {p.stem for p in (Path(__file__).parents[1] / "pages").glob("*.py")}
+    assert pages and pages <= linked, pages - linked
+
+
+def test_the_runs_tables_carry_three_significant_digits_and_say_what_differs():
+    import pandas as pd
+
+    from ui import readable_runs
+
+    runs = pd.DataFrame([{"run_id": 7, "started_at": pd.Timestamp("2026-12-02 10:00"), "status": "ok", "model": "m",
+                          "quant": "int8-wo", "kv_cache": True, "sparsity": 0.5, "sparsity_mode": "skip",
+                          "spec": "prompt-lookup", "tag": "story:memory:int8", "n_new_tokens": 20,
+                          "ttft_ms": 30.048952999999994, "tpot_ms": 19.4444, "tokens_per_s": 1234.5678}])
+    row = readable_runs(runs).iloc[0]
+    assert row["time to first token (ms)"] == 30.0 and row["time per output token (ms)"] == 19.4
+    assert row["tokens/s"] == 1230.0
+    assert [row["weights"], row["sparsity"], row["speculative"], row["tag"]] == [
+        "int8-wo", "50% skip", "prompt-lookup", "story:memory:int8"]
+
+
+def test_a_served_run_beside_local_ones_has_a_label_without_nan():
+    import math
+    from types import SimpleNamespace
+
+    from engine.report.charts import run_label
+
+    served = SimpleNamespace(run_id=3, model="qwen", backend="served", quant=None, kv_cache=math.nan,
+                             sparsity=math.nan, sparsity_mode=None, spec=None, temperature=math.nan,
+                             n_new_tokens=math.nan, status="ok")
+    assert run_label(served) == "#3 qwen · served · 0 tokens · ok"
 
 
 def svg_text(picture: str) -> str:

@@ -102,7 +102,8 @@ def test_distances_keeps_a_hostile_model_name_literal_and_names_the_calibration(
     assert "**bold**" not in heading and "](https" not in heading and md_escape(HOSTILE_MODEL) in heading
     notes = [c.value for c in at.caption if c.value.startswith("Attributed with the calibration measured")]
     assert len(notes) == 1 and f"{calibration['memory_gbps']:.1f} GB/s" in notes[0]
-    assert "This calibration is flagged" in notes[0]
+    verdicts = [w.value for w in at.warning if "Calibration:" in w.value]
+    assert len(verdicts) == 1 and "busy machine" in verdicts[0]  # the one verdict, above the runs
 
 
 @pytest.mark.integration
@@ -110,6 +111,8 @@ def test_runs_shows_each_runs_calibration(page_db, tiny_lm, calibration):
     recorded_run(page_db, tiny_lm, calibration)
     at = page("pages/runs.py")
     assert not at.exception and not at.error
+    assert at.dataframe[0].value["model"].iloc[0] == HOSTILE_MODEL  # in words first: the model as typed
+    next(t for t in at.toggle if t.label == "All columns").set_value(True).run()
     table = at.dataframe[0].value
     assert table["calibration"].iloc[0].startswith(f"{calibration['memory_gbps']:.1f} GB/s")
 
@@ -122,7 +125,8 @@ def test_hardware_warns_of_a_flagged_newest_calibration(page_db, calibration):
     store.save_calibration(key, {**low, "suspect": hardware.disagreement(low, hardware.recent_calibrations(store, key))})
     at = page("pages/hardware.py")
     assert not at.exception and not at.error
-    assert any("is flagged and not used" in w.value for w in at.warning)
+    assert any("taken on a busy machine and is not used" in c.value for c in at.caption)
+    assert any("agrees with the recent runs" in b.value for b in at.success)
     assert f"{calibration['memory_gbps']:.1f} GB/s" in at.dataframe[0].value["value"].tolist()
 
 
@@ -151,3 +155,56 @@ def test_in_chromium_the_text_stays_literal_and_nothing_leaves_the_machine(tmp_p
         labels = page.locator(".js-plotly-plot").nth(2).locator(".ytick text").all_text_contents()
         assert labels and all(label.replace(".", "", 1).isdigit() for label in labels), labels
     assert outside == [], outside
+
+
+@pytest.mark.integration
+def test_the_report_keeps_a_served_model_id_literal_and_wraps_a_long_prompt(store, tiny_lm, calibration):
+    from engine.report.html import runs_report
+
+    run_id = recorded_run(store.path, tiny_lm, calibration, model='<a href="https://evil.example">x</a>',
+                          prompt="y" * 3000)
+    page = runs_report(store, [run_id])
+    assert '<a href="https://evil.example">' not in page and "\\u003ca href" not in page
+    assert "&lt;a href=" in page  # in the tables and in the Plotly labels alike
+    assert "overflow-wrap: anywhere" in page  # so a 3,000-character word wraps instead of widening the page
+
+
+def test_count_axes_read_1k_10k_100k():
+    ticks = log_ticks([128, 131072], thousands=True)
+    assert ticks["ticktext"] == ["100", "1k", "10k", "100k", "1M"]
+
+
+@pytest.mark.integration
+def test_distances_shows_a_served_run_beside_a_local_one_without_an_exception(page_db, tiny_lm, calibration):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from browser import free_port
+    from engine.serve import client as served
+
+    local = recorded_run(page_db, tiny_lm, calibration, model="local-model", prompt="Hi")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stream_server.py")), str(port), "ok",
+                               "0.01"])
+    try:
+        for _ in range(100):  # until it listens
+            try:
+                served.list_models(f"http://127.0.0.1:{port}", None)
+                break
+            except served.ServedError:
+                time.sleep(0.2)
+        run = served.generate(f"http://127.0.0.1:{port}", served_model=None, prompt="Say something.",
+                              max_new_tokens=6, store=Store(page_db))
+        list(run)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    at = AppTest.from_file("../app.py", default_timeout=180)
+    at.switch_page("pages/distances.py")
+    at.query_params["run"] = [str(local), str(run.run_id)]
+    at.run()
+    assert not at.exception
+    labels = [s.value for s in at.subheader]
+    assert any("served" in label for label in labels) and not any("nan" in label for label in labels)

@@ -26,6 +26,8 @@ def upload(at: AppTest, name: str, content: bytes) -> AppTest:
 def test_preset_renders_with_formula_and_charts():
     at = open_page()
     assert not at.exception
+    assert any(at.dataframe[0].value["fits"])  # the first view shows a model that fits somewhere
+    next(w for w in at.selectbox if w.label == "Preset").select_index(0).run()
     assert "GPT-3 175B" in at.subheader[0].value.replace("\\", "")
     formula = " ".join(m.value for m in at.markdown)
     assert "9,663,676,416 bytes" in formula

@@ -67,8 +67,10 @@ def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, str
     assert not at.exception
     table = at.dataframe[0].value
     assert list(table["level"]) == ["1 at once", "2 at once"] and list(table["completed"]) == [2, 2]
-    # per user against per GPU, ITL by position, timeline, in flight over time (no server gauges here)
-    assert len(at.get("plotly_chart")) == 4
+    # per user against per GPU, the chunk gaps' distribution, ITL by position, timeline, in flight over time
+    assert len(at.get("plotly_chart")) == 5
+    delivery = next(d.value for d in at.dataframe if "chunks per delivery" in d.value.columns)
+    assert list(delivery["concurrency"]) == [1, 2] and (delivery["chunks per delivery"] >= 1).all()
 
 
 def test_two_sweeps_share_the_per_user_per_gpu_curve(page_db, stream_url):

@@ -20,7 +20,7 @@ def live_run(prompt="Name a colour.", tokens=5, **widgets) -> AppTest:
     for label, value in widgets.items():
         next(w for w in [*at.selectbox, *at.toggle, *at.slider, *at.checkbox, *at.text_input]
              if w.label == label).set_value(value)
-    at.button[0].click().run()
+    next(b for b in at.button if b.label == "Generate").click().run()
     return at
 
 
@@ -59,12 +59,13 @@ def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
 def test_live_first_view_is_the_four_switches_and_more_settings_are_summarised(page_db):
     at = open_page("pages/live.py")
     assert [e.label for e in at.expander][0] == "More settings"
-    assert "all at their defaults" in at.caption[0].value
+    settings = lambda: next(c.value for c in at.caption if c.value.startswith("More settings"))  # noqa: E731
+    assert "all at their defaults" in settings()
     next(w for w in at.number_input if w.label == "Max new tokens").set_value(9)
     next(w for w in at.toggle if w.label == "Adaptive").set_value(True)
     at.text_area[0].set_value("  ")  # refused at once: no run, but the form's values are submitted
     next(b for b in at.button if b.label == "Generate").click().run()
-    assert at.caption[0].value == "More settings: max new 9, adaptive True"
+    assert settings() == "More settings: max new 9, adaptive True"
 
 
 def test_live_sparsity_switch(page_db):
@@ -138,3 +139,35 @@ def test_live_page_served_mode_with_a_server_that_does_not_answer_is_one_sentenc
     assert not at.exception
     assert len(at.error) == 1 and at.error[0].value.startswith("Nothing answers at")
     assert Store(page_db).runs().empty
+    # a refused run leaves nothing of itself behind: no heading, no Stop button
+    assert "Stop" not in [b.label for b in at.button]
+    assert "**This run**" not in [m.value for m in at.markdown]
+
+
+def test_a_limit_changed_in_the_one_table_reaches_the_command_line_and_the_live_page(page_db, monkeypatch, capsys):
+    from engine.cli import main as cli
+    from engine.run import spec
+
+    monkeypatch.setitem(spec.LIMITS, "temperature", spec.Limit(0.0, 7.5, False, "temperature (0: greedy)"))
+    monkeypatch.setitem(spec.LIMITS, "top_k", spec.Limit(0, 321, True, "top_k (0: off)"))
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "0 means greedy; 0 to 7.5" in usage and "0 means off; 0 to 321" in usage
+    at = open_page("pages/live.py")
+    fields = {w.label: w for w in at.number_input}
+    assert fields["Temperature (0 = greedy)"].max == 7.5 and fields["Top-k (0 = off)"].max == 321
+    assert fields["Max new tokens"].max == spec.LIMITS["max_new_tokens"].high
+    assert fields["Max new tokens"].value == spec.GenConfig("x").max_new_tokens
+    with pytest.raises(spec.GenerationError, match="at most|between 0 and 7.5"):
+        spec.GenConfig("x", temperature=8.0).check()
+
+
+def test_the_planner_answers_above_its_settings_and_refuses_efficiency_factors_of_zero(page_db):
+    at = open_page("pages/planner.py")
+    assert not at.exception
+    headings = [s.value for s in at.subheader]
+    assert headings.index("Side by side (estimates)") < headings.index("Settings")
+    factors = {w.label: w for w in at.number_input if w.key and w.key.startswith("eff-")}
+    assert factors["bandwidth"].min == 0.01 and factors["link"].min == 0.01  # 0 or less: the browser refuses it
+    assert factors["step_fixed_us"].min == 0.0

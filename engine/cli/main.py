@@ -351,11 +351,12 @@ def cmd_prepare(args) -> int:
 
 def add_quant_args(p) -> None:
     from engine.switches.quant import INT4_GROUPS, LEVELS
+    from engine.switches.sparsity import ALL_MODES
 
     p.add_argument("--quant", default="fp32", choices=list(LEVELS), help="weight precision level")
     p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
-    p.add_argument("--sparsity", type=float, default=0.0, help="target activation sparsity, 0 to 0.9")
-    p.add_argument("--sparsity-mode", default="mask", choices=["mask", "skip", "2:4"],
+    limited(p, "--sparsity", "sparsity", "target activation sparsity")
+    p.add_argument("--sparsity-mode", default="mask", choices=ALL_MODES,
                    help="mask: zero small inputs, dense matmul; skip: do not read their weights")
 
 
@@ -399,6 +400,17 @@ def run_id(text: str) -> int:
     return value
 
 
+def limited(parser, flag: str, name: str, help: str = "") -> None:
+    """An option whose default comes from GenConfig and whose range, stated in its help, from
+    engine.run.spec.LIMITS, the table GenConfig.check enforces."""
+    from engine.run.spec import DEFAULTS, LIMITS
+
+    limit = LIMITS[name]
+    shown = (lambda v: str(int(v))) if limit.whole else (lambda v: f"{v:g}")
+    parser.add_argument(flag, type=int if limit.whole else float, default=DEFAULTS[name],
+                        help=f"{help + '; ' if help else ''}{shown(limit.low)} to {shown(limit.high)}")
+
+
 def common(p, device=True) -> None:
     p.add_argument("--db", help="DuckDB file (default data/runs.duckdb or $TOKENPATH_DB)")
     if device:
@@ -420,14 +432,14 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
     add_quant_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    limited(g, "--max-new-tokens", "max_new_tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     g.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
                    help="KV-cache precision; auto keeps the weights' compute dtype")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
+    limited(g, "--temperature", "temperature", "0 means greedy")
+    limited(g, "--top-p", "top_p")
+    limited(g, "--top-k", "top_k", "0 means off")
+    limited(g, "--seed", "seed", "the random generator's seed when sampling")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")

@@ -9,6 +9,7 @@ import platform
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -476,6 +477,72 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False) -> di
             results["suspect"] = flag
         store.save_calibration(key, results)
     return results
+
+
+@dataclass(frozen=True)
+class CalibrationVerdict:
+    """Whether the calibration runs are attributed with can be trusted on this machine now: the one
+    verdict every page shows, with why and what to do."""
+
+    trustworthy: bool
+    headline: str  # one sentence: the verdict
+    why: str  # the evidence behind it
+    action: str | None  # what to do, None when nothing needs doing
+    calibration: dict | None  # the calibration in use, if any
+
+
+# runs whose decode beat the calibrated peak: the last few local ones decide
+VERDICT_RUNS = 20
+
+
+def calibration_verdict(store, key: str) -> CalibrationVerdict:
+    """The verdict on this device's calibration in use: missing, flagged when taken on a busy machine,
+    or beaten by the runs attributed with it (a peak a run exceeds reads low), else trustworthy."""
+    recent = recent_calibrations(store, key) if store is not None else []
+    chosen = choose_calibration(recent)
+    calibrate = "Calibrate now, on a quiet machine (a few seconds)."
+    if chosen is None:
+        return CalibrationVerdict(False, "Not calibrated on this device yet: memory and compute buckets wait for it.",
+                                  "The buckets divide each forward's bytes and FLOPs by this machine's measured peaks; "
+                                  "the first generation also calibrates.", calibrate, None)
+    figures = f"{chosen['memory_gbps']:.1f} GB/s, {chosen['matmul_gflops']['float32']:,.0f} GFLOP/s fp32"
+    if chosen.get("suspect"):
+        return CalibrationVerdict(False, f"The calibration in use ({figures}) was taken on a busy machine: its "
+                                  "peaks read low, so memory and compute estimates read high.", chosen["suspect"],
+                                  calibrate, chosen)
+    beaten = [check for check in _peak_checks(store, chosen) if check.get("beyond_peak")]
+    if beaten:
+        top = max(check["peak_fraction"] for check in beaten)
+        return CalibrationVerdict(False, f"The calibration in use ({figures}) reads low: {len(beaten)} recent run(s) "
+                                  f"moved more bytes per second than its peak (up to {top:.0%} of it).",
+                                  "No run can read memory faster than the machine's peak, so the peak was measured "
+                                  "while other work shared the machine; ratios to it above 100% come from that, and "
+                                  "the memory bucket reads high.", calibrate, chosen)
+    flagged_newer = recent[0] is not chosen and recent[0].get("suspect")
+    why = (f"Measured {chosen['created_at']} UTC; no recent run beat its peaks."
+           + (f" A newer calibration ({recent[0]['created_at']} UTC) was taken on a busy machine and is not used."
+              if flagged_newer else ""))
+    return CalibrationVerdict(True, f"The calibration in use ({figures}) agrees with the recent runs.", why, None,
+                              chosen)
+
+
+def _peak_checks(store, calibration: dict) -> list[dict]:
+    """The peak checks of the recent runs attributed with this calibration (same memory figure)."""
+    checks = []
+    for text in store.recent_run_metrics(VERDICT_RUNS):
+        metrics = json.loads(text) if text else {}
+        if (metrics.get("calibration") or {}).get("memory_gbps") == calibration["memory_gbps"] and \
+                metrics.get("peak_check"):
+            checks.append(metrics["peak_check"])
+    return checks
+
+
+def above_peak_sentence(fraction: float | None) -> str | None:
+    """The sentence that must stand beside a ratio above 100% of a calibrated peak, else None."""
+    if fraction is None or fraction <= 1 + PEAK_NOISE:
+        return None
+    return (f"{fraction:.0%} is above 100%: no forward can beat the machine's real peak, so the calibrated peak "
+            "reads low (it was measured while other work shared the machine); calibrate again on a quiet machine.")
 
 
 # --- telemetry -------------------------------------------------------------------------------

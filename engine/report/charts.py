@@ -18,6 +18,11 @@ TITLE_SIZE = 20
 LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal", font=dict(size=FONT_SIZE))
 
 
+def plot_escape(text) -> str:
+    """Text made literal in a Plotly label, which reads <b>, <a href> and entities."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def readable(fig: go.Figure, **layout) -> go.Figure:
     """Projector-sized fonts and the legend above the plot; layout entries override."""
     fig.update_layout(font=dict(size=FONT_SIZE), title_font_size=TITLE_SIZE, legend=LEGEND,
@@ -25,22 +30,32 @@ def readable(fig: go.Figure, **layout) -> go.Figure:
     return fig
 
 
+def _given(value) -> bool:
+    """Whether a stored field holds something (a served run leaves the local switches empty: None or NaN)."""
+    return value is not None and value == value and value != ""
+
+
 def run_switches(row) -> list[str]:
-    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling."""
-    switches = [row.quant or "fp32", "KV cache" if row.kv_cache else "no KV cache"]
-    if row.sparsity:
-        switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
-    if getattr(row, "spec", "none") not in (None, "none"):
-        switches.append(row.spec)
-    if row.temperature:
+    """The switches a run was made with, in words: weights, KV cache, sparsity, speculation, sampling;
+    a served run names its server instead of the switches the server decides."""
+    if getattr(row, "backend", "local") == "served":
+        switches = ["served"]
+    else:
+        switches = [row.quant if _given(row.quant) else "fp32", "KV cache" if row.kv_cache else "no KV cache"]
+        if _given(row.sparsity) and row.sparsity:
+            switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
+        spec = getattr(row, "spec", None)
+        if _given(spec) and spec != "none":
+            switches.append(spec)
+    if _given(row.temperature) and row.temperature:
         switches.append(f"T={row.temperature:g}")
     return switches
 
 
 def run_label(row) -> str:
     """A run in one line: number, model, switches, size, status."""
-    return (f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {row.n_new_tokens or 0} tokens · "
-            f"{row.status}")
+    tokens = int(row.n_new_tokens) if _given(row.n_new_tokens) else 0
+    return f"#{row.run_id} {row.model} · {' · '.join(run_switches(row))} · {tokens} tokens · {row.status}"
 
 
 def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
@@ -54,7 +69,7 @@ def series(token_rows: list[dict]) -> list[tuple[str, str, str]]:
 
 def bucket_chart(token_rows: list[dict], title: str = "Where each token's time went",
                  clip_prefill: bool = False) -> go.Figure:
-    """Per-token stacked bars of the five buckets (ms). clip_prefill scales the axis to the decode
+    """Per-token stacked bars of the five buckets (ms), the title taken literally. clip_prefill scales the axis to the decode
     tokens and writes the first token's height on it, since the prefill can dwarf them."""
     fig = go.Figure()
     xs = [row["idx"] for row in token_rows]
@@ -68,7 +83,7 @@ def bucket_chart(token_rows: list[dict], title: str = "Where each token's time w
         fig.update_yaxes(range=[0, top])
         fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
                            showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
-    return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
+    return readable(fig, barmode="stack", title=plot_escape(title), xaxis_title="token index", yaxis_title="ms per token",
                     height=380, margin=dict(l=60, r=10, t=100, b=50))
 
 
@@ -78,8 +93,9 @@ def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, ti
     fig = go.Figure()
     for b in BUCKETS:
         values = [(row[f"{b}_ms"] or 0.0) / ((row["n_new_tokens"] or 1) if per_token else 1) for row in rows]
-        fig.add_bar(y=labels, x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b],
+        fig.add_bar(y=[plot_escape(label) for label in labels], x=values, name=b, orientation="h",
+                    marker_color=BUCKET_COLOURS[b],
                     hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
     unit = "ms per token" if per_token else "ms per run"
-    return readable(fig, barmode="stack", title=title, xaxis_title=unit, yaxis=dict(autorange="reversed"),
+    return readable(fig, barmode="stack", title=title and plot_escape(title), xaxis_title=unit, yaxis=dict(autorange="reversed"),
                     height=160 + 48 * len(rows), margin=dict(l=10, r=10, t=100 if title else 60, b=50))

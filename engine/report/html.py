@@ -28,10 +28,12 @@ body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Ari
 h1 { font-size: 2.1rem; } h2 { font-size: 1.6rem; margin-top: 2.5rem; border-bottom: 2px solid #ddd; }
 h3 { font-size: 1.25rem; }
 table { border-collapse: collapse; margin: 0.8rem 0; font-size: 16px; }
-th, td { border: 1px solid #ccc; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }
+th, td { border: 1px solid #ccc; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top;
+         overflow-wrap: anywhere; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f2f2f2; }
-pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.6rem; font-size: 15px; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: 0.6rem; font-size: 15px; }
+summary { overflow-wrap: anywhere; }
 .swatch { display: inline-block; width: 1em; height: 1em; vertical-align: -0.15em; margin-right: 0.3em; }
 .note { color: #444; }
 """

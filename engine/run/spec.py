@@ -5,7 +5,7 @@ prepare(spec) (engine.run.prepare) turns it into a loaded model and Generation r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from engine.dtypes import KV_CHOICES
 from engine.errors import UserError
@@ -32,6 +32,34 @@ LOCAL_CANNOT = {"endpoint": ("a server address", None), "served_model": ("a serv
 
 class GenerationError(UserError):
     """Bad input for a generation."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The range a numeric setting accepts, and how a person calls it."""
+
+    low: float
+    high: float
+    whole: bool
+    label: str
+
+    def check(self, value) -> None:
+        """Raise GenerationError with one sentence when value is out of range (or not a whole number)."""
+        if self.whole:
+            _check_int(self.label, value, int(self.low), int(self.high))
+        else:
+            _check_number(self.label, value, self.low, self.high, f"between {self.low:g} and")
+
+
+# The one table of the generation settings' limits: GenConfig.check, the command line and the Live page read it.
+LIMITS = {
+    "max_new_tokens": Limit(1, MAX_NEW_TOKENS_CAP, True, "max_new_tokens"),
+    "temperature": Limit(0.0, MAX_TEMPERATURE, False, "temperature (0: greedy)"),
+    "top_p": Limit(0.01, 1.0, False, "top_p"),
+    "top_k": Limit(0, 1_000_000, True, "top_k (0: off)"),
+    "seed": Limit(0, MAX_SEED, True, "The random seed"),
+    "sparsity": Limit(0.0, 0.9, False, "Sparsity"),
+}
 
 
 @dataclass
@@ -66,13 +94,10 @@ class GenConfig:
             raise GenerationError("The prompt is empty: type something for the model to continue.")
         for text in [self.prompt, *self.stop]:
             _check_text(text)
-        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_CAP)
-        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE, "0 (greedy) or positive, at most")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], not {self.top_p}.")
-        _check_int("top_k", self.top_k, 0, 1_000_000)
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k"):
+            LIMITS[name].check(getattr(self, name))
         if self.seed is not None:
-            _check_int("The seed", self.seed, 0, MAX_SEED)
+            LIMITS["seed"].check(self.seed)
         if self.spec not in METHODS:
             raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
         _check_int("The draft length K", self.spec_k, 1, MAX_K)
@@ -107,7 +132,7 @@ class RunSpec:
         self.gen.check()
         if self.backend not in ("local", "served"):
             raise GenerationError(f"Unknown backend '{self.backend}': use local or served.")
-        _check_number("Sparsity", self.sparsity, 0.0, 0.9, "between 0 and")
+        LIMITS["sparsity"].check(self.sparsity)
         _check_number("The stall timeout", self.timeout_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
         if self.deadline_s is not None:
             _check_number("The deadline", self.deadline_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
@@ -148,6 +173,10 @@ class RunSpec:
     def from_dict(cls, data: dict) -> RunSpec:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known and k != "gen"}, gen=GenConfig(**data["gen"]))
+
+
+# GenConfig's and RunSpec's defaults by field name, for the command line's and the Live page's fields
+DEFAULTS = {f.name: f.default for cls in (GenConfig, RunSpec) for f in fields(cls) if f.default is not MISSING}
 
 
 def _finite(value) -> bool:

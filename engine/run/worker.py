@@ -7,7 +7,8 @@ each message wakes the page's process, which then takes a core from the model (m
 bench/results/ui.md). A stop message cancels the run, which the engine records as cancelled.
 
 Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
-generation, {"db", "device", "calibrate": True} for a calibration), "stop", or None (quit). From it:
+generation, {"db", "device", "calibrate": True} for a calibration, {"db", "spec", "warm": True} to load a
+model ahead of its first run), "stop", or None (quit). From it:
 ("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
 request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
 sentence) for an engine failure.
@@ -29,6 +30,7 @@ from engine.serve.client import ServedRunError
 from engine.errors import UserError
 from engine.model.loader import pick_device
 from engine.run.open import open_run
+from engine.run.prepare import prepare
 from engine.run.record import RecordDeferred
 from engine.run.spec import RunSpec
 from engine.store.db import Store
@@ -153,6 +155,8 @@ def serve(conn) -> None:
                 continue
             if request.get("calibrate"):
                 calibrate(conn, request)
+            elif request.get("warm"):
+                warm(conn, request)
             else:
                 run(conn, request)
     except EOFError:
@@ -171,13 +175,28 @@ def calibrate(conn, request: dict) -> None:
     conn.send(("done", {"calibration": results}))
 
 
+def warm(conn, request: dict) -> None:
+    """Load the model a spec names (kept for the runs that follow) and the calibration its runs are
+    attributed with (stored, or measured now when none is), so the first run starts at once;
+    answered ("ready", ...) and ("done", {"seconds": ...})."""
+    started = time.perf_counter()
+    try:
+        store = Store(request["db"])
+        lm = prepare(RunSpec.from_dict(request["spec"]), store)
+        hardware.calibration_for(lm.device, store)
+    except Exception as exc:  # the run that needs the model says why, in one sentence
+        conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {"run_id": None, "special_ids": []}))
+    conn.send(("done", {"seconds": time.perf_counter() - started}))
+
+
 def start(spec: RunSpec, store: Store):
     """The run a spec describes (engine.run.open), after the shared dashboard's limits: no requests to other
     servers, no models it does not offer."""
     spec.check()
     if spec.backend == "served" and access.shared_mode():  # a shared dashboard sends no requests to typed addresses
-        raise access.AccessError("This dashboard is shared on the network, so it does not send requests to other "
-                                 "servers; measure a served model from a dashboard on 127.0.0.1.")
+        raise access.AccessError(access.SERVED_REFUSAL)
     if spec.backend == "local":
         for text, draft in ((spec.model, False), (spec.gen.draft_model, True)):
             if text and not access.model_choice_allowed(text, draft):

@@ -157,6 +157,36 @@ class Store:
     def runs(self, limit: int = 50):
         return self.query("SELECT * EXCLUDE (pid, pid_started) FROM runs ORDER BY run_id DESC LIMIT ?", [limit])
 
+    def all_runs(self):
+        """Every run, newest first, without the bulky columns (hardware, token ids, process ids)."""
+        return self.query("SELECT * EXCLUDE (pid, pid_started, hardware, token_ids) FROM runs ORDER BY run_id DESC")
+
+    def flagged_calibration_figures(self) -> set[float]:
+        """The memory figures of the stored calibrations flagged as taken on a busy machine."""
+        results = (json.loads(text) for text in self.query("SELECT results FROM calibration")["results"])
+        return {r["memory_gbps"] for r in results if "suspect" in r}
+
+    def cached_runs_of(self, model: str, limit: int):
+        """The newest finished runs of a model with a KV cache: their sizes and metrics."""
+        return self.query("SELECT run_id, dtype, n_prompt_tokens, n_new_tokens, metrics FROM runs WHERE status = 'ok' "
+                          "AND model = ? AND kv_cache ORDER BY run_id DESC LIMIT ?", [model, limit])
+
+    def runs_with_tokens(self, limit: int):
+        """The newest runs that produced at least one token."""
+        return self.query("SELECT * FROM runs WHERE n_new_tokens > 0 ORDER BY run_id DESC LIMIT ?", [limit])
+
+    def plain_decode_runs(self, limit: int):
+        """The newest finished runs that decoded with a KV cache and no speculation (what the planner plans)."""
+        return self.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
+                          "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT ?", [limit])
+
+    def recent_run_metrics(self, limit: int) -> list[str]:
+        """The metrics JSON of the newest finished local runs, newest first."""
+        frame = self.query("SELECT metrics FROM runs WHERE status = 'ok' AND metrics IS NOT NULL AND "
+                           "coalesce(backend, 'local') = 'local' "
+                           "ORDER BY run_id DESC LIMIT ?", [limit])
+        return list(frame["metrics"])
+
     def run(self, run_id: int) -> dict | None:
         frame = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
         return None if frame.empty else frame.iloc[0].to_dict()
