@@ -184,8 +184,8 @@ BAD = [
     (["--rate", "1,x"], "not a request rate"), (["--rate", "1", "--concurrency", "2"], "not both"),
     (["--rate", "1", "--burstiness", "0"], "--burstiness"), (["--rate", "1", "--slo", "ttft=5"], "Unknown SLO metric"),
     (["--rate", "1", "--slo", "ttft_ms=abc"], "must be a number"), (["--rate", "1", "--slo", "ttft_ms"], "metric=milliseconds"),
-    (["--rate", "1", "--timeout", "0"], "--timeout"), (["--rate", "1", "--timeout", "nan"], "--timeout"),
-    (["--rate", "1", "--length-spread", "1.5"], "--length-spread"), (["--rate", "1", "--temperature", "nan"], "--temperature"),
+    (["--rate", "1", "--timeout", "0"], "stall timeout"), (["--rate", "1", "--timeout", "nan"], "stall timeout"),
+    (["--rate", "1", "--length-spread", "1.5"], "--length-spread"), (["--rate", "1", "--temperature", "nan"], "temperature"),
     (["--rate", "1", "--max-concurrency", "0"], "--max-concurrency"), (["--rate", "1", "--seed", "-1"], "--seed"),
 ]
 

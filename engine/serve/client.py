@@ -10,12 +10,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx2
 import openai
 
-from engine.errors import UserError
+from engine.serve.address import ServedError, api_root
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
@@ -30,37 +29,12 @@ CONNECT_TIMEOUT_S = 10.0
 BUDGET_GRACE_S = 2.0  # after the budget's last token: how long to wait for the server's usage and finish
 
 
-class ServedError(UserError):
-    """The server cannot be used as asked; the message is one sentence for the user."""
-
-
 class ServedRunError(ServedError):
     """A served run that started failed or was cut short; it is recorded with the tokens it got."""
 
 
 class MalformedStream(httpx2.DecodingError):
     """A streamed line that is not JSON, or JSON not shaped as an OpenAI chunk; str() says which."""
-
-
-def api_root(endpoint: str) -> str:
-    """scheme://host:port of an endpoint given with or without /v1; keys never travel in the URL."""
-    try:
-        parts = urlsplit((endpoint or "").strip())
-        hostname = parts.hostname
-    except ValueError:  # an unclosed [ of an IPv6 address, and the like
-        parts = hostname = None
-    if parts is None or parts.scheme not in ("http", "https") or not hostname or any(c.isspace() for c in endpoint):
-        raise ServedError(f"'{str(endpoint)[:200]}' is not a server address: give one like http://127.0.0.1:8000.")
-    if parts.username or parts.password or parts.query:
-        raise ServedError("Put no credentials or query in the server address: name the environment variable that "
-                          "holds the API key with --api-key-env.")
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        raise ServedError(f"'{endpoint}' has a port that is not a number between 0 and 65535.") from None
-    path = parts.path.rstrip("/").removesuffix("/v1")
-    host = f"[{hostname}]" if ":" in hostname else hostname
-    return f"{parts.scheme}://{host}{port}{path}"
 
 
 def api_key(api_key_env: str | None) -> str:

@@ -83,12 +83,10 @@ class SweepConfig:
             raise ServedError(f"--input-tokens must be between 1 and {arrivals.MAX_INPUT_TOKENS}, not {self.input_tokens}.")
         if not (math.isfinite(self.length_spread) and 0 <= self.length_spread < 1):
             raise ServedError(f"--length-spread must be a fraction from 0 up to (not including) 1, not {self.length_spread:g}.")
-        for name, value in (("--timeout", self.timeout_s), ("--deadline", self.deadline_s),
+        for name, value in (("--deadline", self.deadline_s),
                             ("--duration", self.duration_s), ("the poll interval", self.poll_s)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ServedError(f"{name} must be a positive number of seconds, not {value:g}.")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ServedError(f"--temperature must be 0 (greedy) or a positive number, not {self.temperature:g}.")
         if self.seed < 0:
             raise ServedError(f"--seed must be 0 or a positive whole number, not {self.seed}.")
         if not 0 <= self.warmup <= MAX_WARMUP:
