@@ -153,6 +153,7 @@ def test_an_exhausted_kv_budget_queues_arrivals_instead_of_failing_them(tiny_lm,
         engine.check(greedy(PROMPTS[1], tokens=200))
 
 
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
 def test_a_hundred_requests_against_a_cap_of_eight_finish_with_their_own_text_and_runs(tiny_lm, calibration, store):
     engine = BatchEngine(tiny_lm, store, max_batch=8, calibration=calibration)
     seqs = [engine.submit(sampled(f"{PROMPTS[i % 4]} {i}", 3 + i % 5, i)) for i in range(100)]

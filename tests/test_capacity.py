@@ -13,6 +13,7 @@ from engine.store.db import Store
 from test_load import known_server  # noqa: F401 (the fixture)
 
 
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
 def test_capacity_of_a_one_slot_server_lies_below_its_service_rate(known_server, tmp_path, capsys):  # noqa: F811
     url = known_server(slots=1, step_s=0.02)
     db = tmp_path / "runs.duckdb"

@@ -212,6 +212,7 @@ def total_variation(a: dict, b: dict) -> float:
     return 0.5 * sum(abs(a.get(t, 0) / na - b.get(t, 0) / nb) for t in set(a) | set(b))
 
 
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
 def test_speculative_sampling_follows_the_target_distribution(tiny_lm, calibration):
     n = 600
     plain = second_tokens(tiny_lm, calibration, n)

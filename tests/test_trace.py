@@ -104,6 +104,7 @@ def test_telemetry_is_a_counter_track_on_the_run_clock(store, tiny_lm, calibrati
     assert memory[0]["ts"] <= last_token + 200e3  # the sampler stops with the run
 
 
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
 def test_a_killed_run_traces_from_what_its_journal_kept(long_tiny_folder, tmp_path):
     db = tmp_path / "runs.duckdb"
     proc = start_generate(db, long_tiny_folder)
@@ -118,6 +119,7 @@ def test_a_killed_run_traces_from_what_its_journal_kept(long_tiny_folder, tmp_pa
     assert len(of(obj, "i", pid=run_id)) == len(store.tokens(run_id)) >= 20
 
 
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
 def test_runs_of_12k_tokens_trace_to_a_file_perfetto_opens(tmp_path):
     from engine.model.loader import tiny_model
 
