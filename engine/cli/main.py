@@ -153,7 +153,7 @@ def cmd_generate_users(args) -> int:
     import time
     from dataclasses import replace
 
-    from engine.run.batch import BatchEngine, BatchError, batch_prompts, batch_summary, check_batchable
+    from engine.run.batch import BatchEngine, batch_prompts, batch_summary, budget_bytes, check_batchable
     from engine.run.prepare import prepare
     from engine.store.db import Store
 
@@ -162,9 +162,7 @@ def cmd_generate_users(args) -> int:
     users = 1 if args.users is None else args.users
     prompts = batch_prompts(args.prompt, users, args.prompts)
     check_batchable(spec.gen, spec.sparsity)
-    if args.kv_budget_mb is not None and not args.kv_budget_mb > 0:
-        raise BatchError(f"--kv-budget-mb must be a positive number of MiB, not {args.kv_budget_mb}.")
-    budget = int(args.kv_budget_mb * 2**20) if args.kv_budget_mb is not None else None
+    budget = budget_bytes(args.kv_budget_mb)
     store = Store(args.db)
     engine = BatchEngine(prepare(spec, store), store, max_batch=users, kv_budget_bytes=budget,
                          kv_dtype=spec.gen.kv_dtype)

@@ -77,20 +77,55 @@ def _start(args, make_levels, on_progress):
 
     if getattr(args, "from_sweep", None) is not None:
         return load_again(args)
-    if not args.endpoint:
-        print("error: give the server with --endpoint URL, or make a stored sweep again with --from-sweep ID.",
-              file=sys.stderr)
+    if args.endpoint and args.local:
+        print("error: --endpoint sends the requests to a server and --local to this machine's engine: give one, "
+              "not both.", file=sys.stderr)
         return USER_ERROR
+    if not args.endpoint and not args.local:
+        print("error: give the server with --endpoint URL, run the local engine with --local, or make a stored "
+              "sweep again with --from-sweep ID.", file=sys.stderr)
+        return USER_ERROR
+    target = None
     try:
         cfg = _sweep_config(args, **make_levels())
-        sweep = load.Sweep(cfg, Store(args.db), progress_path=args.progress, on_progress=on_progress)
+        if args.local:
+            target = _local_target(args, cfg)
+        sweep = load.Sweep(cfg, target.store if target else Store(args.db), progress_path=args.progress,
+                           on_progress=on_progress, target=target)
     except (ServedError, StoreError, UserError) as exc:
+        if target is not None:
+            target.close()
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
     # Stop (the page's button, or Ctrl-C) cuts the requests in flight and keeps what finished
     signal.signal(signal.SIGTERM, lambda *_: sweep.stop())
     signal.signal(signal.SIGINT, lambda *_: sweep.stop())
     return sweep
+
+
+def _local_target(args, cfg):
+    """load/capacity --local: the model loaded per --model and a LocalTarget with --max-batch and --kv-budget-mb,
+    after every setting is checked (nothing is loaded or stored for bad input)."""
+    from engine.run.batch import budget_bytes, check_cap
+    from engine.run.prepare import prepare
+    from engine.run.spec import GenConfig, RunSpec
+    from engine.serve.local import LocalTarget
+    from engine.store.db import Store
+
+    check_cap(args.max_batch)
+    budget = budget_bytes(args.kv_budget_mb)
+    cfg.check()
+    store = Store(args.db)
+    return LocalTarget(cfg, prepare(RunSpec(GenConfig(""), model=args.model), store), store,
+                       max_batch=args.max_batch, kv_budget_bytes=budget)
+
+
+def _swept(sweep, run) -> dict:
+    """run(sweep)'s summary; the sweep's target is closed after it (a local engine's thread stops)."""
+    try:
+        return run(sweep)
+    finally:
+        sweep.target.close()
 
 
 def cmd_load(args) -> int:
@@ -109,7 +144,7 @@ def cmd_load(args) -> int:
     sweep = _start(args, levels, None if args.json else _print_progress)
     if isinstance(sweep, int):
         return sweep
-    summary = sweep.run()
+    summary = _swept(sweep, load.Sweep.run)
     if args.json:
         _print_json(summary)
     else:
@@ -152,8 +187,8 @@ def cmd_capacity(args) -> int:
     sweep = _start(args, levels, None if args.json else _print_progress)
     if isinstance(sweep, int):
         return sweep
-    summary = capacity.search(sweep, attainment=args.attainment, start_rate=sweep.cfg.rates[0], steps=args.steps,
-                              think_time_s=args.think_time)
+    summary = _swept(sweep, lambda s: capacity.search(s, attainment=args.attainment, start_rate=s.cfg.rates[0],
+                                                     steps=args.steps, think_time_s=args.think_time))
     if args.json:
         _print_json(summary)
     else:
@@ -226,10 +261,16 @@ def cmd_serve_vllm(args) -> int:
     return 0
 
 
-def _sweep_options(p, duration: float | None = None, slo_required: bool = False, endpoint_required: bool = True) -> None:
-    """The options load and capacity share: the server, the requests' lengths, arrivals, SLO, store."""
-    p.add_argument("--endpoint", required=endpoint_required, help="the server, e.g. http://127.0.0.1:8000" +
-                   ("" if endpoint_required else " (required unless --from-sweep)"))
+def _sweep_options(p, duration: float | None = None, slo_required: bool = False) -> None:
+    """The options load and capacity share: the server or the local engine, the requests' lengths, arrivals,
+    SLO, store."""
+    p.add_argument("--endpoint", help="the server, e.g. http://127.0.0.1:8000 (or --local)")
+    p.add_argument("--local", action="store_true", help="send the requests straight into this machine's "
+                                                        "continuous-batching engine, each one a recorded run")
+    p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
+    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-16)")
+    p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
+                                                      "arrivals beyond it wait")
     p.add_argument("--slo", required=slo_required, help="targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also itl_ms, "
                                                         "e2e_ms): goodput and attainment per level")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma-shaped gaps between arrivals: 1 Poisson, "
@@ -259,16 +300,16 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False,
 
 def add_parsers(sub) -> None:
     """The `load` and `serve-vllm` commands."""
-    lp = sub.add_parser("load", help="a load sweep against an OpenAI-compatible server")
+    lp = sub.add_parser("load", help="a load sweep against an OpenAI-compatible server or the local engine")
     lp.add_argument("--concurrency", help="levels of requests kept in flight, comma-separated (default 1,2,4,8)")
     lp.add_argument("--rate", help="levels of open-loop arrivals in requests/s, comma-separated, e.g. 0.5,1,2,4")
     lp.add_argument("--requests", type=int, default=16, help="requests per level")
     lp.add_argument("--from-sweep", type=int, help="make this stored load sweep again, with its parameters")
     lp.add_argument("--from-db", help="with --from-sweep: the database that holds it (default: --db)")
-    _sweep_options(lp, endpoint_required=False)
+    _sweep_options(lp)
     lp.set_defaults(func=cmd_load, parser=lp)
 
-    cp = sub.add_parser("capacity", help="the highest request rate a server holds at a latency target")
+    cp = sub.add_parser("capacity", help="the highest request rate a server (or the local engine) holds at a latency target")
     cp.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet every target")
     cp.add_argument("--think-time", type=float, default=0.0, help="seconds a user waits between answer and next request")
     cp.add_argument("--start-rate", type=float, default=1.0, help="the first rate tried, requests/s")

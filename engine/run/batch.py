@@ -12,6 +12,7 @@ and the rest of the step, like the time it waited to be admitted or while anothe
 the time distance; its steps tile its timeline, so its buckets sum to its measured time."""
 from __future__ import annotations
 
+import math
 import queue
 import time
 from dataclasses import asdict
@@ -55,6 +56,20 @@ def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
     if sparsity:
         raise BatchError("Activation sparsity skips the weight rows one token leaves idle, and a batch's tokens leave "
                          "different rows idle, so it does not batch: set sparsity to 0, or use one user.")
+
+
+def budget_bytes(mb: float | None) -> int | None:
+    """--kv-budget-mb in bytes (None: no budget); BatchError unless it is a positive number of MiB."""
+    if mb is None:
+        return None
+    if not (math.isfinite(mb) and mb > 0):
+        raise BatchError(f"--kv-budget-mb must be a positive number of MiB, not {mb:g}.")
+    return int(mb * 2**20)
+
+
+def check_cap(max_batch: int) -> None:
+    if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+        raise BatchError(f"The batch holds 1 to {MAX_BATCH} sequences, not {max_batch}.")
 
 
 def batch_prompts(prompt: str, users: int, prompts_file: str | None = None) -> list[str]:
@@ -123,8 +138,7 @@ class BatchEngine:
 
     def __init__(self, lm, store=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
                  kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None):
-        if not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
-            raise BatchError(f"The batch holds 1 to {MAX_BATCH} sequences, not {max_batch}.")
+        check_cap(max_batch)
         self.lm, self.store, self.max_batch = lm, store, max_batch
         self.kv_budget_bytes, self.prefill_chunk = kv_budget_bytes, prefill_chunk
         self.kv_dtype_name = kv_dtype

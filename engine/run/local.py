@@ -61,21 +61,22 @@ class LocalEngine:
                                   kv_dtype=kv_dtype)
         self.template = template or GenConfig("", kv_dtype=kv_dtype)
         self.error: BaseException | None = None  # the last step failure (its runs ended with it)
-        self._inbox: list[tuple[GenConfig, Handle, int]] = []
+        self._inbox: list[tuple[GenConfig, Handle, int, str | None]] = []
         self._wake = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="tokenpath-batch", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str, max_new_tokens: int = 64, **settings) -> Handle:
-        """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...)."""
+    def submit(self, prompt: str, max_new_tokens: int = 64, tag: str | None = None, **settings) -> Handle:
+        """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...); tag is stored
+        with its run."""
         cfg = replace(self.template, prompt=prompt, max_new_tokens=max_new_tokens, **settings)
         self.engine.check(cfg)  # bad input is refused here, in the caller's thread, before anything is recorded
         handle = Handle()
         with self._wake:
             if self._closing:
                 raise RuntimeError("This LocalEngine is closed.")
-            self._inbox.append((cfg, handle, time.perf_counter_ns()))
+            self._inbox.append((cfg, handle, time.perf_counter_ns(), tag))
             self._wake.notify()
         return handle
 
@@ -90,8 +91,8 @@ class LocalEngine:
             with self._wake:
                 arrivals, self._inbox = self._inbox, []
                 closing = self._closing
-            for cfg, handle, t_request in arrivals:
-                seq = self.engine.submit(cfg, t_request=t_request, sink=handle.events)
+            for cfg, handle, t_request, tag in arrivals:
+                seq = self.engine.submit(cfg, tag=tag, t_request=t_request, sink=handle.events)
                 handle.sequence = seq
                 if handle._cancel:
                     seq.cancel()

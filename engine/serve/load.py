@@ -36,7 +36,7 @@ KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the ar
 
 @dataclass
 class SweepConfig:
-    endpoint: str
+    endpoint: str | None  # None: the requests go to the local engine (LocalTarget)
     concurrency: list[int] = field(default_factory=list)
     requests: int = 16
     max_new_tokens: int = 64
@@ -95,7 +95,7 @@ class SweepConfig:
             raise ServedError("The sweep has no prompts.")
         # the sampling settings and the stall timeout are checked as a served run's are
         RunSpec(gen=GenConfig("load", max_new_tokens=self.max_new_tokens, temperature=self.temperature),
-                backend="served", endpoint=self.endpoint, timeout_s=self.timeout_s).check()
+                backend="served" if self.endpoint else "local", endpoint=self.endpoint, timeout_s=self.timeout_s).check()
 
     def levels(self) -> list[dict]:
         """One spec per level: a concurrency, or a rate with how its arrivals come."""
@@ -105,6 +105,11 @@ class SweepConfig:
             return [{"kind": "rate", "rate": arrivals.trace_rate(self.trace), "arrival": "trace"}]
         kind = "trace scaled" if self.trace else arrivals.arrival_kind(self.burstiness)
         return [{"kind": "rate", "rate": r, "arrival": kind} for r in self.rates]
+
+
+def request_tag(sweep_id: int, level: int, idx: int) -> str:
+    """The tag of the run a request became (local engine): its sweep, level and index, the requests row's key."""
+    return f"load:{sweep_id}:{level}:{idx}"
 
 
 def level_label(spec: dict) -> str:
@@ -159,7 +164,8 @@ class Reply:
 
 class ServerTarget:
     """Where a sweep's requests go: an OpenAI-compatible server. send() streams one request; cut()
-    closes every stream in flight. Another target (an in-process engine) only needs the same three."""
+    closes every stream in flight; snapshot() and gauges() read its /metrics. The in-process engine
+    (engine.serve.local.LocalTarget) has the same methods."""
 
     def __init__(self, cfg: SweepConfig, connections: int):
         self.cfg = cfg
@@ -180,6 +186,20 @@ class ServerTarget:
     def rtt_ms(self) -> float:
         return round_trip_ms(self.client)
 
+    def describe(self) -> dict:
+        return {"kind": self.kind}
+
+    def close(self) -> None:
+        self.client.close()
+
+    def snapshot(self) -> dict | None:
+        """The server's /metrics now, or None without them."""
+        return server_metrics.scrape(self.root)
+
+    def gauges(self, timeout_s: float) -> dict:
+        """Its queue and KV-cache gauges now (empty for a server without vLLM's)."""
+        return server_metrics.gauges(server_metrics.scrape(self.root, timeout_s=timeout_s))
+
     def why_down(self) -> str | None:
         """None while the server still answers GET /v1/models, else why not in one sentence."""
         try:
@@ -195,7 +215,9 @@ class ServerTarget:
         for stream in streams:
             stream.close()
 
-    def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None) -> Reply:
+    def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None,
+             tag: str | None = None) -> Reply:
+        """One streamed request; tag names it where the target records it (a server keeps no record of ours)."""
         cfg, reply = self.cfg, Reply()
         body = request_body(model=self.model, prompt=prompt, raw=cfg.raw, max_new_tokens=max_tokens,
                             temperature=cfg.temperature, top_p=1.0, seed=None, token_ids=self.vllm)
@@ -236,25 +258,24 @@ class ServerTarget:
 
 
 class Poller(threading.Thread):
-    """Samples the requests in flight and the server's gauges every poll_s seconds while a level runs."""
+    """Samples the requests in flight and the target's gauges every poll_s seconds while a level runs."""
 
-    def __init__(self, root: str, poll_s: float, t0: float, in_flight):
+    def __init__(self, gauges, poll_s: float, t0: float, in_flight):
         super().__init__(daemon=True)
-        self.root, self.poll_s, self.t0, self.in_flight = root, poll_s, t0, in_flight
+        self.gauges, self.poll_s, self.t0, self.in_flight = gauges, poll_s, t0, in_flight
         self.samples: list[dict] = []
         self.done = threading.Event()
         self.has_metrics = True
 
     def run(self) -> None:
-        with httpx2.Client() as client:
-            while not self.done.is_set():
-                sample = {"t_ms": (time.monotonic() - self.t0) * 1e3, "in_flight": float(self.in_flight())}
-                if self.has_metrics:  # a server without /metrics is asked once, not every poll
-                    found = server_metrics.gauges(server_metrics.scrape(self.root, client, timeout_s=self.poll_s + 1))
-                    self.has_metrics = bool(found)
-                    sample.update(found)
-                self.samples.append(sample)
-                self.done.wait(self.poll_s)
+        while not self.done.is_set():
+            sample = {"t_ms": (time.monotonic() - self.t0) * 1e3, "in_flight": float(self.in_flight())}
+            if self.has_metrics:  # a target without gauges is asked once, not every poll
+                found = self.gauges(self.poll_s + 1)
+                self.has_metrics = bool(found)
+                sample.update(found)
+            self.samples.append(sample)
+            self.done.wait(self.poll_s)
 
 
 def slo_view(record: dict) -> dict:
@@ -284,10 +305,11 @@ def slo_figures(records: list[dict], slo: dict, wall_s: float) -> dict:
 class Sweep:
     """One sweep: run() goes level by level and stores as it goes; stop() from any thread (or a
     signal handler) ends it after cutting the requests in flight, keeping what finished. For a search
-    over rates, open(), run_level() as often as needed, then close()."""
+    over rates, open(), run_level() as often as needed, then close(). The requests go to `target` (a
+    LocalTarget, or by default a ServerTarget for cfg.endpoint)."""
 
     def __init__(self, cfg: SweepConfig, store: Store, progress_path: str | Path | None = None, on_progress=None,
-                 target: ServerTarget | None = None):
+                 target=None):
         cfg.check()
         self.cfg, self.store = cfg, store
         self.progress_path = Path(progress_path) if progress_path else None
@@ -328,7 +350,7 @@ class Sweep:
 
     def close(self, status: str, error: str | None = None, result: dict | None = None) -> None:
         served_store.update_sweep(self.store, self.sweep_id, levels=self.levels, status=status, error=error,
-                                  server={"kind": self.target.kind}, result=result)
+                                  server=self.target.describe(), result=result)
         self._progress(status)
 
     def run(self) -> dict:
@@ -363,8 +385,8 @@ class Sweep:
         if index >= len(self.specs):
             self.total += len(items)
         self.level_now = level_label(spec)
-        before = server_metrics.scrape(self.root)
-        poller = Poller(self.root, self.cfg.poll_s, self.t0, lambda: self._in_flight)
+        before = self.target.snapshot()
+        poller = Poller(self.target.gauges, self.cfg.poll_s, self.t0, lambda: self._in_flight)
         poller.start()
         start = time.monotonic()
         if spec["kind"] == "concurrency":
@@ -376,7 +398,7 @@ class Sweep:
         wall = time.monotonic() - start
         poller.done.set()
         poller.join(timeout=10)
-        after = server_metrics.scrape(self.root)
+        after = self.target.snapshot()
         self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records],
                            "load_samples": [{"sweep_id": self.sweep_id, "level": index,
                                              "concurrency": spec.get("concurrency"), **s} for s in poller.samples]})
@@ -449,7 +471,8 @@ class Sweep:
             self._in_flight += 1
         try:
             exact = bool(self.cfg.output_tokens or self.cfg.trace)
-            reply = self.target.send(self._prompt(item, index, idx), item.max_tokens, exact, self.cfg.deadline_s)
+            reply = self.target.send(self._prompt(item, index, idx), item.max_tokens, exact, self.cfg.deadline_s,
+                                     tag=request_tag(self.sweep_id, index, idx))
         finally:
             with self._count_lock:
                 self._in_flight -= 1

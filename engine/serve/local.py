@@ -1,0 +1,96 @@
+"""In-process load: a sweep's requests submitted straight into the local continuous-batching engine, with no
+HTTP. LocalTarget has ServerTarget's methods, so the sweep's records, summaries, SLO figures and rows follow."""
+from __future__ import annotations
+
+import threading
+
+from engine.errors import UserError
+from engine.run.local import Handle, LocalEngine
+from engine.serve.load import Reply, SweepConfig
+
+
+class LocalTarget:
+    """The local engine as a sweep's target: each request is a recorded run, tagged with the request's
+    sweep, level and index (engine.serve.load.request_tag); its tokens stream as the engine decodes them."""
+
+    root = "local"
+    kind = "local"
+
+    def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None):
+        self.cfg, self.store = cfg, store
+        self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes)
+        self.model, self.tokenizer = lm.name, lm.tokenizer
+        self.settings = {"kind": self.kind, "model": lm.name, "quant": lm.quant, "max_batch": max_batch,
+                         "kv_budget_bytes": kv_budget_bytes}
+        self._handles: set[Handle] = set()
+        self._lock = threading.Lock()
+
+    def rtt_ms(self) -> None:
+        return None  # no network between the sweep and the engine
+
+    def describe(self) -> dict:
+        return self.settings
+
+    def snapshot(self) -> None:
+        return None  # the engine keeps no server-side histograms; every request's run holds its own figures
+
+    def gauges(self, timeout_s: float) -> dict:
+        """Sequences decoding and waiting for a slot now, and, under a KV budget, the share of it reserved."""
+        batch = self.engine.engine
+        found = {"running": float(len(batch.running)), "waiting": float(len(batch.queued))}
+        if batch.kv_budget_bytes:
+            found["kv_cache_usage"] = batch.reserved_bytes / batch.kv_budget_bytes
+        return found
+
+    def why_down(self) -> str | None:
+        """None while the engine steps, else the failure of its last step in one sentence."""
+        error = self.engine.error
+        return f"the local engine's step failed ({type(error).__name__}: {error})" if error else None
+
+    def cut(self) -> None:
+        with self._lock:
+            handles = list(self._handles)
+        for handle in handles:
+            handle.cancel()
+
+    def close(self) -> None:
+        """End what is still queued or running and stop the engine's thread."""
+        self.engine.close()
+
+    def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None,
+             tag: str | None = None) -> Reply:
+        """One request through the engine: each token is a chunk, timed from the submit."""
+        reply = Reply(token_source="engine")
+        try:
+            handle = self.engine.submit(prompt, max_new_tokens=max_tokens, tag=tag, temperature=self.cfg.temperature,
+                                        raw=self.cfg.raw, ignore_eos=exact_length)
+        except UserError as exc:  # refused before anything was recorded, like a server's 400
+            reply.status, reply.error = "error", str(exc)
+            return reply
+        late = threading.Event()
+        timer = threading.Timer(deadline_s, lambda: (late.set(), handle.cancel())) if deadline_s else None
+        with self._lock:
+            self._handles.add(handle)
+        if timer is not None:
+            timer.start()
+        try:
+            for event in handle:
+                reply.times.append(event.t_ms)
+                reply.tokens.append(1)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                self._handles.discard(handle)
+        result = handle.result
+        reply.result.usage_prompt, reply.result.usage_completion = result["n_prompt_tokens"], result["n_new_tokens"]
+        reply.result.finish_reason = result["stop_reason"]
+        if result["status"] == "error":
+            reply.status = "interrupted" if reply.times else "error"
+            reply.error = result["error"]
+        elif result["status"] == "cancelled":
+            if late.is_set():
+                reply.status, reply.error = "deadline", f"the request missed its {deadline_s:g} s deadline and was cut"
+            else:
+                reply.status, reply.error = "cancelled", "stopped"
+        return reply
