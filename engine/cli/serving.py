@@ -117,7 +117,7 @@ def _local_target(args, cfg):
     cfg.check()
     store = Store(args.db)
     return LocalTarget(cfg, prepare(RunSpec(GenConfig(""), model=args.model), store), store,
-                       max_batch=args.max_batch, kv_budget_bytes=budget)
+                       max_batch=args.max_batch, kv_budget_bytes=budget, model=args.model)
 
 
 def _swept(sweep, run) -> dict:

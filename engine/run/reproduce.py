@@ -97,8 +97,10 @@ def sweep_arguments(config: dict, options: set[str]) -> list[str]:
     for key, value in config.items():
         flag = next((f for f in ("--" + key.replace("_", "-"), "--" + key.removesuffix("_s").replace("_", "-"))
                      if f in options), None)
-        if flag is None or value is None or value is False:
-            continue
+        if flag is None or value is None or value is False or value in ([], {}):
+            continue  # left out: the option's default (no SLO, synthetic prompts or a trace)
+        if key == "slo":
+            value = ",".join(f"{metric}={target:g}" for metric, target in value.items())
         if key == "prompts":
             shipped = list(workloads())
             if value == shipped:

@@ -189,6 +189,10 @@ class ServerTarget:
     def describe(self) -> dict:
         return {"kind": self.kind}
 
+    def options(self) -> dict:
+        """The command-line options beyond the sweep's own that reach this target again: none, --endpoint is its."""
+        return {}
+
     def close(self) -> None:
         self.client.close()
 
@@ -340,6 +344,7 @@ class Sweep:
         config = {k: v for k, v in asdict(self.cfg).items() if k not in ("prompts", "trace")}
         config["prompts"] = [name for name, _ in self.cfg.prompts]
         config["rtt_ms"] = self.target.rtt_ms()
+        config.update(self.target.options())
         kind = kind or ("concurrency" if self.cfg.concurrency else "rate")
         self.sweep_id = served_store.start_sweep(self.store, endpoint=self.root, server_model=self.model,
                                                  config=config, kind=kind)

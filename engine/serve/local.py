@@ -16,12 +16,14 @@ class LocalTarget:
     root = "local"
     kind = "local"
 
-    def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None):
+    def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None,
+                 model: str = "default"):
         self.cfg, self.store = cfg, store
         self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes)
         self.model, self.tokenizer = lm.name, lm.tokenizer
         self.settings = {"kind": self.kind, "model": lm.name, "quant": lm.quant, "max_batch": max_batch,
                          "kv_budget_bytes": kv_budget_bytes}
+        self.model_option = model  # as it was given (--model), so that --from-sweep loads the same model
         self._handles: set[Handle] = set()
         self._lock = threading.Lock()
 
@@ -30,6 +32,12 @@ class LocalTarget:
 
     def describe(self) -> dict:
         return self.settings
+
+    def options(self) -> dict:
+        """The command-line options that make this target again (stored with the sweep, for --from-sweep)."""
+        budget = self.settings["kv_budget_bytes"]
+        return {"local": True, "model": self.model_option, "max_batch": self.settings["max_batch"],
+                "kv_budget_mb": budget / 2**20 if budget is not None else None}
 
     def snapshot(self) -> None:
         return None  # the engine keeps no server-side histograms; every request's run holds its own figures
