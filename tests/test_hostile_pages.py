@@ -4,6 +4,8 @@ import os
 
 import pandas as pd
 import pytest
+
+from engine.run.spec import GenConfig, RunSpec
 from streamlit.testing.v1 import AppTest
 
 from browser import CHROMIUM, browser_page, serve_app
@@ -195,8 +197,9 @@ def test_distances_shows_a_served_run_beside_a_local_one_without_an_exception(pa
                 break
             except served.ServedError:
                 time.sleep(0.2)
-        run = served.generate(f"http://127.0.0.1:{port}", served_model=None, prompt="Say something.",
-                              max_new_tokens=6, store=Store(page_db))
+        spec = RunSpec(gen=GenConfig("Say something.", max_new_tokens=6), backend="served",
+                       endpoint=f"http://127.0.0.1:{port}")
+        run = served.ServedRun(spec, Store(page_db))
         list(run)
     finally:
         server.kill()
