@@ -104,11 +104,11 @@ def test_a_rate_sweep_with_an_slo_draws_latency_and_goodput_against_rate_and_mar
     table = at.dataframe[0].value
     assert table["rate"].notna().all() and table["attainment"].notna().all()
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
-    titles = [c["layout"]["title"]["text"] for c in charts]
+    titles = [c["layout"].get("title", {}).get("text", "") for c in charts]
     assert titles[0] == "Latency percentiles and goodput against request rate"
     if summary["capacity_requests_per_s"]:
         assert any("capacity" in a.get("text", "") for a in charts[0]["layout"].get("annotations", []))
     assert any("capacity:" in s.value for s in at.success)
-    samples = [c for c in charts if c["layout"]["title"]["text"].startswith("Requests in flight")]
+    samples = [c for c in charts if c["layout"].get("title", {}).get("text", "").startswith("Requests in flight")]
     assert {t["name"] for t in samples[0]["data"]} >= {"in flight (client)", "waiting (server queue)", "KV cache used (%)"}
 
