@@ -126,7 +126,7 @@ def runs_page(db, selected_rows=None):
     at = AppTest.from_file("../app.py", default_timeout=120)
     at.switch_page("pages/runs.py")
     if selected_rows is not None:
-        at.session_state["runs_table_0"] = {"selection": {"rows": selected_rows, "columns": []}}
+        at.session_state["runs_table_0_False"] = {"selection": {"rows": selected_rows, "columns": []}}
     return at.run()
 
 
