@@ -218,11 +218,18 @@ def test_sigterm_as_the_journal_appears_says_what_became_of_the_run(long_tiny_fo
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 130
-    message = proc.stderr.read()
+    code, message = proc.wait(timeout=120), proc.stderr.read()
     (run,) = assert_consistent(db)
-    assert run["status"] == "cancelled" and "run None" not in message
-    assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} token" in message
+    assert "run None" not in message and "Traceback" not in message
+    # A busy machine may hold this process back until the run has decoded its whole budget: the signal
+    # then lands in the final write (the run is kept in its journal, folded in above) or after it.
+    if code == 1:
+        assert run["status"] == "ok" and f"ended (ok, {run['n_new_tokens']} tokens)" in message, message
+    elif code != 130:
+        assert code == -signal.SIGTERM and run["status"] == "ok" and f"run {run['run_id']}: " in message, message
+    else:
+        assert run["status"] == "cancelled", message
+        assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} token" in message
 
 
 def test_sigterm_before_a_run_starts_says_so(tiny_folder, tmp_path):
