@@ -285,6 +285,28 @@ def test_keep_alive_comments_and_empty_chunks_are_no_progress(stream_server, sto
     assert store.run(run.run_id)["status"] == "error" and store.run(run.run_id)["n_new_tokens"] == 0
 
 
+def test_a_load_sweep_stops_each_request_at_its_budget_its_stall_timer_and_its_deadline(stream_server, store, capsys):
+    forever, _ = stream_server("forever", delay=0.01)
+    summary = Sweep(SweepConfig(forever, [2], 2, 20, load_prompts("summary")), store).run()
+    requests = served_store.sweep_requests(store, summary["sweep_id"]).to_dict("records")
+    assert [r["status"] for r in requests] == ["ok", "ok"]
+    assert all(20 <= r["n_output_tokens"] <= 21 for r in requests)  # the chunk that reached the budget is the last read
+
+    dripping, _ = stream_server("forever", delay=4.0)  # a token every 4 s against a stall timer of 8 s
+    start = time.monotonic()
+    code, err = cli(capsys, "load", "--endpoint", dripping, "--concurrency", "1", "--requests", "1",
+                    "--max-new-tokens", "20", "--timeout", "8", "--deadline", "10", "--db", str(store.path))
+    assert time.monotonic() - start < 120 and "Traceback" not in err
+    assert code == 1 and "none of its 1 requests succeeded" in err
+    (request,) = served_store.sweep_requests(store, 2).to_dict("records")
+    assert request["status"] == "deadline" and 2 <= request["n_output_tokens"] <= 4
+
+    comments, _ = stream_server("comments", delay=0.2)  # keep-alive bytes, never a token
+    summary = Sweep(SweepConfig(comments, [1], 1, 8, load_prompts("summary"), timeout_s=3), store).run()
+    (request,) = served_store.sweep_requests(store, summary["sweep_id"]).to_dict("records")
+    assert request["status"] == "error" and "sent no token for 3 s" in request["error"]
+
+
 @pytest.mark.parametrize("mode, says", [("badjson", "a stream line that is not JSON"),
                                         ("badshape", "JSON that is not shaped as an OpenAI stream chunk")])
 def test_a_malformed_stream_is_one_sentence_and_keeps_what_came_before(stream_server, store, capsys, mode, says):

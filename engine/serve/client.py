@@ -290,6 +290,7 @@ class Watchdog:
         self.timeout_s, self.deadline_s = timeout_s, deadline_s
         self.t0 = self.last = time.monotonic()
         self.reason: str | None = None
+        self.late = False  # the deadline, not the stall timer, ended the stream
         self._stream = None
         self._done = threading.Event()
 
@@ -313,6 +314,7 @@ class Watchdog:
             if now - self.last > self.timeout_s:
                 self.reason = f"sent no token for {self.timeout_s:g} s"
             elif now - self.t0 > self.deadline_s:
+                self.late = True
                 self.reason = f"did not finish within the run's deadline of {self.deadline_s:g} s"
             if self.reason:
                 _cut(self._stream)

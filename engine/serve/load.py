@@ -22,9 +22,10 @@ from engine.measure.arrivals import lengths, schedule
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.paths import workloads
-from engine.run.spec import GenConfig, RunSpec
-from engine.serve.client import (STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, _models, api_root, explain,
-                                 make_client, open_stream, read_stream, request_body, round_trip_ms, tokenizer_for)
+from engine.run.spec import DEADLINE_PER_TOKEN_S, GenConfig, RunSpec
+from engine.serve.client import (BUDGET_GRACE_S, STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, Watchdog,
+                                 _models, api_root, explain, make_client, open_stream, read_stream, request_body,
+                                 round_trip_ms, tokenizer_for)
 from engine.serve.metrics import level_summary, request_metrics, spread
 from engine.store.db import Store
 
@@ -170,7 +171,8 @@ class ServerTarget:
     def __init__(self, cfg: SweepConfig, connections: int):
         self.cfg = cfg
         self.root = api_root(cfg.endpoint)
-        self.client = make_client(cfg.endpoint, cfg.api_key_env, cfg.timeout_s, connections=connections)
+        # the watchdog ends a stall at timeout_s; the client's own read timeout is only its backstop
+        self.client = make_client(cfg.endpoint, cfg.api_key_env, cfg.timeout_s + 1.0, connections=connections)
         models = _models(self.client, self.root, cfg.api_key_env, cfg.timeout_s)
         if cfg.served_model and cfg.served_model not in models:
             raise ServedError(f"The server at {self.root} has no model '{cfg.served_model}'; it serves: "
@@ -221,39 +223,47 @@ class ServerTarget:
 
     def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None,
              tag: str | None = None) -> Reply:
-        """One streamed request; tag names it where the target records it (a server keeps no record of ours)."""
+        """One streamed request; tag names it where the target records it (a server keeps no record of ours).
+        Like a served run it ends at its token budget (the stream is closed), at the stall timer (timeout_s
+        without a token: keep-alive comments and empty chunks are no progress) and at its deadline: the
+        sweep's --deadline, else the stall timeout plus DEADLINE_PER_TOKEN_S for each token of its budget."""
         cfg, reply = self.cfg, Reply()
         body = request_body(model=self.model, prompt=prompt, raw=cfg.raw, max_new_tokens=max_tokens,
                             temperature=cfg.temperature, top_p=1.0, seed=None, token_ids=self.vllm)
         if exact_length and self.vllm:  # vLLM keeps going past the end-of-text token on request
             body.setdefault("extra_body", {})["ignore_eos"] = True
-        counter, stream, late = TokenCounter(self.tokenizer), None, threading.Event()
-        timer = None
+        counter, stream = TokenCounter(self.tokenizer), None
+        watchdog = Watchdog(cfg.timeout_s, deadline_s or cfg.timeout_s + DEADLINE_PER_TOKEN_S * max_tokens)
         t0 = time.perf_counter_ns()
         try:
             stream = open_stream(self.client, body)
             with self._lock:
                 self._streams.add(stream)
-            if deadline_s:
-                left = deadline_s - (time.perf_counter_ns() - t0) / 1e9
-                timer = threading.Timer(max(left, 0.0), lambda: (late.set(), stream.close()))
-                timer.start()
+            watchdog.watch(stream)
             for chunk in read_stream(stream, reply.result):
+                if sum(reply.tokens) >= max_tokens:  # the server goes on past the budget: stop reading
+                    break
+                watchdog.progress()
                 reply.times.append((chunk.t_ns - t0) / 1e6)
                 reply.tokens.append(len(counter.count(chunk)))
-            if reply.result.finish_reason is None:
-                reply.status, reply.error = "interrupted", "the stream ended without a finish reason"
-        except (openai.APIError, httpx2.HTTPError, httpx2.StreamError) as exc:  # StreamError: closed by Stop or a deadline
-            reply.status = "interrupted" if reply.times else "error"
-            reply.error = explain(exc, self.root, cfg.timeout_s, cfg.api_key_env)
+                if sum(reply.tokens) >= max_tokens:
+                    watchdog.shorten(BUDGET_GRACE_S)  # time for the usage and finish that follow the last token
+            if reply.result.finish_reason is None and sum(reply.tokens) < max_tokens:
+                reply.status = "interrupted" if reply.times else "error"
+                reply.error = (f"the server {watchdog.reason}, so the request was cut" if watchdog.reason else
+                               "the stream ended without a finish reason")
+        except (openai.APIError, httpx2.HTTPError, httpx2.StreamError) as exc:  # StreamError: closed by Stop
+            if sum(reply.tokens) < max_tokens:  # past the budget only the ending was late
+                reply.status = "interrupted" if reply.times else "error"
+                reply.error = (f"the server {watchdog.reason}, so the request was cut" if watchdog.reason else
+                               explain(exc, self.root, cfg.timeout_s, cfg.api_key_env))
         finally:
-            if timer is not None:
-                timer.cancel()
+            watchdog.stop()
             if stream is not None:
                 with self._lock:
                     self._streams.discard(stream)
-                stream.close()
-        if late.is_set():
+                stream.close()  # a closed connection makes the server abort the request
+        if deadline_s and watchdog.late and reply.status != "ok":
             reply.status, reply.error = "deadline", f"the request missed its {deadline_s:g} s deadline and was cut"
         elif self.cutting and reply.status != "ok":
             reply.status, reply.error = "cancelled", "stopped"
