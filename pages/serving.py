@@ -295,4 +295,5 @@ else:
     st.plotly_chart(fig, width="stretch")
 failed = requests[requests["status"] != "ok"]
 if not failed.empty:
-    st.warning(f"{len(failed)} request(s) did not complete: " + "; ".join(sorted(set(failed["error"].dropna()))[:3]))
+    reasons = "; ".join(sorted(set(failed["error"].dropna()))[:3])
+    st.warning(md_escape(f"{len(failed)} request(s) did not complete: {reasons}"))  # server text, never Markdown

@@ -176,7 +176,7 @@ def test_a_sweep_where_every_request_failed_says_so_and_exits_non_zero(known_ser
     code = main(["load", "--endpoint", url, "--concurrency", "1", "--requests", "2", "--output-tokens", "200",
                  "--input-tokens", "5", "--deadline", "0.005", "--db", str(tmp_path / "x.duckdb")])
     err = capsys.readouterr().err
-    assert code == 1 and "none of its 2 requests succeeded" in err and "sweep 1 ok" in err
+    assert code == 1 and "none of its 2 requests succeeded" in err and "sweep 1 finished" in err
 
 
 BAD = [

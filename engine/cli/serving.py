@@ -165,7 +165,8 @@ def _ending(summary: dict, quiet: bool) -> int:
         kept = sum(lv["status"] == "ok" for lv in summary["levels"])
         line = f"sweep {summary['sweep_id']} ended early: {summary['error']} ({kept} level(s) before it stored; {sent})"
     else:
-        line = f"sweep {summary['sweep_id']} {summary['status']}: {sent}"
+        ending = "finished" if summary["status"] == "ok" else summary["status"]  # "ok" beside "none succeeded" misleads
+        line = f"sweep {summary['sweep_id']} {ending}: {sent}"
     if not quiet or code:
         print(line, file=sys.stderr)
     return code

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from engine.errors import UserError
 from engine.run.reproduce import command, spec_of
 from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
@@ -39,7 +40,7 @@ summary { overflow-wrap: anywhere; }
 """
 
 
-class ReportError(Exception):
+class ReportError(UserError):
     """The report cannot be made; the message is one sentence for the user."""
 
 
