@@ -1,5 +1,6 @@
 """Faults: real command-line runs killed, terminated and interrupted at any moment of their life, and
 a database held by another process; every started run stays present and consistent."""
+import json
 import os
 import random
 import signal
@@ -185,6 +186,31 @@ def test_sigterm_and_sigint_end_a_served_run_cancelled_with_its_tokens(stream_se
     assert run["status"] == "cancelled" and run["n_new_tokens"] >= seen
     assert f"interrupted: run {run['run_id']} recorded as cancelled with {run['n_new_tokens']} tokens" in message
     assert "Traceback" not in message
+
+
+def test_a_killed_load_sweep_keeps_every_request_that_finished(stream_server, tmp_path):
+    from engine.serve import records as served_store
+
+    db, progress = tmp_path / "runs.duckdb", tmp_path / "progress.json"
+    url, _ = stream_server("ok", delay=0.1)
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "load", "--endpoint", url, "--concurrency", "1",
+                             "--requests", "50", "--max-new-tokens", "4", "--progress", str(progress), "--db", str(db)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, done = time.monotonic() + 300, 0
+    while done < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, "the sweep finished no request"
+        time.sleep(0.05)
+        try:
+            done = json.loads(progress.read_text())["done"]
+        except (OSError, ValueError, KeyError):
+            pass
+    proc.kill()
+    proc.wait(timeout=60)
+    store = Store(db)
+    (sweep,) = served_store.sweeps(store).to_dict("records")
+    requests = served_store.sweep_requests(store, sweep["sweep_id"])
+    assert sweep["status"] == "interrupted" and 3 <= len(requests) < 50
+    assert set(requests["status"]) == {"ok"} and (requests["n_output_tokens"] > 0).all()
 
 
 def test_a_held_database_defers_a_served_run_and_loses_nothing(stream_server, tmp_path):

@@ -414,8 +414,7 @@ class Sweep:
         poller.done.set()
         poller.join(timeout=10)
         after = self.target.snapshot()
-        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records],
-                           "load_samples": [{"sweep_id": self.sweep_id, "level": index,
+        self.store.insert({"load_samples": [{"sweep_id": self.sweep_id, "level": index,
                                              "concurrency": spec.get("concurrency"), **s} for s in poller.samples]})
         level = self._summarise(spec, index, records, wall, poller.samples)
         level["server"] = server_metrics.delta(before, after)
@@ -471,8 +470,8 @@ class Sweep:
         """Requests sent one at a time before the first level, stored as warm-up and left out of every figure."""
         spec = self.specs[0]
         items = self._items(spec, 0)
-        records = [self._request(spec, -1, i, items[i % len(items)], None) for i in range(self.cfg.warmup)]
-        self.store.insert({"requests": [{k: v for k, v in r.items() if k != "itl_ms"} for r in records if r]})
+        for i in range(self.cfg.warmup):
+            self._request(spec, -1, i, items[i % len(items)], None)
 
     def _request(self, spec: dict, index: int, idx: int, item: arrivals.Item, due: float | None) -> dict | None:
         sent = time.monotonic()
@@ -498,6 +497,8 @@ class Sweep:
                        **metrics})
         if self.cfg.slo and index >= 0:
             record["good"] = slos.is_good(slo_view(record), self.cfg.slo)
+        # stored as it ends, so a sweep killed mid-level keeps every request that finished
+        self.store.insert({"requests": [{k: v for k, v in record.items() if k != "itl_ms"}]})
         with self._count_lock:
             self.done += 1
         self._progress("running")

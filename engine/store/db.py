@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,11 @@ from engine.errors import UserError
 from engine.paths import default_db_path
 from engine.store.schema import MIGRATIONS, SCHEMA_VERSION
 from engine.store.sql import complete_run, insert_batches, utcnow
+
+# One thread at a time writes row batches in this process: DuckDB's scan of the frame to insert failed
+# ("Table Function with name pandas_scan does not exist") while a load sweep's request threads each
+# opened, wrote and closed their own connection.
+_batch_writes = threading.RLock()
 
 # how long a writer waits for a database file that another process holds
 LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
@@ -137,7 +143,7 @@ class Store:
                    error: str | None = None, batches: dict[str, list[dict]] | None = None,
                    columns: dict | None = None) -> None:
         """Write the run's rows and complete its row, in one transaction."""
-        with self.connect() as con:
+        with _batch_writes, self.connect() as con:
             con.execute("BEGIN")
             insert_batches(con, batches or {})
             complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error,
@@ -146,7 +152,7 @@ class Store:
 
     def insert(self, batches: dict[str, list[dict]]) -> None:
         """Rows for several tables ({table: [row dict, ...]}) in one connection."""
-        with self.connect() as con:
+        with _batch_writes, self.connect() as con:
             insert_batches(con, batches)
 
     def query(self, sql: str, params=None):
