@@ -217,22 +217,28 @@ if requests.empty:
 DELIVERY_GAP_MS = 1.0  # chunks closer than this came in one read of the stream: one delivery
 
 
+def completed_by_level(requests):
+    """The completed requests grouped by their level's label, in sweep order."""
+    ok = requests[requests["status"] == "ok"]
+    return ok.groupby([sweep_views.request_level(r) for r in ok.itertuples()], sort=False)
+
+
 def chunk_gaps(requests) -> dict:
-    """Per concurrency level, every gap between consecutive chunks of the completed requests (ms)."""
+    """Per level, every gap between consecutive chunks of the completed requests (ms)."""
     return {level: [b - a for r in part.itertuples() for a, b in zip(list(r.chunk_ms), list(r.chunk_ms)[1:])]
-            for level, part in requests[requests["status"] == "ok"].groupby("concurrency")}
+            for level, part in completed_by_level(requests)}
 
 
 def delivery_table(requests, levels_table, gaps: dict) -> pd.DataFrame:
     """Per level, what the client's inter-token latency measures: chunks per delivery, the share of gaps
     under a millisecond, the client's ITL p50 beside the server's own inter-token mean and TPOT."""
     rows = []
-    for level, part in requests[requests["status"] == "ok"].groupby("concurrency"):
+    for level, part in completed_by_level(requests):
         chunks = sum(len(r.chunk_ms) for r in part.itertuples())
         deliveries = len(part) + sum(g >= DELIVERY_GAP_MS for g in gaps[level])
-        level_row = levels_table[levels_table["concurrency"] == level]
+        level_row = levels_table[levels_table["level"] == level]
         pick = (lambda col: figure(level_row[col].iloc[0]) if not level_row.empty and col in level_row else None)
-        rows.append({"concurrency": level, "chunks per delivery": figure(chunks / deliveries),
+        rows.append({"level": level, "chunks per delivery": figure(chunks / deliveries),
                      "gaps under 1 ms (%)": figure(100 * sum(g < DELIVERY_GAP_MS for g in gaps[level])
                                                    / len(gaps[level])) if gaps[level] else None,
                      "client ITL p50 (ms)": pick("itl p50 ms"), "server inter-token mean (ms)": pick("server itl mean ms"),
@@ -248,7 +254,7 @@ st.caption("ITL is the gap between chunks as this client reads them. Under load 
            "per token is TPOT (and the server's own inter-token figure where its /metrics has one).")
 hist = go.Figure()
 for level, values in gaps.items():
-    hist.add_histogram(x=values, name=f"{level} at once", opacity=0.6, nbinsx=40)
+    hist.add_histogram(x=values, name=level, opacity=0.6, nbinsx=40)
 hist.update_layout(barmode="overlay", xaxis_title="gap between chunks as read (ms)", yaxis_title="gaps", height=300,
                    margin=dict(l=40, r=10, t=30, b=40), legend=LEGEND)
 st.plotly_chart(hist, width="stretch")

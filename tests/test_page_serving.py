@@ -70,7 +70,7 @@ def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, str
     # per user against per GPU, the chunk gaps' distribution, ITL by position, timeline, in flight over time
     assert len(at.get("plotly_chart")) == 5
     delivery = next(d.value for d in at.dataframe if "chunks per delivery" in d.value.columns)
-    assert list(delivery["concurrency"]) == [1, 2] and (delivery["chunks per delivery"] >= 1).all()
+    assert list(delivery["level"]) == ["1 at once", "2 at once"] and (delivery["chunks per delivery"] >= 1).all()
 
 
 def test_two_sweeps_share_the_per_user_per_gpu_curve(page_db, stream_url):
@@ -111,4 +111,7 @@ def test_a_rate_sweep_with_an_slo_draws_latency_and_goodput_against_rate_and_mar
     assert any("capacity:" in s.value for s in at.success)
     samples = [c for c in charts if c["layout"].get("title", {}).get("text", "").startswith("Requests in flight")]
     assert {t["name"] for t in samples[0]["data"]} >= {"in flight (client)", "waiting (server queue)", "KV cache used (%)"}
+    delivery = next(d.value for d in at.dataframe if "chunks per delivery" in d.value.columns)
+    completed = table[table["completed"] > 0]
+    assert list(delivery["level"]) == list(completed["level"]) and all(s.endswith("req/s") for s in delivery["level"])
 

@@ -15,6 +15,7 @@ from engine.measure.distances import BUCKETS, PHASES
 from engine.report.trace import PHASE_TIDS, STEP_TID, TraceError, trace, trace_json
 from engine.run.generate import Generation
 from engine.run.spec import GenConfig
+from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.store.db import Store
 from test_faults import start as start_generate
@@ -147,6 +148,25 @@ def test_a_load_sweep_has_a_track_per_request_with_each_chunk(stream_server, sto
         assert len([e for e in of(obj, "i", tid=tid) if e["name"] == "chunk"]) == len(r["chunk_ms"])
         (end,) = [e for e in of(obj, "i", tid=tid) if e["name"].startswith("end")]
         assert end["ts"] == pytest.approx((r["sent_ms"] + r["e2e_ms"]) * 1e3, abs=0.01)
+
+
+def test_a_rate_level_names_its_rate_and_queues_each_request_from_its_arrival(stream_server, store):  # noqa: F811
+    url, _ = stream_server("ok", delay=0.02)
+    cfg = SweepConfig(url, [], 4, 5, load_prompts("summary"), rates=[20.0], max_concurrency=1)
+    summary = Sweep(cfg, store).run()
+    obj = valid(trace_json(store, sweep_ids=[summary["sweep_id"]]))
+    assert all(e["args"]["name"].startswith("20 req/s: request") for e in of(obj, "M", name="thread_name"))
+    requests = served_store.sweep_requests(store, summary["sweep_id"])
+    held = 0
+    for tid, r in enumerate(requests.itertuples(), start=1):
+        queued = [e for e in of(obj, "X", tid=tid) if e["name"].startswith("queued")]
+        if r.sent_ms - r.scheduled_ms > 0:
+            held += 1
+            assert queued[0]["ts"] == pytest.approx(r.scheduled_ms * 1e3, abs=0.01)
+            assert queued[0]["dur"] == pytest.approx((r.sent_ms - r.scheduled_ms) * 1e3, abs=0.01)
+        else:
+            assert not queued
+    assert held  # one connection for arrivals 50 ms apart: requests wait in the client
 
 
 def test_nothing_chosen_or_an_unknown_id_is_refused(store):

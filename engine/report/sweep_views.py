@@ -44,9 +44,11 @@ def user_and_server_rates(frame: pd.DataFrame, gpus: int = 1) -> pd.DataFrame:
 
 
 def request_level(row) -> str:
-    """A stored request's level as the tables name it: '2 req/s' or '4 at once'."""
-    rate = getattr(row, "rate", None)
-    return f"{rate:.3g} req/s" if rate is not None and rate == rate else f"{int(row.concurrency)} at once"
+    """A stored request's level as the tables name it: '2 req/s', '4 at once' or 'trace' (a replay at its own timing)."""
+    rate, concurrency = getattr(row, "rate", None), getattr(row, "concurrency", None)
+    if rate is not None and rate == rate:
+        return f"{rate:.3g} req/s"
+    return f"{int(concurrency)} at once" if concurrency is not None and concurrency == concurrency else "trace"
 
 
 def itl_by_position(requests: pd.DataFrame) -> pd.DataFrame:

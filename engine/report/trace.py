@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.errors import UserError
 from engine.measure.distances import BUCKETS, PHASES
+from engine.report.sweep_views import request_level
 from engine.serve import records as served_store
 from engine.store import journal
 from engine.store.db import Store
@@ -122,16 +124,19 @@ def sweep_events(store: Store, sweep_id: int) -> list[dict]:
     level_start = {}
     for r in requests:
         sent = _number(r["sent_ms"]) or 0.0
-        level_start[r["concurrency"]] = min(level_start.get(r["concurrency"], sent), sent)
+        level_start[_number(r["level"])] = min(level_start.get(_number(r["level"]), sent), sent)
     for tid, r in enumerate(requests, start=1):
         sent = _number(r["sent_ms"]) or 0.0
-        events += [_meta(pid, tid, "thread_name", f"c{r['concurrency']} request {r['idx']} ({r['prompt_name']})"),
+        events += [_meta(pid, tid, "thread_name", f"{request_level(SimpleNamespace(**r))}: request {r['idx']} ({r['prompt_name']})"),
                    _meta(pid, tid, "thread_sort_index", tid)]
         base = {"pid": pid, "tid": tid, "cat": "request"}
-        queued = sent - level_start[r["concurrency"]]
+        # a rate level's request waits in the client from its arrival (only behind --max-concurrency); a
+        # concurrency level's, from the level's start until a connection of the level is free
+        due = _number(r["scheduled_ms"]) if _number(r["rate"]) is not None else level_start[_number(r["level"])]
+        queued = sent - (due if due is not None else sent)
         if queued > 0:
-            events.append({**base, "name": "queued (every connection of the level busy)", "ph": "X",
-                           "ts": _us(level_start[r["concurrency"]]), "dur": _us(queued)})
+            events.append({**base, "name": "queued in the client (every connection of the level busy)", "ph": "X",
+                           "ts": _us(due), "dur": _us(queued)})
         chunks = [float(c) for c in (r["chunk_ms"] if r["chunk_ms"] is not None else [])]
         counts = list(r["chunk_tokens"]) if r["chunk_tokens"] is not None else [None] * len(chunks)
         ttft, e2e = _number(r["ttft_ms"]), _number(r["e2e_ms"])
