@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 import textwrap
 
 import pytest
@@ -72,12 +73,22 @@ def _module_fixtures(item):
             if getattr(d.func, "__module__", None) == item.module.__name__]
 
 
+def _test_fixtures(item):
+    """The fixture definitions from the tests' own files (any test module or conftest) that the test uses,
+    so a fixture imported from another test module (a small server it starts) counts too."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return []
+    return [d for name in item.fixturenames for d in defs.name2fixturedefs.get(name, ())
+            if str(getattr(d.func, "__module__", "")).split(".")[-1].startswith(("test_", "conftest"))]
+
+
 def costs(item) -> set[str]:
     """The cost markers that apply to one collected test."""
     module, seen = item.module, set()
-    fixtures = _module_fixtures(item)
     source = "\n".join([_module_imports(module), _function_source(item.function, module, seen),
-                        *(_function_source(d.func, module, seen) for d in fixtures)])
+                        *(_function_source(d.func, sys.modules.get(d.func.__module__, module), seen)
+                          for d in _test_fixtures(item))])
     found = {m.name for m in item.iter_markers() if m.name in COSTS}
     if item.get_closest_marker("integration"):  # the hand-set marker for the real default model
         found.add("model")
