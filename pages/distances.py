@@ -82,13 +82,15 @@ for run_id in chosen:
     roof.update_yaxes(**log_ticks([*steps["forward_ms"], *steps["roofline_ms"]]))
     roof.update_xaxes(dtick=1 if len(steps) <= 20 else None)  # steps are whole numbers
     decode = steps[steps["kind"] == "decode"]
-    ratio = (decode["roofline_ms"].sum() / decode["forward_ms"].sum()) if not decode.empty else None
+    forward = decode["forward_ms"].sum()  # 0 for a served run: the server's forward is not timed here
+    ratio = decode["roofline_ms"].sum() / forward if forward > 0 else None
     st.plotly_chart(roof, width="stretch")
     st.caption("The roofline is what the bytes and FLOPs of each forward would take at the calibrated bandwidth and "
                "peak; the gap to the measured forward is dispatch, launch and kernels running below peak "
                f"(the time bucket). Decode steps: the estimate is {ratio:.0%} of the measured forward time."
                + (f" {hardware.above_peak_sentence(ratio)}" if hardware.above_peak_sentence(ratio) else "")
-               if ratio else "Only a prefill step in this run.")
+               if ratio else "Only a prefill step in this run." if decode.empty else
+               "The server's forward passes are not timed from the client, so there is no roofline to set beside them.")
 
     if steps["drafted"].sum() > 0:
         spec = go.Figure()
