@@ -30,8 +30,8 @@ show_calibration_verdict(open_store(), "live")
 show_warm_up()
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
-             "drawing less often leaves more of it to the model (the measured cost of each choice is in "
-             "bench/results/ui.md). At the end only: a progress note every 5 s, the text and charts when the run "
+             "drawing less often leaves more of it to the model (bench/ui.py measures what each choice costs). "
+             "At the end only: a progress note every 5 s, the text and charts when the run "
              "ends.")
 # how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
 LOCAL_METRICS = dict(METRICS)

@@ -3,8 +3,8 @@
 The worker is a plain Python process whose main thread runs the model, as the command line does, so
 the model never shares a process (or a Python interpreter lock) with the Streamlit server; it keeps
 the loaded models between runs and sends new tokens in batches, as often as the page redraws, since
-each message wakes the page's process, which then takes a core from the model (measured in
-bench/results/ui.md). A stop message cancels the run, which the engine records as cancelled.
+each message wakes the page's process, which then takes a core from the model (bench/ui.py measures
+what that costs). A stop message cancels the run, which the engine records as cancelled.
 
 Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
 generation, {"db", "device", "calibrate": True} for a calibration, {"db", "spec", "warm": True} to load a
