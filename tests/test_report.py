@@ -76,6 +76,19 @@ def test_the_comparison_has_speedups_against_the_first_run_and_the_stored_qualit
     assert f"{measured:.3f}" in rows[2][1] and f"{measured:.3f}" not in rows[0][1]
 
 
+def test_a_roofline_ratio_above_the_peak_carries_its_sentence(tmp_path, tiny_lm, calibration):
+    store = Store(tmp_path / "runs.duckdb")
+    ids = make_runs(store, tiny_lm, calibration)
+    metrics = json.loads(store.run(ids[1])["metrics"])
+    with store.connect() as con:
+        con.execute("UPDATE runs SET metrics = ? WHERE run_id = ?",
+                    [json.dumps({**metrics, "roofline_ratio_decode": 1.6}), ids[1]])
+    page = runs_report(store, ids)
+    comparison = page[page.index("<h2>Comparison</h2>"):page.index("<h2>The five buckets</h2>")]
+    assert ">160%<" in comparison and f"#{ids[1]}: 160% is above 100%" in comparison
+    assert comparison.count("is above 100%") == 1
+
+
 def test_the_machine_and_calibration_each_run_was_attributed_with(recorded):
     store, ids = recorded
     page = runs_report(store, ids)

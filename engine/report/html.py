@@ -156,10 +156,15 @@ def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
                      fmt(m.get("roofline_ratio_decode"), ".0%"), fmt(spec.get("acceptance_rate"), ".0%"),
                      fmt(spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None), ".2f"),
                      fmt(q.get("perplexity"), ".3f"), fmt(q.get("kl_mean"), ".5f"), fmt(q.get("top1_agreement"), ".1%")])
+    from engine.measure.hardware import above_peak_sentence  # torch comes with it: only when a report is made
+
+    above = [f"#{run['run_id']}: {html.escape(sentence)}" for run in runs
+             if (sentence := above_peak_sentence(run["metrics"].get("roofline_ratio_decode")))]
     note = (f'<p class="note">Speedups are against the first run, #{base["run_id"]}. Quality is the newest stored '
             "measurement of the same model and variant (<code>python -m engine quality</code>), teacher-forced on "
             "data/eval.txt against fp32 dense; – where none is stored. Memory and compute buckets and the roofline "
-            "are estimates from the calibration; every time is measured.</p>")
+            "are estimates from the calibration; every time is measured.</p>"
+            + "".join(f'<p class="note">{line}</p>' for line in above))
     return Section("Comparison", note + table(header, rows, numeric_from=3))
 
 
