@@ -285,6 +285,7 @@ if submitted:
             "output tokens/s (estimate)": round(r["output_tokens_per_s"]),
             "GPUs for the target": r["gpus_for_target"], "$ per hour for the target": round(r["usd_per_hour_for_target"], 2),
             "$ per million output tokens (estimate)": round(r["usd_per_million_output_tokens"], 4),
+            "$ per million input tokens (estimate)": round(r["usd_per_million_input_tokens"], 4),
             "J per output token (estimate)": round(r["joules_per_output_token"], 4),
             "what ends capacity": f"{r['limiting_metric']} ({r['limiting_bucket']})",
             **{f"{b} ms per token (estimate)": round(v, 3) for b, v in r["distances_ms_per_token"].items()},

@@ -275,6 +275,10 @@ def test_plan_capacity_json_has_cost_energy_and_gpus_for_the_target(capsys):
         assert key in out
     assert out["gpus_for_target"] == out["replicas_for_target"] == math.ceil(500 / out["capacity_requests_per_s"])
     assert out["usd_per_million_output_tokens"] == pytest.approx(2 / (out["output_tokens_per_s"] * 3600) * 1e6)
+    # input and output each carry the whole GPU-hour; both kinds together share it
+    assert 1 / out["usd_per_million_tokens"] == pytest.approx(
+        1 / out["usd_per_million_output_tokens"] + 1 / out["usd_per_million_input_tokens"])
+    assert out["usd_per_million_input_tokens"] < out["usd_per_million_output_tokens"]  # prompts of 200 tokens, outputs of 32
     assert out["limiting_bucket"] in plan.BUCKETS and out["limiting_metric"] in ("ttft_ms", "tpot_ms", "throughput")
     power = json.loads((plan.DATA / "gpu_prices.json").read_text())["power"]["h100-80gb-sxm"]["board_power_w"]
     assert 0.25 * power / out["output_tokens_per_s"] <= out["joules_per_output_token"] <= power / out["output_tokens_per_s"]

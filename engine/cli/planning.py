@@ -158,8 +158,10 @@ def render_capacity(r: dict) -> str:
              + (f"{r['limiting_metric']} fails first" if r["limiting_metric"] != "throughput" else
               "the SLO holds up to the engine's saturation") +
              f", and the {r['limiting_bucket']} distance is most of a token's time there",
-             f"  ${r['usd_per_million_output_tokens']:.3f} per million output tokens at ${r['usd_per_gpu_hour']:.2f} "
-             f"per GPU-hour; {r['joules_per_output_token']:.3f} J per output token (board power, utilisation model)",
+             f"  ${r['usd_per_million_output_tokens']:.3f} per million output tokens or "
+             f"${r['usd_per_million_input_tokens']:.3f} per million input tokens (the whole GPU-hour charged to "
+             f"each), ${r['usd_per_million_tokens']:.3f} per million of either, at ${r['usd_per_gpu_hour']:.2f} per GPU-hour",
+             f"  {r['joules_per_output_token']:.3f} J per output token (board power, utilisation model)",
              f"  a token's time at capacity: {buckets_line(r['distances_ms_per_token'])}"]
     if "gpus_for_target" in r:
         lines.append(f"  for {r['target_rate_requests_per_s']:g} requests/s: {r['replicas_for_target']} replicas, "

@@ -147,6 +147,7 @@ def capacity(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo
     replica_gpus = setup.gpus
     per_hour = price_per_gpu_hour(setup.gpu, price) * replica_gpus
     tokens_per_s = lo_rate * np.mean([r["output_tokens"] for r in best["requests"]])  # in a steady state
+    input_per_s = lo_rate * np.mean([r["prompt_tokens"] for r in best["requests"]])
     result = {"model": setup.model.name, "gpu": setup.gpu["id"], "gpus_per_instance": replica_gpus,
               "tp": planner.tp_degree(setup), "pp": setup.pp, "instances": instances, "gpus": replica_gpus * instances,
               "weights": setup.weights, "kv_dtype": setup.kv_dtype, "slo": slos.format_slo(slo), "percentile": q,
@@ -157,7 +158,10 @@ def capacity(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo
               "ttft_ms_p50": s["ttft_ms_p50"], "tpot_ms_p50": s["tpot_ms_p50"], "batch": s["mean_batch"],
               "distances_ms_per_token": s["distances_ms_per_token"],
               "usd_per_gpu_hour": per_hour / replica_gpus,
+              # each charges the whole GPU-hour to one kind of token, as per-token price lists do not split it
               "usd_per_million_output_tokens": per_hour / (tokens_per_s * 3600) * 1e6,
+              "usd_per_million_input_tokens": per_hour / (input_per_s * 3600) * 1e6,
+              "usd_per_million_tokens": per_hour / ((tokens_per_s + input_per_s) * 3600) * 1e6,
               "joules_per_output_token": replica_gpus * power_w(setup.gpu, s["busy_fraction"]) / tokens_per_s,
               "estimate": True}
     if target_rate is not None:
