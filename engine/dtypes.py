@@ -4,6 +4,8 @@ The names are the ones every switch, page and command uses; torch is imported on
 dtype is asked for, so the calculators stay pure."""
 
 BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
+# 4-bit floats with their block scales counted in: NVFP4 an 8-bit scale per 16 values, MXFP4 per 32
+FP4_BITS = {"nvfp4": 4 + 8 / 16, "mxfp4": 4 + 8 / 32}
 FLOATS = ("fp32", "bf16", "fp16")  # the formats torch computes in
 KV_CHOICES = ("auto",) + FLOATS  # KV-cache precision: auto keeps the weights' compute dtype
 

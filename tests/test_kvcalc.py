@@ -20,6 +20,14 @@ def test_the_seeds_example():
     assert kvcalc.human(r["total_bytes"]) == "9.66 GB (9.00 GiB)"
 
 
+def test_fp4_kv_levels_count_their_block_scales():
+    gqa = spec_from_config({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                            "hidden_size": 4096})
+    values = 2 * 32 * 8 * 128 * 1024
+    assert kv_bytes(gqa, 1024, "nvfp4") == pytest.approx(values * (4 + 8 / 16) / 8)  # an fp8 scale per 16 values
+    assert kv_bytes(gqa, 1024, "mxfp4") == pytest.approx(values * (4 + 8 / 32) / 8)  # an 8-bit scale per 32
+
+
 def test_gqa_and_mqa_use_kv_heads_not_attention_heads():
     gqa = spec_from_config({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                             "hidden_size": 4096})

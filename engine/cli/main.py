@@ -462,7 +462,7 @@ def add_generate_parser(sub) -> None:
 
 
 def add_kvcalc_parser(sub) -> None:
-    from engine.dtypes import BITS
+    from engine.dtypes import BITS, FP4_BITS
 
     k = sub.add_parser("kvcalc", help="KV-cache and memory calculator")
     k.add_argument("--preset", help="a shipped model preset (substring of its name); --list-presets lists them")
@@ -474,7 +474,7 @@ def add_kvcalc_parser(sub) -> None:
     k.add_argument("--head-dim", type=int)
     k.add_argument("--window", type=int, help="sliding-window length")
     k.add_argument("--sliding-layers", type=int, help="layers that use the window (default: all)")
-    k.add_argument("--dtype", default="fp16", choices=list(BITS))
+    k.add_argument("--dtype", default="fp16", choices=[*BITS, *FP4_BITS], help="KV-cache precision (FP4 formats with their block scales)")
     k.add_argument("--group", type=int, default=64, help="values per 16-bit scale for int8/int4 KV")
     k.add_argument("--context", type=int, default=2048)
     k.add_argument("--batch", type=int, default=1)

@@ -197,7 +197,7 @@ def add_plan_parser(sub) -> None:
                                           "(default: the GPU's own link)")
     p.add_argument("--weights", default="bf16", help="fp32 bf16 fp16 fp8 int8 int4 nvfp4 mxfp4")
     p.add_argument("--bits-per-weight", type=float, help="instead of --weights, e.g. 4.85 for Q4_K_M")
-    p.add_argument("--kv-dtype", default="bf16", help="KV-cache precision (fp32 bf16 fp16 fp8 int8 int4)")
+    p.add_argument("--kv-dtype", default="bf16", help="KV-cache precision (fp32 bf16 fp16 fp8 int8 int4 nvfp4 mxfp4)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.plan import shapes
-from engine.dtypes import BITS
+from engine.dtypes import BITS, FP4_BITS
 from engine.paths import DATA
 from engine.plan.shapes import ShapeError as KVCalcError  # bad calculator input: one sentence for the user
 
-KV_BITS = BITS
+KV_BITS = {**BITS, **FP4_BITS}
 GROUPED = {"int8", "int4"}  # integer formats keep a 16-bit scale per group of values
 DEFAULT_GROUP = 64
 WEIGHT_BITS = BITS

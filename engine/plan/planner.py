@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engine.dtypes import FP4_BITS
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.plan.shapes import ShapeError
@@ -32,9 +33,8 @@ from engine.measure.distances import BUCKETS
 
 DATA = kvcalc.DATA
 # int4: a 16-bit scale per 32 weights; NVFP4: 4-bit E2M1 with an FP8 scale per 16; MXFP4: with an 8-bit scale per 32
-LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5, "nvfp4": 4.5,
-              "mxfp4": 4.25}
-FP4 = ("nvfp4", "mxfp4")
+LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5, **FP4_BITS}
+FP4 = tuple(FP4_BITS)
 ACT_BYTES = 2  # activations cross links in 16 bits
 NODE_GPUS = 8
 
