@@ -127,7 +127,8 @@ def sweep_events(store: Store, sweep_id: int) -> list[dict]:
         level_start[_number(r["level"])] = min(level_start.get(_number(r["level"]), sent), sent)
     for tid, r in enumerate(requests, start=1):
         sent = _number(r["sent_ms"]) or 0.0
-        events += [_meta(pid, tid, "thread_name", f"{request_level(SimpleNamespace(**r))}: request {r['idx']} ({r['prompt_name']})"),
+        name = f"{request_level(SimpleNamespace(**r))}: request {r['idx']} ({r['prompt_name']})"
+        events += [_meta(pid, tid, "thread_name", name),
                    _meta(pid, tid, "thread_sort_index", tid)]
         base = {"pid": pid, "tid": tid, "cat": "request"}
         # a rate level's request waits in the client from its arrival (only behind --max-concurrency); a
@@ -135,7 +136,7 @@ def sweep_events(store: Store, sweep_id: int) -> list[dict]:
         due = _number(r["scheduled_ms"]) if _number(r["rate"]) is not None else level_start[_number(r["level"])]
         queued = sent - (due if due is not None else sent)
         if queued > 0:
-            events.append({**base, "name": "queued in the client (every connection of the level busy)", "ph": "X",
+            events.append({**base, "name": "queued in the client (every connection it may use busy)", "ph": "X",
                            "ts": _us(due), "dur": _us(queued)})
         chunks = [float(c) for c in (r["chunk_ms"] if r["chunk_ms"] is not None else [])]
         counts = list(r["chunk_tokens"]) if r["chunk_tokens"] is not None else [None] * len(chunks)

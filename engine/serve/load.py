@@ -232,8 +232,12 @@ class ServerTarget:
                             temperature=cfg.temperature, top_p=1.0, seed=None, token_ids=self.vllm)
         if exact_length and self.vllm:  # vLLM keeps going past the end-of-text token on request
             body.setdefault("extra_body", {})["ignore_eos"] = True
-        counter, stream = TokenCounter(self.tokenizer), None
+        counter, stream, received = TokenCounter(self.tokenizer), None, 0
         watchdog = Watchdog(cfg.timeout_s, deadline_s or cfg.timeout_s + DEADLINE_PER_TOKEN_S * max_tokens)
+
+        def cut() -> str:
+            return f"the server {watchdog.reason}, so the request was cut"
+
         t0 = time.perf_counter_ns()
         try:
             stream = open_stream(self.client, body)
@@ -241,22 +245,21 @@ class ServerTarget:
                 self._streams.add(stream)
             watchdog.watch(stream)
             for chunk in read_stream(stream, reply.result):
-                if sum(reply.tokens) >= max_tokens:  # the server goes on past the budget: stop reading
+                if received >= max_tokens:  # the server goes on past the budget: stop reading
                     break
                 watchdog.progress()
                 reply.times.append((chunk.t_ns - t0) / 1e6)
                 reply.tokens.append(len(counter.count(chunk)))
-                if sum(reply.tokens) >= max_tokens:
+                received += reply.tokens[-1]
+                if received >= max_tokens:
                     watchdog.shorten(BUDGET_GRACE_S)  # time for the usage and finish that follow the last token
-            if reply.result.finish_reason is None and sum(reply.tokens) < max_tokens:
+            if reply.result.finish_reason is None and received < max_tokens:
                 reply.status = "interrupted" if reply.times else "error"
-                reply.error = (f"the server {watchdog.reason}, so the request was cut" if watchdog.reason else
-                               "the stream ended without a finish reason")
+                reply.error = cut() if watchdog.reason else "the stream ended without a finish reason"
         except (openai.APIError, httpx2.HTTPError, httpx2.StreamError) as exc:  # StreamError: closed by Stop
-            if sum(reply.tokens) < max_tokens:  # past the budget only the ending was late
+            if received < max_tokens:  # past the budget only the ending was late
                 reply.status = "interrupted" if reply.times else "error"
-                reply.error = (f"the server {watchdog.reason}, so the request was cut" if watchdog.reason else
-                               explain(exc, self.root, cfg.timeout_s, cfg.api_key_env))
+                reply.error = cut() if watchdog.reason else explain(exc, self.root, cfg.timeout_s, cfg.api_key_env)
         finally:
             watchdog.stop()
             if stream is not None:
