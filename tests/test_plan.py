@@ -139,7 +139,7 @@ def test_the_local_prediction_uses_the_calibration_as_measured():
     s = kvcalc.spec_from_model_folder("default")
     kv = kvcalc.kv_bytes(s, 30 + 32 + 1, "fp32")
     assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 20e9 * 1e3)
-    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0) / 1e3)
+    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL["host_us"] + (30 * plan.LOCAL["ops_per_layer"] + 4) * 5.0) / 1e3)
     assert r["distances_ms"]["physical"] == 0
     # with every read method calibrated, the decode kernel's own figure, not the best of them; the kernels
     # were built, so a decode step runs its layers in one call: no dispatch per layer, their own work instead
@@ -147,18 +147,18 @@ def test_the_local_prediction_uses_the_calibration_as_measured():
     with_kernels = {**calibration, "memory_methods_gbps": methods, "matvec_call_us": 30.0}
     r = plan.plan_for_run(run, with_kernels)
     assert r["distances_ms"]["memory"] == pytest.approx((538060288 + kv) / 15e9 * 1e3)
-    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL_ONE_CALL_HOST_US + 4 * 5.0 + (30 * 4 + 1) * 30.0
-                                                       + 30 * plan.LOCAL_ONE_CALL_LAYER_US) / 1e3)
+    assert r["distances_ms"]["time"] == pytest.approx((plan.LOCAL["one_call_host_us"] + 4 * 5.0 + (30 * 4 + 1) * 30.0
+                                                       + 30 * plan.LOCAL["one_call_layer_us"]) / 1e3)
     # a prefill or a verification of drafts runs the modules, one dispatch after another
     setup = plan.Setup(model=plan.resolve_model("default"), gpu=plan.local_device(with_kernels),
                        efficiency=plan.local_efficiency(with_kernels))
-    assert plan.step_kernels(setup, 1) == (4, 30 * plan.LOCAL_ONE_CALL_LAYER_US)
-    assert plan.step_kernels(setup, 5) == (30 * plan.LOCAL_OPS_PER_LAYER + 4, 0.0)
+    assert plan.step_kernels(setup, 1) == (4, 30 * plan.LOCAL["one_call_layer_us"])
+    assert plan.step_kernels(setup, 5) == (30 * plan.LOCAL["ops_per_layer"] + 4, 0.0)
     assert "30 layers in one call" in plan.formulas(setup)["time"]
     # a KV cache in another precision keeps the step on the modules
     bf16_cache = {**run, "metrics": json.dumps({"weight_bytes_per_forward": 538060288, "kv_dtype": "bf16"})}
     assert plan.plan_for_run(bf16_cache, with_kernels)["distances_ms"]["time"] == pytest.approx(
-        (plan.LOCAL_HOST_US + (30 * plan.LOCAL_OPS_PER_LAYER + 4) * 5.0 + (30 * 4 + 1) * 30.0) / 1e3)
+        (plan.LOCAL["host_us"] + (30 * plan.LOCAL["ops_per_layer"] + 4) * 5.0 + (30 * 4 + 1) * 30.0) / 1e3)
 
 
 def test_every_gpu_has_the_figures_and_a_source_for_each():

@@ -22,6 +22,7 @@ its active parameters)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,62 +37,42 @@ DATA = kvcalc.DATA
 LEVEL_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.5, **FP4_BITS}
 FP4 = tuple(FP4_BITS)
 ACT_BYTES = 2  # activations cross links in 16 bits
-NODE_GPUS = 8
 
 
 class PlanError(ShapeError):
     """Bad planner input; the message is one sentence for the user."""
 
 
+def load_constants() -> dict:
+    """The planner's measured, fitted and assumed constants with their origins: data/plan_constants.json, or the
+    file $TOKENPATH_PLAN_CONSTANTS names."""
+    return json.loads(Path(os.environ.get("TOKENPATH_PLAN_CONSTANTS", DATA / "plan_constants.json")).read_text())
+
+
+CONSTANTS = load_constants()
+FITTED = {name: c["value"] for name, c in CONSTANTS["efficiency"].items()}
+ORIGIN = {name: c["origin"] for name, c in CONSTANTS["efficiency"].items()}
+LOCAL = {name: c["value"] for name, c in CONSTANTS["local"].items()}
+RESERVE_BYTES = CONSTANTS["engine"]["reserve_bytes"]["value"]
+
+
 @dataclass(frozen=True)
 class Efficiency:
-    """The factors that turn data-sheet peaks into achieved figures; `ORIGIN` says where each default came from."""
-    bandwidth: float = 0.72
-    kv_bandwidth: float = 0.4
-    compute: float = 0.6
-    prefill_compute: float = 0.45
-    link: float = 0.8
-    collective_fixed_us: float = 15.0
-    step_fixed_us: float = 150.0
-    launch_us: float = 0.0
-    kernels_per_layer: int = 16
-    matvec_us: float = 0.0
-    matvecs_per_layer: int = 4
-    one_call_layer_us: float | None = None
-    host_sync_us: float = 10.0
-    dequant_ops: dict = field(default_factory=lambda: {"int8": 5.0, "int4": 6.0, "fp8": 2.0, "nvfp4": 2.0,
-                                                       "mxfp4": 2.0})
-
-
-ORIGIN = {
-    "bandwidth": "fitted: gpt-fast's bf16 rows on A100-80GB read 1,397-1,482 GB/s of the data sheet's 2,039 (0.69-0.73)",
-    "compute": "assumption: large bf16 GEMMs reach about 60% of dense peak; no batch-1 calibration point depends on it",
-    "kv_bandwidth": "fitted: the KV-bound rows of the published serving set (long outputs at full memory, TensorRT-LLM "
-                    "and NIM on H100/H200) read their paged cache at about 40% of the data sheet's bandwidth: "
-                    "attention gathers it in small blocks per sequence, unlike one weight matrix streamed whole",
-    "prefill_compute": "fitted: the compute-bound rows of the published serving set (short outputs, prompts mixed into "
-                       "the decode batch) reach about 45% of the dense tensor-core peak",
-    "link": "assumption: nccl-tests bus bandwidth reaches about 80% of an NVLink or PCIe link's peak",
-    "collective_fixed_us": "fitted: the per-all-reduce cost in gpt-fast's tensor-parallel rows (about 19 us on 2 GPUs, "
-                           "29 us on 8) less the hop latencies",
-    "step_fixed_us": "fitted: gpt-fast's single-GPU bf16 rows less their memory time (host work, sampling, the "
-                     "launch of one CUDA graph)",
-    "launch_us": "0 on GPUs: compiled engines launch a step as one CUDA graph; on this machine the calibrated "
-                 "dispatch cost per operation",
-    "kernels_per_layer": "counts only where launch_us is above 0; on this machine the dispatches of one layer of "
-                         "Tokenpath's own forward, counted with torch.profiler",
-    "matvec_us": "0 on GPUs (inside launch_us); on this machine the calibrated time a decode-sized matrix-vector "
-                 "product takes beyond its bytes (waking the other threads, ramping the read up)",
-    "matvecs_per_layer": "counts only where matvec_us is above 0: the fused q/k/v, output, fused gate/up and down "
-                         "projections of one layer (the output head adds one per step)",
-    "one_call_layer_us": "unset on GPUs; on this machine, where a decode step of one token runs every layer in one "
-                         "call to the C++ kernels (no dispatch per layer), a layer's work besides its products (norms, "
-                         "rotary, the cache append, attention, residuals), timed inside that call",
-    "host_sync_us": "assumption: one device-to-host copy of the sampled token ids per step, a PCIe round trip",
-    "dequant_ops": "fitted: the gap between gpt-fast's int8 and int4 rows and their bytes on A100 (whose vector units "
-                   "are few beside its bandwidth), in fp32 vector operations per weight; NVFP4 and MXFP4 on GPUs "
-                   "without FP4 tensor cores: assumed as fp8's (one scale multiply and a conversion per weight)",
-}
+    """The factors that turn data-sheet peaks into achieved figures; defaults and origins in data/plan_constants.json."""
+    bandwidth: float = FITTED["bandwidth"]
+    kv_bandwidth: float = FITTED["kv_bandwidth"]
+    compute: float = FITTED["compute"]
+    prefill_compute: float = FITTED["prefill_compute"]
+    link: float = FITTED["link"]
+    collective_fixed_us: float = FITTED["collective_fixed_us"]
+    step_fixed_us: float = FITTED["step_fixed_us"]
+    launch_us: float = FITTED["launch_us"]
+    kernels_per_layer: int = FITTED["kernels_per_layer"]
+    matvec_us: float = FITTED["matvec_us"]
+    matvecs_per_layer: int = FITTED["matvecs_per_layer"]
+    one_call_layer_us: float | None = FITTED["one_call_layer_us"]
+    host_sync_us: float = FITTED["host_sync_us"]
+    dequant_ops: dict = field(default_factory=lambda: dict(FITTED["dequant_ops"]))
 
 
 @dataclass(frozen=True)
@@ -516,9 +497,6 @@ def memory_per_gpu(setup: Setup, batch: int | None = None) -> dict:
             "largest_batch": int(free // per_sequence) if free > 0 and per_sequence else 0}
 
 
-RESERVE_BYTES = 1.5 * 2**30  # CUDA context, activations and allocator slack an engine keeps beside weights and KV
-
-
 def plan(setup: Setup, require_fit: bool = False) -> dict:
     """Everything `python -m engine plan --json` prints, for one configuration."""
     check_setup(setup)
@@ -633,20 +611,6 @@ def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, w
 
 # --- this machine -----------------------------------------------------------------------------
 
-LOCAL_HOST_US = 250.0  # the decode loop's Python bookkeeping per step (token selection, cache and record keeping)
-# Dispatches one decode step of Tokenpath's lean forward pays per layer: torch.profiler records 2,634 ATen calls
-# (at every level: a linear is linear, t, matmul, mm, views) in one step of the default model's 30 layers, 87.8 a
-# layer, plus 4 calls into the C++ kernels (two norms, two rotary) that it does not see. Each costs about one
-# calibrated dispatch, which is why the step exceeds its bytes over the bandwidth by more than its matrix products.
-LOCAL_OPS_PER_LAYER = 92
-# Where the C++ kernels are built, an fp32 decode step runs every layer in one call to them
-# (LeanLlama.decode_in_one_call): no dispatch per layer. Its cost beside the bytes is each layer's own
-# work (two norms, rotary, the cache append, attention over the context, residuals) and the Python
-# around the call (the forward's embedding, rotary table and checks; the loop's selection, accounting and
-# records), both on caches the step's weights have just flushed: timed inside and around the call over
-# the default model's decode steps (about 80 positions of context), medians of four runs.
-LOCAL_ONE_CALL_LAYER_US = 30.0
-LOCAL_ONE_CALL_HOST_US = 955.0
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -688,9 +652,9 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
     one_call = one_call_decode(calibration, weights, kv_dtype)
     return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0,
                       launch_us=calibration["dispatch_us"],
-                      kernels_per_layer=LOCAL_OPS_PER_LAYER, matvec_us=calibration.get("matvec_call_us", 0.0),
-                      one_call_layer_us=LOCAL_ONE_CALL_LAYER_US if one_call else None,
-                      step_fixed_us=LOCAL_ONE_CALL_HOST_US if one_call else LOCAL_HOST_US, host_sync_us=0.0)
+                      kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=calibration.get("matvec_call_us", 0.0),
+                      one_call_layer_us=LOCAL["one_call_layer_us"] if one_call else None,
+                      step_fixed_us=LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"], host_sync_us=0.0)
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
