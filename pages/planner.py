@@ -292,3 +292,51 @@ if submitted:
         } for r in found["configurations"]]), hide_index=True, width="stretch")
         for s in found["skipped"]:
             answer.caption(md_escape(f"Not planned: {s['gpus']} x {s['gpu']}: {s['why']}"))
+
+
+st.subheader("Prefill/decode disaggregation: the same GPUs in two pools (estimates)")
+st.markdown("Prompts on a prefill pool, decoding on a decode pool, each request's KV cache sent between them over "
+            "the link you choose (**physical** distance: NVLink inside a node, InfiniBand or Ethernet between nodes); "
+            "against the same GPUs co-located, each prefilling and decoding. TTFT pays the transfer; TPOT no longer "
+            "shares its steps with prompts. Also `python -m engine plan ... --rate R --disaggregate P:D --link L`.")
+split_answer = st.container()
+with st.form("disaggregate"):
+    c = st.columns(4)
+    dis_model = c[0].selectbox("Model", list(plan.preset_ids()), index=list(plan.preset_ids()).index("llama-3.1-8b"),
+                               key="dis-model")
+    dis_gpu = c[1].selectbox("GPU", plan.gpu_ids(), index=plan.gpu_ids().index("h100-80gb-sxm"), key="dis-gpu")
+    dis_link = c[2].selectbox("Link between the pools", list(plan.interconnects()),
+                              index=list(plan.interconnects()).index("infiniband"), key="dis-link")
+    dis_rate = c[3].number_input("Requests/s", value=4.0, step=0.5, key="dis-rate")
+    c = st.columns(4)
+    dis_prefill = c[0].number_input("Prefill GPUs", value=1, step=1, key="dis-prefill")
+    dis_decode = c[1].number_input("Decode GPUs", value=1, step=1, key="dis-decode")
+    dis_prompt = c[2].number_input("Prompt tokens", value=2048, step=256, key="dis-prompt")
+    dis_new = c[3].number_input("Output tokens", value=256, step=32, key="dis-new")
+    split = st.form_submit_button("Compare")
+if split:
+    from engine.plan import disaggregate as dis
+    from engine.plan import simulate as sim
+
+    try:
+        setup = plan.Setup(model=plan.resolve_model(dis_model), gpu=plan.get_gpu(dis_gpu), prompt_tokens=dis_prompt,
+                           new_tokens=dis_new)
+        with st.spinner("Simulating both pools and the co-located GPUs..."):
+            found = dis.disaggregate(setup, sim.Workload(requests=200, rate=dis_rate, prompt_tokens=dis_prompt,
+                                                         new_tokens=dis_new), sim.Scheduler(), dis_prefill,
+                                     dis_decode, dis_link)
+    except ShapeError as exc:
+        split_answer.error(md_escape(exc))
+    else:
+        co, dg = found["colocated"], found["disaggregated"]
+        split_answer.success(md_escape(
+            f"Disaggregated TTFT p50 {dg['ttft_ms_p50']:.1f} ms against {co['ttft_ms_p50']:.1f} ms co-located; TPOT "
+            f"p50 {dg['tpot_ms_p50']:.2f} ms against {co['tpot_ms_p50']:.2f} ms. Each request's KV cache "
+            f"({human(found['kv_bytes_per_request'])}) crosses {found['link']} in {found['kv_transfer_ms']:.3f} ms "
+            "(estimates)."))
+        split_answer.dataframe(pd.DataFrame([
+            {"GPUs": name, **{f"{k[:4].upper()} {k[-3:]} ms (estimate)": round(pool[k], 2)
+                              for k in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")}}
+            for name, pool in ((f"{co['gpus']} co-located", co),
+                               (f"{found['prefill_gpus']} prefill + {found['decode_gpus']} decode", dg))]),
+            hide_index=True, width="stretch")

@@ -18,6 +18,10 @@ def open_page(timeout=180) -> AppTest:
     return at.run()
 
 
+def click(at: AppTest, label: str) -> AppTest:
+    return next(b for b in at.button if b.label == label).click().run()
+
+
 def bars(at: AppTest):
     return [c for c in at.get("plotly_chart")]
 
@@ -99,7 +103,7 @@ def test_the_capacity_view_answers_above_its_form_cheapest_first():
     at.multiselect(key="cap-gpu").set_value(["h100-80gb-sxm"])
     at.multiselect(key="cap-counts").set_value([1, 2])
     at.number_input(key="cap-new").set_value(32)
-    at.button[-1].click().run()
+    click(at, "Plan capacity")
     assert not at.exception and not at.error
     assert "Cheapest for 50 requests/s" in at.success[0].value.replace("\\", "")
     table = at.dataframe[-1].value
@@ -111,6 +115,24 @@ def test_the_capacity_view_answers_above_its_form_cheapest_first():
 def test_the_capacity_view_says_one_sentence_for_a_bad_slo():
     at = open_page(timeout=600)
     at.text_input(key="cap-slo").set_value("latency=5")
-    at.button[-1].click().run()
+    click(at, "Plan capacity")
     assert not at.exception
     assert "Unknown SLO metric" in at.error[0].value.replace("\\", "")
+
+
+def test_disaggregation_answers_above_its_form_and_refuses_a_link_too_short():
+    at = open_page(timeout=600)
+    at.number_input(key="dis-prompt").set_value(4096)
+    at.number_input(key="dis-new").set_value(64)
+    click(at, "Compare")
+    assert not at.exception and not at.error
+    assert "crosses infiniband" in at.success[0].value.replace("\\", "")
+    table = at.dataframe[-1].value
+    assert list(table["GPUs"]) == ["2 co-located", "1 prefill + 1 decode"]
+    co, split = table.to_dict("records")
+    assert split["TPOT p50 ms (estimate)"] < co["TPOT p50 ms (estimate)"]  # decode steps no longer carry prompts
+    at.selectbox(key="dis-link").set_value("nvlink")
+    at.number_input(key="dis-decode").set_value(8)
+    click(at, "Compare")
+    assert not at.exception
+    assert "joins at most 8 GPUs" in at.error[0].value.replace("\\", "")

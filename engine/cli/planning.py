@@ -8,6 +8,7 @@ import json
 
 from engine.measure import slo as slos
 from engine.plan import capacity as cap
+from engine.plan import disaggregate as dis
 from engine.plan import kvcalc
 from engine.plan import planner as plan
 from engine.plan import simulate as sim
@@ -70,6 +71,8 @@ def slo_from_args(args) -> dict:
 
 
 def cmd_plan(args) -> int:
+    if args.disaggregate:
+        return cmd_disaggregate(args)
     if args.offline or args.rate is not None or args.capacity:
         return cmd_load(args)
     if len(args.gpu) > 1 or len(args.gpus or []) > 1:
@@ -120,6 +123,22 @@ def cmd_load(args) -> int:
     return show(args, result, render_capacity)
 
 
+def cmd_disaggregate(args) -> int:
+    """--disaggregate P:D at --rate R: prefill and decode pools against the same GPUs co-located."""
+    if args.offline or args.capacity:
+        raise PlanError("--disaggregate compares the pools at one --rate, not with --offline or --capacity.")
+    if args.rate is None:
+        raise PlanError("Give the request rate to compare the pools at with --rate.")
+    if len(args.gpu) > 1 or len(args.gpus or []) > 1:
+        raise PlanError("--disaggregate takes one GPU type and one instance size (--gpus or --tp x --pp).")
+    prefill, decode = dis.parse_pools(args.disaggregate)
+    workload, scheduler = workload_from_args(args)
+    setup = setup_from_args(args)
+    plan.plan(setup, require_fit=True)
+    link = args.link or args.interconnect or default_interconnect(setup.gpu)
+    return show(args, dis.disaggregate(setup, workload, scheduler, prefill, decode, link), render_disaggregated)
+
+
 def criteria(args) -> tuple:
     """(percentile, attainment): the 99th percentile of every metric unless an attainment alone is asked for."""
     if args.percentile is None and args.attainment is not None:
@@ -167,6 +186,20 @@ def render_capacity(r: dict) -> str:
         lines.append(f"  for {r['target_rate_requests_per_s']:g} requests/s: {r['replicas_for_target']} replicas, "
                      f"{r['gpus_for_target']} GPUs, ${r['usd_per_hour_for_target']:.2f} per hour")
     return "\n".join(lines)
+
+
+def render_disaggregated(r: dict) -> str:
+    co, dg = r["colocated"], r["disaggregated"]
+    return "\n".join([
+        f"{r['model']} on {r['gpu']} at {r['rate_requests_per_s']:g} requests/s, instances of {r['gpus_per_instance']} "
+        "GPU(s), estimates:",
+        f"  co-located, {co['gpus']} GPUs as {co['instances']} instances: TTFT p50 {co['ttft_ms_p50']:.1f} ms, p99 "
+        f"{co['ttft_ms_p99']:.1f} ms; TPOT p50 {co['tpot_ms_p50']:.2f} ms, p99 {co['tpot_ms_p99']:.2f} ms",
+        f"  disaggregated, {r['prefill_gpus']} prefill + {r['decode_gpus']} decode GPUs: TTFT p50 "
+        f"{dg['ttft_ms_p50']:.1f} ms, p99 {dg['ttft_ms_p99']:.1f} ms; TPOT p50 {dg['tpot_ms_p50']:.2f} ms, p99 "
+        f"{dg['tpot_ms_p99']:.2f} ms",
+        f"  each request's KV cache ({kvcalc.human(r['kv_bytes_per_request'])}) crosses {r['link']} at "
+        f"{r['link_gbps']:g} GB/s per GPU in {r['kv_transfer_ms']:.3f} ms, which TTFT pays (physical distance)"])
 
 
 def render_comparison(result: dict) -> str:
@@ -223,5 +256,10 @@ def add_plan_parser(sub) -> None:
     load.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step, as vLLM's option")
     load.add_argument("--no-chunked-prefill", action="store_true", help="whole prefills in steps of their own")
     load.add_argument("--price-per-gpu-hour", type=float, help="dollars, instead of data/gpu_prices.json")
+    load.add_argument("--disaggregate", metavar="PREFILL_GPUS:DECODE_GPUS",
+                      help="with --rate: separate prefill and decode pools against the same GPUs co-located")
+    load.add_argument("--link", help="with --disaggregate: the interconnect the KV cache crosses between the pools "
+                                     "(nvlink within a node, infiniband or ethernet between nodes; default the "
+                                     "GPU's own link)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)

@@ -28,7 +28,8 @@ PERCENTILES = (50, 90, 99)
 @dataclass(frozen=True)
 class Workload:
     """Arrivals and lengths: `rate` requests/s (inf: all at time 0, the offline scenario), gamma gaps of shape
-    `burstiness` (1 = Poisson), mean prompt and output tokens spread uniformly by +/- `length_spread`."""
+    `burstiness` (1 = Poisson), mean prompt and output tokens spread uniformly by +/- `length_spread`. `prefilled`:
+    each request arrives with its prompt's KV cache and its first token (from a prefill pool), so it only decodes."""
     requests: int = 200
     rate: float = math.inf
     burstiness: float = 1.0
@@ -36,6 +37,7 @@ class Workload:
     new_tokens: int = 256
     length_spread: float = 0.0
     seed: int = 0
+    prefilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,12 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
                         f"{setup.gpus} x {setup.gpu['name']}, fewer than one request's {widest:,}: add GPUs or use "
                         "fewer bits per weight.")
     requests = [_Request(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(sent, prompts, outputs))]
+    if workload.prefilled:
+        if outputs.min() < 2:
+            raise PlanError("A request that arrives with its first token needs at least 2 output tokens to decode.")
+        for r in requests:
+            r.computed, r.emitted, r.first = r.prompt, 1, r.arrival
+            r.last = r.arrival
     waiting: list[_Request] = []
     running: list[_Request] = []
     pending = iter(requests)
