@@ -101,3 +101,48 @@ def test_the_worker_runs_a_served_spec_as_it_runs_a_local_one(worker, stream_ser
     refused = RunSpec(gen=GenConfig("Hi", top_k=5), backend="served", endpoint=url)
     with pytest.raises(WorkerRefused, match="^A served run cannot honour top-k sampling"):
         list(worker.generate({"db": str(tmp_path / "w.duckdb"), "spec": refused.to_dict()}, every_s=0.05))
+
+
+def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_decodes_alone(worker, default_lm,
+                                                                                         tmp_path):
+    from engine.model.cpu_kernels import optional_kernel
+    from engine.run.batch import batch_prompts
+
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    db = tmp_path / "w.duckdb"
+    gen = GenConfig(prompt="Name a colour.", max_new_tokens=10, ignore_eos=True)
+    rows, done = [], None
+    for kind, payload in worker.generate({"db": str(db), "spec": RunSpec(gen=gen, device="cpu", users=3).to_dict()},
+                                         every_s=0.05):
+        if kind == "tokens":
+            rows.extend(payload)
+        elif kind == "done":
+            done = payload
+    assert done["users"] == 3 and len(done["run_ids"]) == 3 and done["run_id"] == done["run_ids"][0]
+    assert done["tokens_per_s_total"] > 0 and done["tokens_per_s_per_user"] > 0
+    assert rows and {r["run_id"] for r in rows} <= set(done["run_ids"])  # every streamed row names its run
+    store = Store(db)
+    for user, (run_id, prompt) in enumerate(zip(done["run_ids"], batch_prompts(gen.prompt, 3))):
+        lone = Generation(default_lm, GenConfig(prompt=prompt, max_new_tokens=10, ignore_eos=True),
+                          telemetry=False).run()
+        assert [r["token_id"] for r in done["tokens"] if r["user"] == user and r["run_id"] == run_id] == \
+            lone["token_ids"], prompt
+        assert store.run(run_id)["status"] == "ok" and store.run(run_id)["prompt"] == prompt
+    # a lone run's summary has the same figures; its decode tokens carry the weights alone, not a third of them
+    alone = list(worker.generate({"db": str(db), "spec": RunSpec(gen=gen, device="cpu").to_dict()}, every_s=1.0))[-1][1]
+    assert alone["users"] == 1 and alone["run_ids"] == [alone["run_id"]]
+    assert done["bytes_per_token"] < alone["bytes_per_token"] / 2
+
+
+def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is_recorded(worker, tmp_path):
+    db = tmp_path / "w.duckdb"
+    for gen, users, says in [(GenConfig("Hi", spec="prompt-lookup"), 2, "^Speculative decoding .* does not batch"),
+                             (GenConfig("Hi"), 0, "^users must be a whole number between 1 and 16"),
+                             (GenConfig("Hi"), 17, "^users must be a whole number between 1 and 16")]:
+        with pytest.raises(WorkerRefused, match=says):
+            list(worker.generate({"db": str(db), "spec": RunSpec(gen=gen, users=users).to_dict()}, every_s=0.05))
+    sparse = RunSpec(gen=GenConfig("Hi"), users=2, sparsity=0.5)
+    with pytest.raises(WorkerRefused, match="^Activation sparsity .* does not batch"):
+        list(worker.generate({"db": str(db), "spec": sparse.to_dict()}, every_s=0.05))
+    assert Store(db).runs(10).empty

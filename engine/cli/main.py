@@ -46,7 +46,8 @@ def spec_from_args(args):
                     raw=args.raw, stop=args.stop or [], ignore_eos=args.ignore_eos, spec=args.spec,
                     kv_dtype=args.kv_dtype, **spec_settings)
     return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
-                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode, **served_cli.served_fields(args))
+                   sparsity=args.sparsity, sparsity_mode=args.sparsity_mode,
+                   users=1 if args.users is None else args.users, **served_cli.served_fields(args))
 
 
 def what_became_of(run) -> str:
@@ -100,13 +101,17 @@ def generate_once(args) -> int:
     from engine.errors import UserError
     from engine.run.open import open_run
     from engine.run.record import RecordDeferred
+    from engine.run.spec import GenerationError
     from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
-    if args.users is not None or args.prompts is not None or args.kv_budget_mb is not None:
-        return cmd_generate_users(args)
     spec = spec_from_args(args)
     spec.check()  # bad input is refused before the database is opened
+    if spec.users > 1:
+        return generate_batch(args, spec)
+    if args.prompts is not None or args.kv_budget_mb is not None:
+        raise GenerationError("--prompts and --kv-budget-mb apply to a batch: add --users N (2 or more), or leave "
+                              "them out.")
     run = open_run(spec, Store(args.db))
     try:
         for event in run:
@@ -147,47 +152,32 @@ def _print_result(args, run, result: dict) -> None:
                   f"{sp['tokens_per_target_forward']:.2f} tokens per target forward", file=sys.stderr)
 
 
-def cmd_generate_users(args) -> int:
-    """--users N: the prompt and N - 1 others decoded together in one continuously batched engine, each sequence
-    a recorded run. Every request is checked before the first is recorded."""
-    import time
-    from dataclasses import replace
-
-    from engine.run.batch import BatchEngine, batch_prompts, batch_summary, budget_bytes, check_batchable
-    from engine.run.prepare import prepare
+def generate_batch(args, spec) -> int:
+    """--users N: the prompt and N - 1 others decoded together in one continuously batched engine (open_run),
+    each sequence a recorded run. Every request is checked before the first is recorded."""
+    from engine.run.batch import budget_bytes
+    from engine.run.open import open_run
     from engine.store.db import Store
 
-    spec = spec_from_args(args)
-    spec.check()
-    users = 1 if args.users is None else args.users
-    prompts = batch_prompts(args.prompt, users, args.prompts)
-    check_batchable(spec.gen, spec.sparsity)
     budget = budget_bytes(args.kv_budget_mb)
-    store = Store(args.db)
-    engine = BatchEngine(prepare(spec, store), store, max_batch=users, kv_budget_bytes=budget,
-                         kv_dtype=spec.gen.kv_dtype)
-    requests = [replace(spec.gen, prompt=p) for p in prompts]
-    for request in requests:
-        engine.check(request)
-    start = time.perf_counter()
-    seqs = [engine.submit(request) for request in requests]
+    run = open_run(spec, Store(args.db), prompts_file=args.prompts, kv_budget_bytes=budget)
     try:
-        engine.run()
+        run.run()
     except KeyboardInterrupt:
-        engine.close()
-        print(f"\ncancelled: runs {', '.join(str(s.run_id) for s in seqs)} recorded as cancelled", file=sys.stderr)
+        print(f"\ncancelled: runs {', '.join(str(i) for i in run.run_ids)} recorded as cancelled", file=sys.stderr)
         return 130
     except Exception as exc:
         print(f"\nerror: the batch failed and its runs were recorded with status error: {exc}", file=sys.stderr)
         return 1
-    result = batch_summary(seqs, time.perf_counter() - start)
+    result = {k: v for k, v in run.result.items() if k != "own"}
     if args.json:
         _print_json(result)
         return 0
-    for run in result["runs"]:
-        print(f"--- run {run['run_id']} ({run['n_new_tokens']} tokens, TTFT {run['ttft_ms']:.1f} ms)\n{run['text']}")
+    for one in result["runs"]:
+        print(f"--- run {one['run_id']} ({one['n_new_tokens']} tokens, TTFT {one['ttft_ms']:.1f} ms)\n{one['text']}")
     print(f"\n{result['users']} users: {result['tokens_per_s_total']:.1f} tok/s in total, "
-          f"{result['tokens_per_s_per_user']:.1f} tok/s per user", file=sys.stderr)
+          f"{result['tokens_per_s_per_user']:.1f} tok/s per user, {result['bytes_per_token'] / 1e6:.1f} MB moved per "
+          "decode token", file=sys.stderr)
     return 0
 
 

@@ -113,6 +113,17 @@ def forward_work(shape: ModelShape, n_new: int, past_len: int, logits_kept: int 
     )
 
 
+def batch_decode_work(shape: ModelShape, pasts: list[int]) -> ForwardWork:
+    """One batched decode forward: each of len(pasts) sequences adds one token after its own past positions,
+    reading its whole cache and writing one position in place; the weights travel once for all of them, and
+    each sequence reads its own input-embedding row."""
+    per_token = shape.kv_bytes_per_token
+    works = [forward_work(shape, 1, past, kv_bytes=(per_token * (past + 1), per_token)) for past in pasts]
+    return ForwardWork(weight_bytes=shape.weight_bytes + shape.embed_row_bytes * len(pasts),
+                       kv_read_bytes=sum(w.kv_read_bytes for w in works),
+                       kv_write_bytes=sum(w.kv_write_bytes for w in works), flops=sum(w.flops for w in works))
+
+
 def cache_nbytes(cache) -> int:
     """Bytes of the keys and values a transformers cache holds (a cache the fused decode grows keeps
     room for up to 127 more positions a layer beyond them, which this does not count)."""

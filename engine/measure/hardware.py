@@ -379,6 +379,22 @@ def peak_check(bytes_moved: float, seconds: float, calibration: dict) -> dict:
     return {"gbps": gbps, "peak_fraction": gbps / peak if peak else None, "beyond_peak": flag}
 
 
+def decode_checks(forwards: list[tuple[float, float, float]], calibration: dict) -> dict:
+    """A run's decode forwards, each (bytes it really moved, its roofline estimate in ms, its measured time in
+    ms), against the calibration: the roofline estimate over the measured time, and the peak check. A batched
+    forward counts whole (the weights once, every sequence's cache) for each run that took part in it: a run's
+    share of the weights over the whole forward's time would read low by the batch."""
+    if not forwards:
+        return {"roofline_ratio_decode": None, "peak_check": None}
+    moved, roofline_ms, forward_ms = (sum(column) for column in zip(*forwards))
+    return {"roofline_ratio_decode": roofline_ms / forward_ms if forward_ms > 0 else None,
+            "peak_check": peak_check(moved, forward_ms / 1e3, calibration)}
+
+
+RUN_CALIBRATION = ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
+                   "dispatch_us", "matvec_call_us", "created_at")  # what a run keeps of the calibration it used
+
+
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
     table = calibration["matmul_gflops"]
     return table.get(str(dtype).removeprefix("torch."), table["float32"])

@@ -24,38 +24,23 @@ from transformers import DynamicCache
 from engine.dtypes import name_of, torch_dtype
 from engine.errors import UserError
 from engine.measure import hardware
-from engine.measure.accounting import model_shape
+from engine.measure.accounting import batch_decode_work, model_shape
 from engine.measure.distances import BUCKETS, Roofline, sum_buckets
 from engine.measure.metrics import run_metrics
 from engine.model.lean import LeanLlama
 from engine.run.generate import TokenEvent, collector_spared
 from engine.run.record import Recorder
 from engine.run.rows import Attribution, Outcome, account, columns
-from engine.run.spec import GenConfig
+from engine.run.spec import LIMITS, MAX_BATCH, GenConfig, check_batchable
 from engine.run.step import select_token
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
-# Up to 24 rows the kernels' products keep each row's arithmetic independent of the rows beside it
-# (engine/model/kernels), so a sequence decodes the same tokens in any batch up to this size.
-MAX_BATCH = 16
 PREFILL_CHUNK = 128  # prompt tokens a step prefills, between the running sequences' decode steps
 
 
 class BatchError(UserError):
     """A batch that cannot run as asked; the message is one sentence."""
-
-
-def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
-    """Raise BatchError naming why these settings cannot decode in a batch, if they cannot."""
-    if not cfg.kv_cache:
-        raise BatchError("A batch decodes each sequence from its own KV cache: turn the KV cache on, or use one user.")
-    if cfg.spec != "none":
-        raise BatchError("Speculative decoding verifies one sequence's guesses per forward here, so it does not batch: "
-                         "set the speculative method to none, or use one user.")
-    if sparsity:
-        raise BatchError("Activation sparsity skips the weight rows one token leaves idle, and a batch's tokens leave "
-                         "different rows idle, so it does not batch: set sparsity to 0, or use one user.")
 
 
 def budget_bytes(mb: float | None) -> int | None:
@@ -75,8 +60,7 @@ def check_cap(max_batch: int) -> None:
 def batch_prompts(prompt: str, users: int, prompts_file: str | None = None) -> list[str]:
     """The prompt and users - 1 others: the lines of prompts_file (blank ones skipped), else the shipped
     workloads' prompts, in order and taken again from the first when there are fewer."""
-    if not isinstance(users, int) or not 1 <= users <= MAX_BATCH:
-        raise BatchError(f"--users takes 1 to {MAX_BATCH} sequences, not {users}.")
+    LIMITS["users"].check(users)
     if prompts_file is not None:
         try:
             others = [line for line in Path(prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -110,6 +94,7 @@ class Sequence:
         self.t_last = self.t_request  # when its previous step handed over its tokens
         self.steps: list[dict] = []
         self.tokens: list[dict] = []
+        self.forwards: list[tuple[float, float, float]] = []  # each batched decode whole, for the peak check
         self.recorder: Recorder | None = None
         self.run_id: int | None = None
         self.status = "queued"
@@ -275,12 +260,15 @@ class BatchEngine:
         tokens = [select_token(row, s.cfg, s.generator) for s, row in zip(seqs, logits)]
         t_host = time.perf_counter_ns()
         self.batch_sizes.append(len(seqs))
+        work = batch_decode_work(self.shape, [s.past for s in seqs])
+        whole = (work.bytes_moved, self.attribution.roofline.time_ms(work), (t_sync - t_forward) / 1e6)
         per_token = self.shape.kv_bytes_per_token
         for seq, token in zip(seqs, tokens):
             outcome = Outcome(n_input=1, past=seq.past, drafted=0, accepted=0, emitted=[token],
                               marks=(seq.t_last, t_forward, t_forward, t_forward, t_sync, t_sync, t_host),
                               kv_bytes=(per_token * (seq.past + 1), per_token), batch=len(seqs))
             seq.past += 1
+            seq.forwards.append(whole)
             self._emit(seq, outcome)
 
     def _emit(self, seq: Sequence, out: Outcome) -> None:
@@ -335,6 +323,8 @@ class BatchEngine:
             "kv_bytes_per_token": self.shape.kv_bytes_per_token,
             "kv_dtype": name_of(self.kv_dtype or self.lm.dtype),
             "weight_bytes_per_forward": self.shape.weight_bytes,
+            "calibration": {k: self.calibration.get(k) for k in hardware.RUN_CALIBRATION},
+            **hardware.decode_checks(seq.forwards, self.calibration),
         })
         return metrics
 

@@ -222,15 +222,10 @@ class Generation:
             "kv_dtype": name_of(self.kv_dtype or self.lm.dtype),
             "openmp_wait": OPENMP_WAIT,
             "weight_bytes_per_forward": self.shape.weight_bytes,
-            "roofline_ratio_decode": (sum(s["roofline_ms"] for s in decode_steps)
-                                      / sum(s["forward_ms"] for s in decode_steps)) if decode_steps else None,
-            "calibration": {k: self.calibration.get(k) for k in
-                            ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
-                             "dispatch_us", "matvec_call_us", "created_at")},
+            "calibration": {k: self.calibration.get(k) for k in hardware.RUN_CALIBRATION},
             # the decode's bytes per second against the calibrated peak, flagged when it beats it
-            "peak_check": hardware.peak_check(
-                sum(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"] for s in decode_steps),
-                sum(s["forward_ms"] for s in decode_steps) / 1e3, self.calibration) if decode_steps else None,
+            **hardware.decode_checks([(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"], s["roofline_ms"],
+                                       s["forward_ms"]) for s in decode_steps], self.calibration),
         })
         if self.drafter is not None:
             metrics["speculative"] = speculative.summary(self.steps, len(self.token_ids))

@@ -11,16 +11,22 @@ The load tools call this where they would call a server:
     engine.close()                                        # ends what is still queued or running, stops the thread
 
 submit() raises engine.run.batch.BatchError (a UserError) for a request the engine cannot run, before
-anything is recorded; every request it accepts is a recorded run when a store is given."""
+anything is recorded; every request it accepts is a recorded run when a store is given.
+
+BatchRun is a RunSpec with users > 1 run the way open_run runs any spec: its prompt and users - 1 others
+decoded together in one BatchEngine, iterated for the tokens of every sequence as they come."""
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from engine.run.batch import BatchEngine, Sequence
-from engine.run.spec import GenConfig
+from engine.measure import hardware
+from engine.measure.distances import BUCKETS
+from engine.run.batch import BatchEngine, Sequence, batch_prompts, batch_summary
+from engine.run.generate import TokenEvent, collector_spared
+from engine.run.spec import GenConfig, RunSpec
 
 
 class Handle:
@@ -107,3 +113,109 @@ class LocalEngine:
                 with self._wake:
                     if not self._inbox and not self._closing:
                         self._wake.wait()
+
+
+@dataclass
+class BatchEvent(TokenEvent):
+    """A token of one sequence in a batch: user 0 is the spec's own prompt, the others come from the workloads."""
+    user: int = 0
+    run_id: int | None = None
+
+
+def bytes_per_token(steps: list[dict]) -> float | None:
+    """Bytes a decode token moved: each decode step row's weights (its sequence's share of a batched forward),
+    KV reads and writes, averaged over the rows; None where the rows count no bytes (a served run)."""
+    decode = [s for s in steps if s["kind"] == "decode" and "weight_bytes" in s]
+    return sum(s["weight_bytes"] + s["kv_read_bytes"] + s["kv_write_bytes"] for s in decode) / len(decode) \
+        if decode else None
+
+
+def load_figures(run) -> dict:
+    """How an ended run shared the machine, in the same keys for a batch and a lone run: users, tokens/s in
+    total and per user, each sequence's run and the bytes a decode token moved."""
+    if isinstance(run, BatchRun):
+        return {k: run.result[k] for k in ("users", "tokens_per_s_total", "tokens_per_s_per_user", "run_ids",
+                                           "bytes_per_token")}
+    rate = run.result.get("tokens_per_s")
+    return {"users": 1, "tokens_per_s_total": rate, "tokens_per_s_per_user": rate, "run_ids": [run.run_id],
+            "bytes_per_token": bytes_per_token(run.steps)}
+
+
+class BatchRun:
+    """A spec with users > 1 as one continuously batched run: the spec's prompt and users - 1 others
+    (engine.run.batch.batch_prompts), each sequence its own recorded run. Every request is checked when the
+    run is made, so a refusal records nothing. Iterate it for BatchEvents (the tokens of every sequence, step
+    by step); closing the iterator early cancels every sequence. Afterwards: status, result (batch_summary's
+    figures, the bytes a decode token moved, the whole batch's peak check), tokens and steps (every
+    sequence's rows, each with its run_id and user)."""
+
+    def __init__(self, lm, spec: RunSpec, store=None, calibration: dict | None = None,
+                 prompts_file: str | None = None, kv_budget_bytes: int | None = None):
+        self.spec = spec
+        self.engine = BatchEngine(lm, store, max_batch=spec.users, kv_budget_bytes=kv_budget_bytes,
+                                  kv_dtype=spec.gen.kv_dtype, calibration=calibration)
+        self.requests = [replace(spec.gen, prompt=p) for p in batch_prompts(spec.gen.prompt, spec.users, prompts_file)]
+        for request in self.requests:
+            self.engine.check(request)
+        self.special_ids = sorted(lm.tokenizer.all_special_ids)
+        self.sequences: list[Sequence] = []
+        self.tokens: list[dict] = []  # every sequence's token rows, in the order they were decoded
+        self.status = "pending"
+        self.result: dict | None = None
+
+    @property
+    def run_id(self) -> int | None:
+        """The spec's own sequence's run."""
+        return self.sequences[0].run_id if self.sequences else None
+
+    @property
+    def run_ids(self) -> list[int | None]:
+        return [s.run_id for s in self.sequences]
+
+    @property
+    def live_tokens(self) -> list[dict]:
+        return self.tokens
+
+    @property
+    def steps(self) -> list[dict]:
+        return [{**row, "run_id": s.run_id, "user": user} for user, s in enumerate(self.sequences) for row in s.steps]
+
+    def __iter__(self):
+        self.status = "running"
+        start = time.perf_counter()
+        self.sequences = [self.engine.submit(cfg, tag=self.spec.tag) for cfg in self.requests]
+        taken = [0] * len(self.sequences)
+        try:
+            with collector_spared():
+                while self.engine.step():
+                    for user, seq in enumerate(self.sequences):
+                        for row in seq.tokens[taken[user]:]:
+                            self.tokens.append({**row, "run_id": seq.run_id, "user": user})
+                            yield BatchEvent(index=row["idx"], token_id=row["token_id"], piece=row["piece"],
+                                             step=row["step"], t_ms=row["t_ms"], gap_ms=row["gap_ms"],
+                                             buckets={b: row[f"{b}_ms"] for b in BUCKETS}, user=user,
+                                             run_id=seq.run_id)
+                        taken[user] = len(seq.tokens)
+            self.status = "ok" if all(s.status == "ok" for s in self.sequences) else "incomplete"
+        except (GeneratorExit, KeyboardInterrupt):
+            self.engine.close()  # every sequence still running is recorded as cancelled
+            self.status = "cancelled"
+            raise
+        except Exception:  # the engine ended every sequence's run with the error
+            self.status = "error"
+            raise
+        finally:
+            self.result = self._summary(time.perf_counter() - start)
+
+    def _summary(self, wall_s: float) -> dict:
+        own = (self.sequences[0].result if self.sequences else None) or {}
+        forwards = {id(f): f for s in self.sequences for f in s.forwards}  # a batched forward counts once
+        return {**batch_summary(self.sequences, wall_s), "status": self.status,
+                "stop_reason": own.get("stop_reason"), "text": own.get("text"), "own": own,
+                "bytes_per_token": bytes_per_token([row for s in self.sequences for row in s.steps]),
+                **hardware.decode_checks(list(forwards.values()), self.engine.calibration)}
+
+    def run(self) -> dict:
+        for _ in self:
+            pass
+        return self.result

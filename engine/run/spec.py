@@ -16,6 +16,9 @@ MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
 STALL_TIMEOUT_S = 120.0  # served: the longest wait for the next token before the run is cut short
 MAX_WAIT_S = 86_400.0  # served: the most a stall timeout or a deadline may be
 DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stall timeout plus this per token
+# Up to 24 rows the kernels' products keep each row's arithmetic independent of the rows beside it
+# (engine/model/kernels), so a sequence decodes the same tokens in any batch up to this size.
+MAX_BATCH = 16
 
 # What a served run cannot honour: the server decides these, so a served spec that sets them is refused
 # (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.
@@ -24,6 +27,7 @@ SERVED_CANNOT = {
     "ignore_eos": ("ignoring the end of text", False), "spec": ("speculative decoding", "none"),
     "kv_dtype": ("a KV-cache precision", "auto"), "weights": ("a weight level", "fp32"),
     "sparsity": ("activation sparsity", 0.0), "model": ("a local model", "default"),
+    "users": ("several users in one batch", 1),
 }
 LOCAL_CANNOT = {"endpoint": ("a server address", None), "served_model": ("a served model name", None),
                 "api_key_env": ("an API key variable", None), "gpu": ("the server's GPU", None),
@@ -59,6 +63,7 @@ LIMITS = {
     "top_k": Limit(0, 1_000_000, True, "top_k (0: off)"),
     "seed": Limit(0, MAX_SEED, True, "The random seed"),
     "sparsity": Limit(0.0, 0.9, False, "Sparsity"),
+    "users": Limit(1, MAX_BATCH, True, "users"),
 }
 
 
@@ -127,12 +132,14 @@ class RunSpec:
     timeout_s: float = STALL_TIMEOUT_S  # served: the longest wait for the next token (the stall timer)
     deadline_s: float | None = None  # served: the most the whole run may take (default: derived from the budget)
     tag: str | None = None  # stored with the run, so the page that asked for it finds it again (story:memory:fp32)
+    users: int = 1  # sequences decoded together: the prompt and users - 1 others (engine.run.local.BatchRun)
 
     def check(self) -> None:
         self.gen.check()
         if self.backend not in ("local", "served"):
             raise GenerationError(f"Unknown backend '{self.backend}': use local or served.")
         LIMITS["sparsity"].check(self.sparsity)
+        LIMITS["users"].check(self.users)
         _check_number("The stall timeout", self.timeout_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
         if self.deadline_s is not None:
             _check_number("The deadline", self.deadline_s, 1e-3, MAX_WAIT_S, "a number of seconds above 0, at most")
@@ -148,6 +155,8 @@ class RunSpec:
             self._refuse(SERVED_CANNOT, "A served run", "run it on the local engine")
         else:
             self._refuse(LOCAL_CANNOT, "A local run", "send the run to a server")
+            if self.users > 1:
+                check_batchable(self.gen, self.sparsity)
         if self.tag is not None and (not isinstance(self.tag, str) or not 0 < len(self.tag) <= 200):
             raise GenerationError(f"A run's tag is a text of 1 to 200 characters, not {self.tag!r}.")
 
@@ -173,6 +182,19 @@ class RunSpec:
     def from_dict(cls, data: dict) -> RunSpec:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known and k != "gen"}, gen=GenConfig(**data["gen"]))
+
+
+def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
+    """Raise GenerationError naming why these settings cannot decode in a batch, if they cannot."""
+    if not cfg.kv_cache:
+        raise GenerationError("A batch decodes each sequence from its own KV cache: turn the KV cache on, or use one "
+                              "user.")
+    if cfg.spec != "none":
+        raise GenerationError("Speculative decoding verifies one sequence's guesses per forward here, so it does not "
+                              "batch: set the speculative method to none, or use one user.")
+    if sparsity:
+        raise GenerationError("Activation sparsity skips the weight rows one token leaves idle, and a batch's tokens "
+                              "leave different rows idle, so it does not batch: set sparsity to 0, or use one user.")
 
 
 # GenConfig's and RunSpec's defaults by field name, for the command line's and the Live page's fields

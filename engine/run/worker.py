@@ -11,7 +11,10 @@ generation, {"db", "device", "calibrate": True} for a calibration, {"db", "spec"
 model ahead of its first run), "stop", or None (quit). From it:
 ("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
 request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
-sentence) for an engine failure.
+sentence) for an engine failure. A spec with users > 1 runs as one batch (engine.run.local.BatchRun):
+its rows carry their run_id and user (0: the spec's own prompt), and its run_id is user 0's. Every
+generation's summary carries users, tokens_per_s_total, tokens_per_s_per_user, run_ids and
+bytes_per_token (engine.run.local.load_figures), a lone run's with users 1.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from engine.measure import hardware
 from engine.serve.client import ServedRunError
 from engine.errors import UserError
 from engine.model.loader import pick_device
+from engine.run.local import load_figures
 from engine.run.open import open_run
 from engine.run.prepare import prepare
 from engine.run.record import RecordDeferred
@@ -235,7 +239,7 @@ def run(conn, request: dict) -> None:
         ending = ("failed", f"The run failed and was recorded with status error: {type(exc).__name__}: {exc}")
     else:
         ending = ("done", {"run_id": gen.run_id, "result": gen.result, "stop_reason": gen.result["stop_reason"],
-                           "tokens": gen.tokens, "steps": gen.steps})
+                           "tokens": gen.tokens, "steps": gen.steps, **load_figures(gen)})
     conn.send(ending)
 
 
