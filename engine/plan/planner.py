@@ -658,17 +658,22 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
-               prompt_tokens: int = 32, new_tokens: int = 64, bits_per_weight: float | None = None) -> dict:
-    """The planner's prediction for a run on this machine with this calibration."""
+               prompt_tokens: int = 32, new_tokens: int = 64, bits_per_weight: float | None = None,
+               batch: int = 1) -> dict:
+    """The planner's prediction for a run on this machine with this calibration, batch sequences decoded
+    together; bytes_per_token is what a decode token moves: its share of the step's weights, its own cache."""
     setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
                   bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
-                  new_tokens=new_tokens, efficiency=local_efficiency(calibration, weights, kv_dtype or weights))
-    return plan(setup)
+                  new_tokens=new_tokens, batch=batch,
+                  efficiency=local_efficiency(calibration, weights, kv_dtype or weights))
+    step = step_buckets(setup, 1, prompt_tokens + new_tokens // 2)  # a decode step at plan()'s mean context
+    return {**plan(setup), "bytes_per_token": step["_bytes"] / batch}
 
 
 def plan_for_run(run: dict, calibration: dict) -> dict:
     """local_plan for a stored run's configuration (a row of the runs table as a dict): the model's folder,
-    its dtype, the bits per weight its forward really read, its KV precision and lengths."""
+    its dtype, the bits per weight its forward really read, its KV precision, lengths and batch (a batched
+    sequence's decode steps' mean, 1 for a lone run)."""
     from engine.paths import DEFAULT_MODEL_NAME
 
     metrics = json.loads(run["metrics"]) if isinstance(run.get("metrics"), str) else (run.get("metrics") or {})
@@ -678,4 +683,4 @@ def plan_for_run(run: dict, calibration: dict) -> dict:
     bits = read_bytes * 8 / model.read_params() if read_bytes else None
     return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or weights,
                       prompt_tokens=int(run["n_prompt_tokens"]), new_tokens=max(int(run["n_new_tokens"] or 1), 1),
-                      bits_per_weight=bits)
+                      bits_per_weight=bits, batch=max(round(metrics.get("batch_mean") or 1), 1))
