@@ -3,6 +3,7 @@ import html
 import statistics
 import time
 
+import pandas as pd
 import streamlit as st
 
 from engine.measure import hardware
@@ -36,6 +37,17 @@ LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the mo
 # how often the page redraws the streaming text and buckets (seconds; None: only when the run ends)
 LOCAL_METRICS = dict(METRICS)
 REDRAWS = {"every second": 1.0, "every 2 seconds": 2.0, "every 5 seconds": 5.0, "at the end only": None}
+USERS = [n for n in (1, 2, 4, 8, 16) if LIMITS["users"].low <= n <= LIMITS["users"].high]
+USERS_HELP = ("Sequences decoded together: your prompt beside prompts from the workloads, each step reading the "
+              "weights once for all of them, so each token carries a share of that trip. Speculative decoding and "
+              "sparsity decode one sequence at a time.")
+BATCH_HELP = {"Tokens/s per user": "Each sequence's tokens over its own time from request to last token, averaged "
+                                   "over the users.",
+              "Tokens/s in total": "Every sequence's tokens over the batch's wall time, from the first request to "
+                                   "the last token.",
+              "Bytes per decode token": "Weights, KV reads and KV writes per decode token: each token's share of its "
+                                        "step's weights plus its own cache.",
+              "Your TTFT": "Time to your sequence's first token, prefills of the others' prompts included."}
 shipped = workloads()
 # the form's defaults: the run specification's own (engine.run.spec.DEFAULTS), under the page's names
 DEFAULTS = {"model": default_model_id(), "device": SPEC["device"], "max_new": SPEC["max_new_tokens"],
@@ -64,15 +76,16 @@ with st.form("live"):
                                       "dashboard's process that holds the key; the key itself is never stored.")
         st.caption("KV cache, weight precision, speculative decoding and sparsity are the server's own settings.")
     # the four switches the product is about; everything else is one click away
-    kv_cache, level, spec, target = True, "fp32", "none", 0.0  # a server has its own
+    kv_cache, level, spec, target, users = True, "fp32", "none", 0.0, 1  # a server has its own
     if not served:
-        c = st.columns(4)
+        c = st.columns(5)
         kv_cache = c[0].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
         level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
         spec = c[2].selectbox("Speculative decoding", list(METHODS),
                               help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
         target = c[3].slider("Activation sparsity", LIMITS["sparsity"].low, LIMITS["sparsity"].high, SPEC["sparsity"], 0.05, help="The share of each layer's inputs set "
                              "to zero; the mode (under More settings) decides whether their weights are still read.")
+        users = c[4].selectbox("Users", USERS, help=USERS_HELP)
     with st.expander("More settings"):
         c = st.columns(4)
         model_id = c[0].text_input("Model", DEFAULTS["model"], help="'default', a local folder or a Hugging Face id")
@@ -179,6 +192,64 @@ def summary(result: dict, steps: list[dict]) -> dict:
     return figures
 
 
+def own_tokens(tokens: list[dict]) -> list[dict]:
+    """The rows of your own sequence: all of a lone run's, user 0's of a batch."""
+    return [t for t in tokens if t.get("user", 0) == 0]
+
+
+def own_result(done: dict) -> dict:
+    """Your own sequence's run summary: a lone run's result, a batch's "own"."""
+    return done["result"].get("own", done["result"])
+
+
+def others_compact(tokens: list[dict], hidden: set[int], users: int, whole: bool = False) -> str:
+    """The other users' sequences in small grey type, one line each: the end of its text while it streams,
+    its whole text (wrapped) once the batch has ended."""
+    if users <= 1:
+        return ""
+    lines = []
+    for user in range(1, users):
+        text = "".join(t["piece"] for t in tokens if t.get("user") == user and t["token_id"] not in hidden)
+        shown = text if whole else text[-140:]
+        lines.append(f'<div style="{"white-space:pre-wrap" if whole else "white-space:nowrap;overflow:hidden"}">'
+                     f'<b>user {user + 1}</b>: {html.escape(shown)}</div>')
+    return ('<div style="font-size:0.8rem;color:#555;font-family:monospace;margin-top:0.5rem">'
+            f'<div>Decoded beside yours ({users - 1} other users, prompts from the workloads):</div>'
+            + "".join(lines) + "</div>")
+
+
+def rate(value: float | None, unit: str = "") -> str:
+    return f"{value:.1f}{unit}" if value else "n/a"
+
+
+def batch_figures(done: dict) -> dict:
+    """A batch's headline figures: tokens/s per user against in total, the bytes a decode token moved."""
+    result, own = done["result"], own_result(done)
+    return {"Users": str(result["users"]), "Tokens/s per user": rate(result["tokens_per_s_per_user"]),
+            "Tokens/s in total": rate(result["tokens_per_s_total"]),
+            "Bytes per decode token": f"{result['bytes_per_token'] / 1e6:.0f} MB" if result["bytes_per_token"] else "n/a",
+            "Your TTFT": f"{own['ttft_ms']:.0f} ms" if own.get("ttft_ms") is not None else "n/a"}
+
+
+def show_prediction(result: dict) -> None:
+    """The planner's prediction for the batch your sequence decoded in, beside what was measured."""
+    planned = result["planned"]
+    if "error" in planned:
+        st.info(f"No planner prediction for this batch: {md_escape(planned['error'])}")
+        return
+    mb = lambda v: f"{v / 1e6:.0f} MB" if v else "n/a"  # noqa: E731
+    st.markdown(f"**Measured and planned** (the planner at batch {planned['batch']}, the mean batch of your "
+                "sequence's decode steps)")
+    st.table(pd.DataFrame({
+        "": ["decode tokens/s per user", "decode tokens/s in total", "bytes per decode token"],
+        "measured": [rate(result["decode_tokens_per_s_per_user"]), rate(result["decode_tokens_per_s_total"]),
+                     mb(result["bytes_per_token"])],
+        "planned": [rate(planned["tokens_per_s_per_user"]), rate(planned["tokens_per_s_total"]),
+                    mb(planned["bytes_per_token"])]}).set_index(""))
+    st.caption("Decode rates leave out the prefill and the wait to be admitted, as the planner's do: each user's "
+               "rate is 1 / its TPOT, the total their sum while they decode together.")
+
+
 # Streamlit's running-man icon redraws several times a second, browser CPU time that the model, on the
 # same cores, loses; while a run streams, the page shows its own progress.
 HIDE_RUNNING_ICON = "<style>[data-testid=stStatusWidgetRunningIcon]{display:none}</style>"
@@ -196,7 +267,7 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     live_box = st.empty()
     tokens = []
     spec = request["spec"]
-    limit = spec["gen"]["max_new_tokens"]
+    limit, users = spec["gen"]["max_new_tokens"], spec.get("users", 1)
     # drawn now, with the rest of the page, rather than on the run's first steps
     live_box.html(STREAMING_NOTE.format(n=0, limit=limit, rest="" if redraw_s else QUIET_NOTE))
     # at the end only: a short note every few seconds, which also lets a Stop click end the run
@@ -215,22 +286,30 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
                 done = payload
                 break
             tokens.extend(payload)
-            note = STREAMING_NOTE.format(n=len(tokens), limit=limit, rest="" if redraw_s else QUIET_NOTE)
+            own = own_tokens(tokens)
+            note = STREAMING_NOTE.format(n=len(own), limit=limit, rest=("" if redraw_s else QUIET_NOTE)
+                                         + (f"; {len(tokens)} for all {users} users" if users > 1 else ""))
             # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
-            live_box.html((coloured_tokens(tokens, special, per_token=False) + live_bars(tokens) + note)
-                          if redraw_s else note)
+            live_box.html((coloured_tokens(own, special, per_token=False) + live_bars(own)
+                           + others_compact(tokens, special, users) + note) if redraw_s else note)
     finally:
         run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
         started["streaming"] = False
         if done is None:  # refused or failed: the progress note goes, the message takes its place
             live_box.empty()
+    own = own_tokens(done["tokens"])
     with live_box.container():
-        st.html(coloured_tokens(done["tokens"], special))
-        st.plotly_chart(bucket_chart(done["tokens"]), width="stretch", key=f"{label}-final")
-    items = list(summary(done["result"], done["steps"]).items())
+        st.html(coloured_tokens(own, special))
+        st.plotly_chart(bucket_chart(own), width="stretch", key=f"{label}-final")
+        if users > 1:
+            st.html(others_compact(done["tokens"], special, users, whole=True))
+    items = list((batch_figures(done) if users > 1 else summary(done["result"], done["steps"])).items())
+    helps = BATCH_HELP if users > 1 else SERVED_METRICS if "e2e_ms" in done["result"] else LOCAL_METRICS
     for start in range(0, len(items), 4):  # four to a row: six side by side cut their values short
         for col, (name, value) in zip(st.columns(4), items[start:start + 4]):
-            col.metric(name, value, help=(SERVED_METRICS if "e2e_ms" in done["result"] else LOCAL_METRICS).get(name))
+            col.metric(name, value, help=helps.get(name))
+    if users > 1:
+        show_prediction(done["result"])
     beyond = hardware.above_peak_sentence(done["result"].get("roofline_ratio_decode"))
     if beyond:
         st.warning(f"Roofline estimate / measured forward: {md_escape(beyond)}")
@@ -239,6 +318,12 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
                    "client; queue, prefill and decode times come from the server's /metrics where it has them; a "
                    "memory/compute split is the planner's estimate for the GPU named. Hover a figure for its "
                    "definition (vLLM's benchmark definitions).")
+    elif users > 1:
+        others = ", ".join(f"#{run_id}" for run_id in done["run_ids"][1:])
+        st.caption(f"Your sequence is run #{done['run_id']}, stopped by {done['stop_reason']}; the other users' are "
+                   f"runs {others}, each recorded on its own. Token shading: darker took longer than the median token. "
+                   "Each token's memory bucket is its share of the step's weights plus its own cache; the step times "
+                   "are measured.")
     else:
         st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
                    "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "
@@ -281,7 +366,7 @@ if submitted and store is not None:
                     adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
                     window=int(window), guesses=int(guesses), kv_dtype=kv_dtype)
     run_spec = RunSpec(gen=cfg, model=model_id.strip() or "default", device=device, weights=level,
-                       group_size=int(group), sparsity=float(target), sparsity_mode=mode)
+                       group_size=int(group), sparsity=float(target), sparsity_mode=mode, users=int(users))
     if served:
         run_spec = RunSpec(gen=cfg, backend="served", endpoint=endpoint.strip(), served_model=served_model.strip() or None,
                            gpu=None if gpu == "(not named)" else gpu, api_key_env=api_key_env.strip() or None)
@@ -306,9 +391,10 @@ if submitted and store is not None:
                                    device=device)
                     ref = stream(worker_request(base, store), "Baseline: fp32, greedy, KV cache on, dense", redraw_s,
                                  started)
-                    if ref["result"]["tpot_ms"] and done["result"]["tpot_ms"]:
+                    mine = own_result(done)
+                    if ref["result"]["tpot_ms"] and mine.get("tpot_ms"):
                         st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
-                                  f"{ref['result']['tpot_ms'] / done['result']['tpot_ms']:.2f}x")
+                                  f"{ref['result']['tpot_ms'] / mine['tpot_ms']:.2f}x")
         except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
             if done is None:  # nothing of this run to show
                 run_area.empty()

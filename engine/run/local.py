@@ -210,10 +210,33 @@ class BatchRun:
     def _summary(self, wall_s: float) -> dict:
         own = (self.sequences[0].result if self.sequences else None) or {}
         forwards = {id(f): f for s in self.sequences for f in s.forwards}  # a batched forward counts once
+        decode_rates = [s.result["decode_tokens_per_s"] for s in self.sequences
+                        if s.result and s.result.get("decode_tokens_per_s")]
         return {**batch_summary(self.sequences, wall_s), "status": self.status,
                 "stop_reason": own.get("stop_reason"), "text": own.get("text"), "own": own,
                 "bytes_per_token": bytes_per_token([row for s in self.sequences for row in s.steps]),
+                # each sequence's decode rate (1 / TPOT): what the planner predicts, prefill and queue left out
+                "decode_tokens_per_s_per_user": sum(decode_rates) / len(decode_rates) if decode_rates else None,
+                "decode_tokens_per_s_total": sum(decode_rates) if decode_rates else None,
+                "planned": self._planned(own),
                 **hardware.decode_checks(list(forwards.values()), self.engine.calibration)}
+
+    def _planned(self, own: dict) -> dict:
+        """The planner's prediction for the spec's own sequence at the batch it decoded in (its decode steps'
+        mean), or the sentence why there is none."""
+        from engine.plan.planner import plan_for_run
+        from engine.plan.shapes import ShapeError
+
+        if not own.get("n_new_tokens"):
+            return {"error": "No token was decoded, so there is nothing to predict."}
+        run = {"model": self.engine.lm.name, "dtype": self.engine._dtype(), "metrics": own,
+               "n_prompt_tokens": own["n_prompt_tokens"], "n_new_tokens": own["n_new_tokens"]}
+        try:
+            plan = plan_for_run(run, self.engine.calibration)
+        except ShapeError as exc:
+            return {"error": str(exc)}
+        return {k: plan[k] for k in ("batch", "decode_ms_per_token", "tokens_per_s_per_user", "tokens_per_s_total",
+                                     "bytes_per_token", "distances_ms")}
 
     def run(self) -> dict:
         for _ in self:
