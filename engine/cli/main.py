@@ -175,9 +175,15 @@ def generate_batch(args, spec) -> int:
         return 0
     for one in result["runs"]:
         print(f"--- run {one['run_id']} ({one['n_new_tokens']} tokens, TTFT {one['ttft_ms']:.1f} ms)\n{one['text']}")
-    print(f"\n{result['users']} users: {result['tokens_per_s_total']:.1f} tok/s in total, "
-          f"{result['tokens_per_s_per_user']:.1f} tok/s per user, {result['bytes_per_token'] / 1e6:.1f} MB moved per "
-          "decode token", file=sys.stderr)
+    figure = lambda value, scale=1.0: f"{value / scale:.1f}" if value else "n/a"  # noqa: E731
+    print(f"\n{result['users']} users: {figure(result['tokens_per_s_total'])} tok/s in total, "
+          f"{figure(result['tokens_per_s_per_user'])} tok/s per user, {figure(result['bytes_per_token'], 1e6)} MB "
+          "moved per decode token", file=sys.stderr)
+    planned = result["planned"]
+    print(f"no planner prediction: {planned['error']}" if "error" in planned else
+          f"planned at batch {planned['batch']}: {figure(planned['tokens_per_s_per_user'])} decode tok/s per user "
+          f"(measured {figure(result['decode_tokens_per_s_per_user'])}), {figure(planned['bytes_per_token'], 1e6)} MB "
+          "per decode token", file=sys.stderr)
     return 0
 
 
