@@ -1,17 +1,62 @@
-"""A small real HTTP server with a known service time for the load and capacity tests: at most SLOTS
-requests are served at once (the rest queue, first come first served), each streams max_tokens chunks
-one STEP_S apart with token ids and usage, and /metrics has vLLM's queue and KV gauges.
-`python load_server.py PORT SLOTS STEP_S [DIE_AFTER]`: with DIE_AFTER the process exits on that request."""
+"""A small real HTTP server with a known service time for the load, capacity and served-run tests: at
+most SLOTS requests are served at once (the rest queue, first come first served), each streams max_tokens
+chunks one STEP_S apart with token ids and usage, and /metrics has vLLM's queue and KV gauges, its
+per-request histograms and its prefix-cache counters.
+
+Its prefix cache works as vLLM's does, in whole blocks of BLOCK tokens (a token here is a word of the
+prompt): a prompt's leading blocks that an earlier prompt had are hits, and only the rest is prefilled,
+PREFILL_MS_PER_TOKEN each, before the first chunk.
+`python load_server.py PORT SLOTS STEP_S [DIE_AFTER] [--prefill-ms-per-token MS] [--log FILE]`:
+with DIE_AFTER the process exits on that request; with --log each request's prompt goes to FILE as a JSON line."""
+import argparse
 import json
 import os
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "known-step-model"
-STATE = {"running": 0, "waiting": 0, "posts": 0}
+BLOCK = 16
+STATE = {"running": 0, "waiting": 0, "posts": 0, "queries": 0, "hits": 0}
+HISTOGRAMS = {name: [0.0, 0] for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time",
+                                          "request_decode_time")}
+CACHED: set = set()  # the word blocks seen so far, each keyed by all the words up to its end
 LOCK = threading.Lock()
+
+
+def metrics_text() -> str:
+    # written as vLLM writes them (prometheus_client: a counter's TYPE line names it with _total)
+    lines = [f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {STATE['running']}",
+             f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {STATE['waiting']}",
+             f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {STATE['running'] / ARGS.slots}",
+             f"# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total {STATE['queries']}",
+             f"# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total {STATE['hits']}"]
+    for name, (total, count) in HISTOGRAMS.items():
+        family = f"vllm:{name}_seconds"
+        lines.append(f"# TYPE {family} histogram\n{family}_bucket{{le=\"+Inf\"}} {count}\n"
+                     f"{family}_sum {total}\n{family}_count {count}")
+    return "\n".join(lines) + "\n"
+
+
+def look_up(words: list[str]) -> int:
+    """The prompt's leading words found in the cache (whole blocks), after which its blocks are cached."""
+    keys = [tuple(words[:end]) for end in range(BLOCK, len(words) + 1, BLOCK)]
+    with LOCK:
+        found = 0
+        for key in keys:
+            if key not in CACHED:
+                break
+            found += BLOCK
+        CACHED.update(keys)
+        STATE["queries"] += len(words)
+        STATE["hits"] += found
+    return found
+
+
+def prompt_text(body: dict) -> str:
+    if "messages" in body:
+        return "\n\n".join(str(m.get("content", "")) for m in body["messages"])
+    return str(body.get("prompt", ""))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -33,36 +78,43 @@ class Handler(BaseHTTPRequestHandler):
                        "application/json")
         elif self.path == "/metrics":
             with LOCK:
-                text = (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {STATE['running']}\n"
-                        f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {STATE['waiting']}\n"
-                        f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {STATE['running'] / SLOTS}\n")
+                text = metrics_text()
             self._send(200, text.encode(), "text/plain; version=0.0.4")
         else:
             self._send(404, b"{}", "application/json")
 
     def do_POST(self):
+        arrived = time.monotonic()
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with LOCK:
             STATE["posts"] += 1
-            if DIE_AFTER is not None and STATE["posts"] > DIE_AFTER:
+            if ARGS.die_after is not None and STATE["posts"] > ARGS.die_after:
                 os._exit(1)
             STATE["waiting"] += 1
         with SEATS:
+            seated = time.monotonic()
             with LOCK:
                 STATE["waiting"] -= 1
                 STATE["running"] += 1
             try:
-                self._stream(body)
+                self._stream(body, arrived, seated)
             except ConnectionError:  # the client cut the stream (Stop, a deadline)
                 self.close_connection = True
             finally:
                 with LOCK:
                     STATE["running"] -= 1
 
-    def _stream(self, body):
+    def _stream(self, body, arrived, seated):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        words = prompt_text(body).split()
+        hits = look_up(words)
+        if ARGS.log:
+            with LOCK, open(ARGS.log, "a") as log:
+                log.write(json.dumps({"prompt": prompt_text(body), "hits": hits}) + "\n")
+        time.sleep(ARGS.prefill_ms_per_token * (len(words) - hits) / 1e3)
+        prefilled = time.monotonic()
         chat = "messages" in body
         n = body["max_tokens"]
         for i in range(n):
@@ -73,8 +125,14 @@ class Handler(BaseHTTPRequestHandler):
             if i == n - 1:
                 choice["finish_reason"] = "length"
             self._event({"id": "x", "object": "chunk", "created": 0, "model": MODEL, "choices": [choice]})
+        done = time.monotonic()
+        with LOCK:  # counted before the stream ends, so a scrape right after it sees this request
+            for name, seconds in (("e2e_request_latency", done - arrived), ("request_queue_time", seated - arrived),
+                                  ("request_prefill_time", prefilled - seated), ("request_decode_time", done - prefilled)):
+                HISTOGRAMS[name][0] += seconds
+                HISTOGRAMS[name][1] += 1
         self._event({"id": "x", "object": "chunk", "created": 0, "model": MODEL, "choices": [],
-                     "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}})
+                     "usage": {"prompt_tokens": len(words), "completion_tokens": n, "total_tokens": len(words) + n}})
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
         self.close_connection = True
@@ -85,9 +143,16 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    PORT, SLOTS, STEP_S = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    DIE_AFTER = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    SEATS = threading.Semaphore(SLOTS)
-    server = ThreadingHTTPServer(("127.0.0.1", PORT), Handler)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("slots", type=int)
+    parser.add_argument("step_s", type=float)
+    parser.add_argument("die_after", type=int, nargs="?")
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
+    parser.add_argument("--log")
+    ARGS = parser.parse_args()
+    STEP_S = ARGS.step_s
+    SEATS = threading.Semaphore(ARGS.slots)
+    server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
     server.daemon_threads = True
     server.serve_forever()

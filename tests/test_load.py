@@ -24,12 +24,13 @@ SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "chat_
 
 @pytest.fixture
 def known_server():
-    """start(slots, step_s, die_after=None) -> URL of a server that serves `slots` requests at once, one chunk per step."""
+    """start(slots, step_s, die_after=None, extra=()) -> URL of a server that serves `slots` requests at once, one
+    chunk per step; extra are more of its options (its prefill time per token, a log of the prompts)."""
     procs = []
 
-    def start(slots=1, step_s=0.02, die_after=None):
+    def start(slots=1, step_s=0.02, die_after=None, extra=()):
         port = free_port()
-        extra = [str(die_after)] if die_after is not None else []
+        extra = ([str(die_after)] if die_after is not None else []) + list(extra)
         proc = subprocess.Popen([sys.executable, str(SERVER), str(port), str(slots), str(step_s), *extra])
         procs.append(proc)
         wait_for_port(port, proc)

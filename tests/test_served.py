@@ -323,8 +323,9 @@ def test_a_malformed_stream_is_one_sentence_and_keeps_what_came_before(stream_se
 def test_models_answering_once_then_failing_is_one_sentence(stream_server, store):
     says = r"rejected the request \(HTTP 500\).*while timing the round trip"
     url, _ = stream_server("modelsonce")
-    with pytest.raises(ServedError, match=says):
-        served_run(url)
+    run = served_run(url, store)  # a served run lists the models once; its network is its own request's
+    list(run)
+    assert run.status == "ok" and store.run(run.run_id)["first_byte_ms"] > 0
     url, _ = stream_server("modelsonce")
     sweep = Sweep(SweepConfig(url, [1], 1, 4, load_prompts("summary")), store)
     with pytest.raises(ServedError, match=says):

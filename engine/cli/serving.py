@@ -50,6 +50,15 @@ def print_summary(run, result: dict) -> None:
     if d.get("memory") is None:
         parts.append(f"server work {result['server_work_ms']:.1f} (not split: no --gpu)")
     print("buckets (ms): " + ", ".join(parts), file=sys.stderr)
+    net = result.get("network")
+    if net:
+        print(f"network (ms): name lookup {net['dns_ms']:.2f}, connect {net['connect_ms']:.2f}, TLS {net['tls_ms']:.2f}, "
+              f"request sent {net['send_ms']:.2f}, first byte {net['first_byte_ms']:.2f} ({net['connection']} "
+              "connection)", file=sys.stderr)
+    cache = result.get("prefix_cache")
+    if cache and cache["prefix_cache_hit_rate"] is not None:
+        print(f"prefix cache: {cache['prefix_cache_hits']:.0f} of {cache['prefix_cache_queries']:.0f} prompt tokens "
+              f"found ({cache['prefix_cache_hit_rate']:.0%})", file=sys.stderr)
 
 
 def _sweep_config(args, **levels):
@@ -65,7 +74,8 @@ def _sweep_config(args, **levels):
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         input_tokens=args.input_tokens, output_tokens=args.output_tokens, length_spread=args.length_spread,
         trace=trace, trace_name=args.trace, duration_s=args.duration, warmup=args.warmup,
-        slo=parse_slo(args.slo) if args.slo else {}, deadline_s=args.deadline, **levels)
+        slo=parse_slo(args.slo) if args.slo else {}, deadline_s=args.deadline,
+        shared_prefix_tokens=args.shared_prefix_tokens, **levels)
 
 
 def _start(args, make_levels, on_progress):
@@ -226,16 +236,20 @@ def _print_progress(state: dict) -> None:
 
 
 def level_table(levels: list[dict]) -> str:
-    """One line per level: the p50/p90/p99 figures, throughput and, with an SLO, goodput and attainment."""
+    """One line per level: the p50/p90/p99 figures, throughput, with an SLO goodput and attainment, and the
+    share of prompt tokens the server found in its prefix cache where it counts them."""
     lines = [f"{'level':>12} {'ok':>4} {'fail':>4} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} "
-             f"{'TPOT p50 ms':>11} {'E2E p50 ms':>10} {'req/s':>6} {'out tok/s':>9} {'good/s':>6} {'attain':>6}"]
+             f"{'TPOT p50 ms':>11} {'E2E p50 ms':>10} {'req/s':>6} {'out tok/s':>9} {'good/s':>6} {'attain':>6} "
+             f"{'cached':>6}"]
     fmt = lambda s: "/".join(f"{s[f'p{q}']:.0f}" if s[f"p{q}"] is not None else "-" for q in (50, 90, 99))  # noqa: E731
     for lv in levels:
         label = lv.get("label") or f"{lv['concurrency']} at once"
         good = f"{lv['goodput_requests_per_s']:>6.2f} {lv['attainment']:>6.0%}" if "attainment" in lv else f"{'-':>6} {'-':>6}"
+        hit = lv.get("prefix_cache_hit_rate")
+        cached = f"{hit:>6.0%}" if hit is not None else f"{'-':>6}"
         lines.append(f"{label:>12} {lv['completed']:>4} {lv['failed']:>4} {fmt(lv['ttft_ms']):>22} "
                      f"{fmt(lv['itl_ms']):>20} {lv['tpot_ms']['p50'] or 0:>11.1f} {lv['e2e_ms']['p50'] or 0:>10.0f} "
-                     f"{lv['requests_per_s'] or 0:>6.2f} {lv['output_tokens_per_s'] or 0:>9.1f} {good}")
+                     f"{lv['requests_per_s'] or 0:>6.2f} {lv['output_tokens_per_s'] or 0:>9.1f} {good} {cached}")
         if lv.get("status", "ok") != "ok":
             lines.append(f"{'':>12} broke: {lv['error']}")
     return "\n".join(lines)
@@ -285,6 +299,9 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--output-tokens", type=int, help="output tokens per request (ignore_eos where the server has it; "
                                                      "the real length is recorded)")
     p.add_argument("--length-spread", type=float, default=0.0, help="lengths uniform within +- this fraction")
+    p.add_argument("--shared-prefix-tokens", type=int, help="every prompt starts with the same preamble of this "
+                                                            "many tokens (a long system prompt), so a server's "
+                                                            "prefix cache can skip its prefill")
     p.add_argument("--prompts", help="a prompts file (JSON list, or paragraphs of text) or a shipped workload name")
     p.add_argument("--trace", help="a JSONL trace (t_s, prompt or input_tokens, output_tokens), replayed at its own "
                                    "timing or scaled to each --rate")

@@ -15,6 +15,7 @@ import httpx2
 import openai
 
 from engine.serve.address import ServedError, api_root
+from engine.serve import network
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
@@ -53,7 +54,8 @@ def make_client(endpoint: str, api_key_env: str | None = None, timeout_s: float 
     timeout = httpx2.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
     return openai.OpenAI(base_url=f"{api_root(endpoint)}/v1", api_key=api_key(api_key_env), max_retries=0,
-                         timeout=timeout, http_client=httpx2.Client(timeout=timeout, limits=limits))
+                         timeout=timeout, http_client=httpx2.Client(timeout=timeout, limits=limits,
+                                                                     event_hooks={"request": [network.attach]}))
 
 
 def explain(exc: Exception, root: str, timeout_s: float | None = None, api_key_env: str | None = None) -> str:
@@ -357,7 +359,10 @@ class ServedRun:
                               f"{', '.join(models[:8])}.")
         self.served_model = spec.served_model or models[0]
         planner_split(spec.gpu, self.served_model, 1)  # an unknown GPU or model is refused before the request
-        self.rtt_ms = round_trip_ms(self.client, api_key_env=spec.api_key_env)
+        # the request goes on a connection of its own, so it pays (and its trace records) the name lookup,
+        # connect and TLS a first request pays; the listing's kept-alive connection would hide them
+        self.stream_client = make_client(spec.endpoint, spec.api_key_env, spec.timeout_s + 1.0, connections=1)
+        self.network: dict | None = None  # the request's network parts (engine.serve.network), once it is answered
         self.before = server_metrics.scrape(self.root)
         self.server_kind = "vllm" if server_metrics.is_vllm(self.before) else "openai-compatible"
         self.body = request_body(model=self.served_model, prompt=g.prompt, raw=g.raw, max_new_tokens=g.max_new_tokens,
@@ -413,7 +418,9 @@ class ServedRun:
                                            config=self.config, prompt=self.prompt), None)
             t0 = time.perf_counter_ns()
             watchdog = Watchdog(self.timeout_s, self.spec.deadline)
-            stream = open_stream(self.client, self.body)
+            with network.RequestTrace(self.root, t0) as trace:
+                stream = open_stream(self.stream_client, self.body)
+            self.network = trace.parts()
             watchdog.watch(stream)
             for chunk in read_stream(stream, self.stream_result):
                 if len(self.token_ids) >= self.budget:  # the server goes on past the budget: stop reading
@@ -447,6 +454,7 @@ class ServedRun:
                 watchdog.stop()
             if stream is not None:
                 stream.close()  # a closed connection makes the server abort the request
+            self.stream_client.close()
             self._finish()
 
     def _take(self, chunk: Chunk, t0: int) -> ChunkEvent:
@@ -461,7 +469,8 @@ class ServedRun:
         self.chunks.append((t_ms, ids, chunk.text))
         self.token_ids.extend(ids)
         self.text += chunk.text
-        provisional = served_split.chunk_buckets([gap], self.rtt_ms if not first else 0.0, None)[0]
+        provisional = served_split.chunk_buckets([gap], network.physical_ms(self.network) if not first else 0.0,
+                                                 None)[0]
         step_row = ServedStepRow(step=step, kind="prefill" if step == 0 else "decode", n_emitted=len(ids),
                                  context_len=first + len(ids), wall_ms=gap, **provisional)
         token_rows = [ServedTokenRow(idx=first + i, step=step, token_id=token, piece=self._piece(token, chunk.text, i),
@@ -492,16 +501,17 @@ class ServedRun:
         prompt_tokens = self.stream_result.usage_prompt
         fractions = planner_split(self.gpu, self.served_model, (prompt_tokens or 0) + len(self.token_ids))
         gaps = [b - a for a, b in zip([0.0] + times, times)]
-        rows = served_split.chunk_buckets(gaps, self.rtt_ms, server, fractions)
+        rows = served_split.chunk_buckets(gaps, network.physical_ms(self.network), server, fractions)
         self._rows(rows, prompt_tokens or 0)
         usage = self.stream_result.usage_completion if self.status == "ok" else None
         metrics = request_metrics(times, counts, usage)
-        metrics.update(self._summary(metrics, rows, prompt_tokens, server))
+        cache = server_metrics.prefix_cache(self.before, after) if server else None  # only when the run was alone
+        metrics.update(self._summary(metrics, rows, prompt_tokens, server), network=self.network, prefix_cache=cache)
         source = self.counter.source or "chunks"
         if source != "server" and usage:
             source = "usage"  # the count is the server's; the rows are the tokenizer's or the chunks'
-        provenance = served_split.provenance(source, server, self.rtt_ms, self.gpu, fractions,
-                                             len(self.tokens) if self._retokenised else None)
+        provenance = served_split.provenance(source, server, self.network, self.gpu, fractions,
+                                             len(self.tokens) if self._retokenised else None, cache)
         real_ids = [t for t in self.token_ids if t is not None]
         self.result = {"run_id": self.run_id, "status": self.status, "error": self.error, "text": self.text,
                        "token_ids": real_ids, "provenance": provenance, **metrics}
@@ -510,7 +520,9 @@ class ServedRun:
                                  metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=self.error,
                                  steps=self.steps, tokens=self.tokens, telemetry=[],
                                  run_columns={"provenance": json.dumps(provenance),
-                                              "server_work_ms": metrics.get("server_work_ms")})
+                                              "server_work_ms": metrics.get("server_work_ms"),
+                                              **network.columns(self.network),
+                                              **server_metrics.prefix_cache_columns(cache)})
 
     def _rows(self, rows: list[dict], prompt_tokens: int) -> None:
         """A step row per chunk and a token row per token, the chunk's buckets divided over its tokens."""
@@ -538,7 +550,8 @@ class ServedRun:
             "tokens_per_s": n / e2e * 1e3 if n and e2e else None, "decode_tokens_per_s": 1e3 / tpot if tpot else None,
             "itl_p50_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90), "itl_p99_ms": percentile(itl, 99),
             "distances_ms": totals if rows else {}, "server_work_ms": sum(r["server_work_ms"] for r in rows),
-            "rtt_ms": self.rtt_ms, "server": server, "server_kind": self.server_kind,
+            "rtt_ms": self.network["send_ms"] + self.network["first_byte_ms"] if self.network else None,
+            "server": server, "server_kind": self.server_kind,
             "token_source": self.counter.source or "chunks", "stop_reason": self.stop_reason,
             "usage_completion_tokens": self.stream_result.usage_completion, "n_token_rows": len(self.tokens),
         }

@@ -1,6 +1,8 @@
 """Load sweeps: levels of streamed requests against one server, either a fixed number in flight or
 arrivals at a request rate (Poisson, gamma-gapped or a trace), every request stored, goodput against an
-SLO, the server's queue and KV-cache gauges polled while a level runs, Stop keeping what finished."""
+SLO, the server's queue and KV-cache gauges polled while a level runs, its prefix-cache hit rate per level
+(with --shared-prefix-tokens every prompt opens with the same preamble), each request's network parts,
+Stop keeping what finished."""
 from __future__ import annotations
 
 import json
@@ -19,6 +21,7 @@ import openai
 from engine.measure import slo as slos
 from engine.serve import arrivals
 from engine.measure.arrivals import lengths, schedule
+from engine.serve import network
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.paths import workloads
@@ -33,6 +36,7 @@ MAX_CONCURRENCY = 256
 MAX_REQUESTS = arrivals.MAX_REQUESTS
 MAX_WARMUP = 100
 KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the arrival rate is overloaded
+SHARED_PREFIX_STREAM = 2**20  # the random stream the shared prefix's words come from, apart from the levels'
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SweepConfig:
     warmup: int = 0
     slo: dict = field(default_factory=dict)
     deadline_s: float | None = None
+    shared_prefix_tokens: int | None = None  # every prompt starts with the same preamble of this many tokens
 
     def check(self) -> None:
         if self.concurrency and (self.rates or self.trace):
@@ -82,6 +87,9 @@ class SweepConfig:
             raise ServedError(f"--output-tokens must be between 1 and 4096, not {self.output_tokens}.")
         if self.input_tokens is not None and not 1 <= self.input_tokens <= arrivals.MAX_INPUT_TOKENS:
             raise ServedError(f"--input-tokens must be between 1 and {arrivals.MAX_INPUT_TOKENS}, not {self.input_tokens}.")
+        if self.shared_prefix_tokens is not None and not 1 <= self.shared_prefix_tokens <= arrivals.MAX_INPUT_TOKENS:
+            raise ServedError(f"--shared-prefix-tokens must be between 1 and {arrivals.MAX_INPUT_TOKENS}, "
+                              f"not {self.shared_prefix_tokens}.")
         if not (math.isfinite(self.length_spread) and 0 <= self.length_spread < 1):
             raise ServedError(f"--length-spread must be a fraction from 0 up to (not including) 1, not {self.length_spread:g}.")
         for name, value in (("--deadline", self.deadline_s),
@@ -161,6 +169,7 @@ class Reply:
     error: str | None = None
     result: StreamResult = field(default_factory=StreamResult)
     token_source: str = "chunks"
+    network: dict | None = None  # engine.serve.network's parts: none for the in-process engine
 
 
 class ServerTarget:
@@ -240,7 +249,9 @@ class ServerTarget:
 
         t0 = time.perf_counter_ns()
         try:
-            stream = open_stream(self.client, body)
+            with network.RequestTrace(self.root, t0) as trace:
+                stream = open_stream(self.client, body)
+            reply.network = trace.parts()
             with self._lock:
                 self._streams.add(stream)
             watchdog.watch(stream)
@@ -342,6 +353,7 @@ class Sweep:
         self._in_flight = 0
         self.levels: list[dict] = []
         self.specs = cfg.levels()
+        self.prefix = self._shared_prefix()
         self.total = sum(len(self._items(s, i)) for i, s in enumerate(self.specs)) + cfg.warmup
 
     def _connections(self) -> int:
@@ -421,6 +433,7 @@ class Sweep:
                                              "concurrency": spec.get("concurrency"), **s} for s in poller.samples]})
         level = self._summarise(spec, index, records, wall, poller.samples)
         level["server"] = server_metrics.delta(before, after)
+        level.update(server_metrics.prefix_cache_columns(server_metrics.prefix_cache(before, after)))
         if level["failed"] and not self.stopping.is_set():
             why = self.target.why_down()
             # missed deadlines are a measurement; a server down, or nothing but faults, breaks the level
@@ -463,11 +476,18 @@ class Sweep:
         return [arrivals.Item(*cfg.prompts[i % len(cfg.prompts)], out, offset_s=t)
                 for i, (out, t) in enumerate(zip(outs, offsets))]
 
+    def _shared_prefix(self) -> str:
+        """The preamble every prompt starts with ('' without one): the same words for the same seed."""
+        if not self.cfg.shared_prefix_tokens:
+            return ""
+        rng = np.random.default_rng([self.cfg.seed, SHARED_PREFIX_STREAM])
+        return arrivals.synthetic_prompt(self.cfg.shared_prefix_tokens, rng, self.target.tokenizer) + "\n\n"
+
     def _prompt(self, item: arrivals.Item, index: int, i: int) -> str:
         if item.prompt is not None:
-            return item.prompt
+            return self.prefix + item.prompt
         rng = np.random.default_rng([self.cfg.seed, index + 1, i])  # warm-up (-1) gets prompts of its own
-        return arrivals.synthetic_prompt(item.input_tokens, rng, self.target.tokenizer)
+        return self.prefix + arrivals.synthetic_prompt(item.input_tokens, rng, self.target.tokenizer)
 
     def _warmup(self) -> None:
         """Requests sent one at a time before the first level, stored as warm-up and left out of every figure."""
@@ -497,7 +517,7 @@ class Sweep:
                                   reply.result.usage_completion if reply.status == "ok" else None)
         record.update({"status": reply.status, "error": reply.error, "n_prompt_tokens": reply.result.usage_prompt,
                        "token_source": reply.token_source, "chunk_ms": reply.times, "chunk_tokens": reply.tokens,
-                       **metrics})
+                       **metrics, **network.columns(reply.network), "physical_ms": network.physical_ms(reply.network)})
         if self.cfg.slo and index >= 0:
             record["good"] = slos.is_good(slo_view(record), self.cfg.slo)
         # stored as it ends, so a sweep killed mid-level keeps every request that finished

@@ -22,6 +22,9 @@ VLLM_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requ
 VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
                  "prompt_tokens": "vllm:prompt_tokens", "generation_tokens": "vllm:generation_tokens"}
+# the prefix cache's counters, in prompt tokens: looked up in the cache, and found there
+PREFIX_CACHE = {"queries": "vllm:prefix_cache_queries", "hits": "vllm:prefix_cache_hits"}
+PREFIX_CACHE_COLUMNS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
 
 
 def parse(text: str) -> dict:
@@ -79,6 +82,24 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
         if family in after:
             out[key] = after[family]
     return out
+
+
+def prefix_cache(before: dict | None, after: dict | None) -> dict | None:
+    """The prompt tokens the prefix cache was asked for and found between two scrapes, and the share
+    found; None when either scrape lacks vLLM's counters or they went back (a restarted server)."""
+    if not before or not after or any(f not in before or f not in after for f in PREFIX_CACHE.values()):
+        return None
+    queries = after[PREFIX_CACHE["queries"]] - before[PREFIX_CACHE["queries"]]
+    hits = after[PREFIX_CACHE["hits"]] - before[PREFIX_CACHE["hits"]]
+    if queries < 0 or hits < 0:
+        return None
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries > 0 else None}
+
+
+def prefix_cache_columns(cache: dict | None) -> dict:
+    """The stored columns of prefix_cache()'s answer, all None without one (never zero)."""
+    return {c: (cache or {}).get(c) for c in PREFIX_CACHE_COLUMNS}
 
 
 def gauges(snapshot: dict | None) -> dict:

@@ -1,8 +1,9 @@
 """The five buckets of a served run, per streamed chunk: the network, the server's queue and work,
 the client's waiting, and rejected speculative tokens; each figure says where it came from.
 
-physical: the measured round trip of a small request (GET /v1/models), on the first chunk only:
-  later chunks stream over the open connection, so the network adds no serial time to them.
+physical: the request's own time on the network, from the HTTP client's trace hooks (engine.serve.network):
+  name lookup, connect, TLS, request sent and the wait for the server's first bytes, on the first chunk
+  only: later chunks stream over the open connection, so the network adds no serial time to them.
 time: the server's queue time (its /metrics) plus what of each gap neither the network nor the
   server's work explains (HTTP, detokenising, the client).
 memory and compute: the server's prefill and decode time (its /metrics or llama.cpp's timings),
@@ -13,6 +14,7 @@ decision: the share of the server's decode work spent verifying speculative toke
 from __future__ import annotations
 
 from engine.measure.distances import BUCKETS
+from engine.serve import network as request_network
 
 CLIENT, SERVER, ESTIMATE, NONE = "client", "server", "estimate", "none"
 
@@ -26,14 +28,14 @@ def speculative_waste(server: dict | None) -> float | None:
     return max(drafted - accepted, 0.0) / verified if verified else None
 
 
-def chunk_buckets(gaps_ms: list[float], rtt_ms: float | None, server: dict | None,
+def chunk_buckets(gaps_ms: list[float], network_ms: float | None, server: dict | None,
                   fractions: dict | None = None) -> list[dict]:
     """Per chunk {bucket_ms..., server_work_ms}; buckets sum to the chunk's gap (memory and compute
     are None when unsplit, and server_work_ms then holds their sum)."""
     if not gaps_ms:
         return []
     first, rest = gaps_ms[0], gaps_ms[1:]
-    network = min(rtt_ms or 0.0, first)
+    network = min(network_ms or 0.0, first)
     if server:
         left = first - network
         queue = min(server.get("queue_ms") or 0.0, left)
@@ -68,10 +70,11 @@ def normalised(fractions: dict | None) -> dict | None:
     return {b: v / total for b, v in kept.items()} if total > 0 else None
 
 
-def provenance(token_source: str, server: dict | None, rtt_ms: float | None, gpu: str | None,
-               fractions: dict | None, token_rows: int | None = None) -> dict:
-    """{figure: {'source': client|server|estimate|none, 'how': one line}} for a served run; token_rows
-    is how many token rows it has, which differs from the server's usage count when they were re-tokenised."""
+def provenance(token_source: str, server: dict | None, network: dict | None, gpu: str | None,
+               fractions: dict | None, token_rows: int | None = None, prefix_cache: dict | None = None) -> dict:
+    """{figure: {'source': client|server|estimate|none, 'how': one line}} for a served run; network is its
+    request's parts (engine.serve.network), token_rows how many token rows it has, which differs from the
+    server's usage count when they were re-tokenised, prefix_cache the server's counters around it."""
     from_server = server.get("source", "vLLM /metrics") if server else None
     rows = f"; its {token_rows} token rows re-tokenised from the streamed text" if token_rows is not None else ""
     tokens_how = {"server": "token ids the server streamed", "usage": "the server's usage count" + rows,
@@ -83,8 +86,7 @@ def provenance(token_source: str, server: dict | None, rtt_ms: float | None, gpu
         "e2e_ms": {"source": CLIENT, "how": "client clock, request sent to last chunk with output"},
         "tokens": {"source": SERVER if token_source in ("server", "usage") else
                    (ESTIMATE if token_source == "chunks" else CLIENT), "how": tokens_how},
-        "physical": {"source": CLIENT if rtt_ms is not None else NONE,
-                     "how": "round trip of GET /v1/models, charged to the first chunk"},
+        "physical": {"source": CLIENT if network else NONE, "how": request_network.describe(network)},
         "time": {"source": SERVER if server else CLIENT,
                  "how": (f"queue time ({from_server}) plus the rest of each gap" if server and "queue_ms" in server
                          else "the rest of each gap" if server else "not separable without server metrics: 0")},
@@ -98,6 +100,10 @@ def provenance(token_source: str, server: dict | None, rtt_ms: float | None, gpu
                                                                      f"step on {gpu}: {shares}"}
     else:
         out["memory"] = out["compute"] = {"source": NONE, "how": "not split: name the server's GPU to estimate"}
+    out["prefix_cache"] = (
+        {"source": SERVER, "how": "vLLM's prefix-cache counters (prompt tokens found / looked up) differenced "
+                                  "around the run"} if prefix_cache else
+        {"source": NONE, "how": "the server reports no prefix-cache counters, or other requests shared it"})
     waste = speculative_waste(server)
     if waste is not None:
         out["decision"] = {"source": ESTIMATE, "how": f"rejected share ({waste:.1%}) of verified speculative "

@@ -91,5 +91,15 @@ MIGRATIONS = {
     9: [  # batching: how many sequences shared each step's forward
         "ALTER TABLE steps ADD COLUMN batch INTEGER DEFAULT 1",
     ],
+    10: [  # a served request's network parts from the HTTP client's trace hooks; the server's prefix-cache counters
+        *(f"ALTER TABLE {table} ADD COLUMN {c} DOUBLE" for table in ("runs", "requests")
+          for c in ("dns_ms", "connect_ms", "tls_ms", "send_ms", "first_byte_ms", "headers_ms")),
+        "ALTER TABLE runs ADD COLUMN connection VARCHAR",  # new, or reused (a kept-alive connection: no connect)
+        "ALTER TABLE requests ADD COLUMN connection VARCHAR",
+        "ALTER TABLE requests ADD COLUMN physical_ms DOUBLE",  # the parts' sum
+        "ALTER TABLE runs ADD COLUMN prefix_cache_queries DOUBLE",  # prompt tokens looked up, counters' difference
+        "ALTER TABLE runs ADD COLUMN prefix_cache_hits DOUBLE",  # prompt tokens found in the cache
+        "ALTER TABLE runs ADD COLUMN prefix_cache_hit_rate DOUBLE",  # NULL where the server has no such counters
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)
