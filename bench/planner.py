@@ -39,11 +39,12 @@ def table() -> tuple[list[dict], float]:
     return rows, statistics.median(abs(r["error"]) for r in rows)
 
 
-def predict_serving(point: dict) -> dict:
+def predict_serving(point: dict, efficiency: plan.Efficiency = plan.Efficiency()) -> dict:
     """Output tokens/s for a published serving point: the full engine's closed form (offline, or held at a
     concurrency) or a static batch run start to finish."""
     setup = plan.Setup(model=plan.resolve_model(point["model"]), gpu=plan.get_gpu(point["gpu"]), gpus=point["gpus"],
-                       interconnect=point["interconnect"], weights=point["weights"], kv_dtype=point["kv_dtype"])
+                       interconnect=point["interconnect"], weights=point["weights"], kv_dtype=point["kv_dtype"],
+                       efficiency=efficiency)
     if point["scenario"] == "static":
         return simulate.static_batch(setup, point["batch"], point["prompt_tokens"], point["new_tokens"])
     return simulate.steady_state(setup, point["prompt_tokens"], point["new_tokens"],
@@ -67,7 +68,8 @@ def render_serving(rows: list[dict], median: float, title: str = "Published serv
                                                                    "batching)") -> str:
     lines = ["", f"## {title}", "",
              "Predicted by `engine/plan/simulate.py`'s closed form of a full engine (`steady_state`: the batch the "
-             "sequence limit, KV memory, token budget or concurrency allows, prompts spread over the decode steps) or "
+             "sequence limit, KV memory (each request's whole length where the engine reserves it), token budget or "
+             "concurrency allows, prompts spread over the decode steps) or "
              "a static batch (`static_batch`); measured as published (sources and assumptions in "
              "`data/plan_calibration.json`, `serving_points`). Error = predicted / measured - 1.", "",
              "| model | GPU | GPUs | weights | scenario | in / out tokens | batch (what limits it) | measured tok/s | "

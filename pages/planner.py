@@ -11,7 +11,8 @@ from engine.plan import planner as plan
 from engine.plan.kvcalc import human, project_model_folders
 from engine.plan.shapes import ShapeError
 from engine.measure import hardware
-from ui import LEGEND, BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict
+from ui import (LEGEND, BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict,
+                whole_number_input)
 
 page_setup("Planner")
 
@@ -55,14 +56,14 @@ def config_form(story: str, i: int, default: tuple, column) -> dict:
         labels = list(choices)
         name = st.selectbox("Model", labels, index=list(choices.values()).index(model), key=f"{key}-model")
         gpu_id = st.selectbox("GPU", ids, index=ids.index(gpu), key=f"{key}-gpu")
-        count = st.number_input("GPUs", value=gpus, step=1, key=f"{key}-gpus")
+        count = whole_number_input(st, "GPUs", value=gpus, step=1, key=f"{key}-gpus")
         links = list(plan.interconnects())
         link = st.selectbox("Interconnect", links, index=links.index(link), key=f"{key}-link")
         level = st.selectbox("Weights", WEIGHTS, index=WEIGHTS.index(weights), key=f"{key}-weights")
         bits = st.number_input("Bits per weight", value=4.85, step=0.05, key=f"{key}-bits",
                                disabled=level != "bits per weight", help="for formats such as Q4_K_M (4.85)")
-        tp = st.number_input("Tensor parallel (0 = all GPUs / pp)", value=0, step=1, key=f"{key}-tp")
-        pp = st.number_input("Pipeline parallel", value=1, step=1, key=f"{key}-pp")
+        tp = whole_number_input(st, "Tensor parallel (0 = all GPUs / pp)", value=0, step=1, key=f"{key}-tp")
+        pp = whole_number_input(st, "Pipeline parallel", value=1, step=1, key=f"{key}-pp")
     return {"model": choices[name], "gpu": gpu_id, "gpus": count, "interconnect": link, "tp": tp or None, "pp": pp,
             "weights": "bf16" if level == "bits per weight" else level,
             "bits_per_weight": bits if level == "bits per weight" else None}
@@ -70,14 +71,14 @@ def config_form(story: str, i: int, default: tuple, column) -> dict:
 
 def workload_form() -> dict:
     c = st.columns(6)
-    out = {"batch": c[0].number_input("Batch", value=1, step=1),
-           "prompt_tokens": c[1].number_input("Prompt tokens", value=128, step=64),
-           "new_tokens": c[2].number_input("New tokens", value=256, step=64),
+    out = {"batch": whole_number_input(c[0], "Batch", value=1, step=1),
+           "prompt_tokens": whole_number_input(c[1], "Prompt tokens", value=128, step=64),
+           "new_tokens": whole_number_input(c[2], "New tokens", value=256, step=64),
            "kv_dtype": c[3].selectbox("KV precision", ["bf16", "fp16", "fp32", "fp8", "int8", "int4"])}
     acceptance = c[4].number_input("Speculative acceptance (0 = off)", value=0.0, step=0.05, min_value=0.0,
                                    max_value=1.0)
     out["spec_acceptance"] = acceptance or None
-    out["spec_draft_length"] = c[5].number_input("Draft length", value=4, step=1, disabled=not acceptance)
+    out["spec_draft_length"] = whole_number_input(c[5], "Draft length", value=4, step=1, disabled=not acceptance)
     return out
 
 
@@ -231,23 +232,35 @@ if store is not None:
                        "calibrated bandwidth, so a low calibration plans slower decodes than the machine runs.")
 
 
-st.subheader("Capacity: how many requests a second at a latency target (estimates)")
-st.markdown("Requests arrive at random (Poisson); a simulated engine batches them continuously while KV memory "
-            "lasts, each step lasting what the planner's five buckets say at that batch. The capacity is the highest "
-            "rate at which every metric's 99th percentile meets its target; the table lists each configuration "
-            "(GPUs tensor-parallel), cheapest for the target rate first.")
-answer = st.container()
+def preset_choice(column, key: str) -> str:
+    """A preset model id, Llama-3.1-8B first chosen."""
+    presets = list(plan.preset_ids())
+    return column.selectbox("Model", presets, index=presets.index("llama-3.1-8b"), key=key)
+
+
+def answered_section(title: str, text: str):
+    """A section's title and explanation, and the place for its answer above the form that follows."""
+    st.subheader(title)
+    st.markdown(text)
+    return st.container()
+
+
+answer = answered_section(
+    "Capacity: how many requests a second at a latency target (estimates)",
+    "Requests arrive at random (Poisson); a simulated engine batches them continuously while KV memory lasts, each "
+    "step lasting what the planner's five buckets say at that batch. The capacity is the highest rate at which every "
+    "metric's 99th percentile meets its target; the table lists each configuration (GPUs tensor-parallel), cheapest "
+    "for the target rate first.")
 with st.form("capacity"):
     c = st.columns(4)
-    cap_model = c[0].selectbox("Model", list(plan.preset_ids()), index=list(plan.preset_ids()).index("llama-3.1-8b"),
-                               key="cap-model")
+    cap_model = preset_choice(c[0], "cap-model")
     cap_gpus = c[1].multiselect("GPUs", plan.gpu_ids(), default=["h100-80gb-sxm", "a100-80gb-sxm"], key="cap-gpu")
     cap_counts = c[2].multiselect("GPU counts", [1, 2, 4, 8], default=[1, 2], key="cap-counts")
     cap_weights = c[3].selectbox("Weights", list(plan.LEVEL_BITS), index=list(plan.LEVEL_BITS).index("bf16"),
                                  key="cap-weights")
     c = st.columns(5)
-    cap_prompt = c[0].number_input("Prompt tokens (mean)", value=512, step=64, key="cap-prompt")
-    cap_new = c[1].number_input("Output tokens (mean)", value=128, step=32, key="cap-new")
+    cap_prompt = whole_number_input(c[0], "Prompt tokens (mean)", value=512, step=64, key="cap-prompt")
+    cap_new = whole_number_input(c[1], "Output tokens (mean)", value=128, step=32, key="cap-new")
     cap_slo = c[2].text_input("SLO (ms)", value="ttft_ms=1000,tpot_ms=50", key="cap-slo")
     cap_target = c[3].number_input("Target requests/s", value=50.0, step=5.0, key="cap-target")
     cap_price = c[4].number_input("$ per GPU-hour (0 = data/gpu_prices.json)", value=0.0, step=0.1, key="cap-price")
@@ -294,25 +307,24 @@ if submitted:
             answer.caption(md_escape(f"Not planned: {s['gpus']} x {s['gpu']}: {s['why']}"))
 
 
-st.subheader("Prefill/decode disaggregation: the same GPUs in two pools (estimates)")
-st.markdown("Prompts on a prefill pool, decoding on a decode pool, each request's KV cache sent between them over "
-            "the link you choose (**physical** distance: NVLink inside a node, InfiniBand or Ethernet between nodes); "
-            "against the same GPUs co-located, each prefilling and decoding. TTFT pays the transfer; TPOT no longer "
-            "shares its steps with prompts. Also `python -m engine plan ... --rate R --disaggregate P:D --link L`.")
-split_answer = st.container()
+split_answer = answered_section(
+    "Prefill/decode disaggregation: the same GPUs in two pools (estimates)",
+    "Prompts on a prefill pool, decoding on a decode pool, each request's KV cache sent between them over the link "
+    "you choose (**physical** distance: NVLink inside a node, InfiniBand or Ethernet between nodes); against the same "
+    "GPUs co-located, each prefilling and decoding. TTFT pays the transfer; TPOT no longer shares its steps with "
+    "prompts. Also `python -m engine plan ... --rate R --disaggregate P:D --link L`.")
 with st.form("disaggregate"):
     c = st.columns(4)
-    dis_model = c[0].selectbox("Model", list(plan.preset_ids()), index=list(plan.preset_ids()).index("llama-3.1-8b"),
-                               key="dis-model")
+    dis_model = preset_choice(c[0], "dis-model")
     dis_gpu = c[1].selectbox("GPU", plan.gpu_ids(), index=plan.gpu_ids().index("h100-80gb-sxm"), key="dis-gpu")
     dis_link = c[2].selectbox("Link between the pools", list(plan.interconnects()),
                               index=list(plan.interconnects()).index("infiniband"), key="dis-link")
     dis_rate = c[3].number_input("Requests/s", value=4.0, step=0.5, key="dis-rate")
     c = st.columns(4)
-    dis_prefill = c[0].number_input("Prefill GPUs", value=1, step=1, key="dis-prefill")
-    dis_decode = c[1].number_input("Decode GPUs", value=1, step=1, key="dis-decode")
-    dis_prompt = c[2].number_input("Prompt tokens", value=2048, step=256, key="dis-prompt")
-    dis_new = c[3].number_input("Output tokens", value=256, step=32, key="dis-new")
+    dis_prefill = whole_number_input(c[0], "Prefill GPUs", value=1, step=1, key="dis-prefill")
+    dis_decode = whole_number_input(c[1], "Decode GPUs", value=1, step=1, key="dis-decode")
+    dis_prompt = whole_number_input(c[2], "Prompt tokens", value=2048, step=256, key="dis-prompt")
+    dis_new = whole_number_input(c[3], "Output tokens", value=256, step=32, key="dis-new")
     split = st.form_submit_button("Compare")
 if split:
     from engine.plan import disaggregate as dis

@@ -19,7 +19,7 @@ TOY_GPU = {"id": "toy", "name": "toy GPU", "memory_mib": 1024, "bandwidth_gbps":
            "gpu_link": {"name": "none", "gbps_per_direction": None},
            "host_link": {"name": "slow bus", "gbps_per_direction": 1.0}}
 EXACT = Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0, link=1.0, collective_fixed_us=10.0,
-                   step_fixed_us=0.0, host_sync_us=10.0)
+                   step_fixed_us=0.0, host_sync_us=10.0, host_us_per_sequence=0.0)
 
 
 def toy(**kw) -> Setup:
@@ -399,3 +399,42 @@ def test_expert_parallelism_splits_the_experts_and_pays_all_to_alls_on_the_links
         plan.check_setup(replace(tp2, model=plan.resolve_model("llama-3.1-8b"), ep=2))
     with pytest.raises(PlanError):
         plan.check_setup(replace(tp2, ep=3))
+
+
+def test_products_and_attention_are_rooflines_of_their_own_each_in_its_format():
+    gpu = {**TOY_GPU, "peak_tflops": {**TOY_GPU["peak_tflops"], "fp8": 20.0, "fp4": 40.0}}
+    s = replace(toy(weights="nvfp4", kv_dtype="fp8"), gpu=gpu)
+    assert (plan.compute_format(s), plan.attention_format(s)) == ("fp4", "fp8")
+    assert plan.attention_format(replace(s, kv_dtype="int8")) == "bf16"
+    work = plan.batch_work(s.model.spec, [200], [0])  # a prefill: no cache read, attention over its own tokens
+    step = plan.forward_buckets(s, work)
+    weights_ms = 1e6 * plan.weight_bits(s) / 8 / 100e9 * 1e3
+    linear_ms = 2 * 1e6 * 200 / 40e12 * 1e3
+    attention_ms = 4 * 2 * 4 * 8 * work.key_positions / 20e12 * 1e3
+    assert step["memory"] == pytest.approx(weights_ms)
+    assert step["compute"] == pytest.approx(max(linear_ms - weights_ms, 0) + attention_ms)
+
+
+def test_the_gpu_waits_for_the_hosts_work_per_sequence_only_beyond_its_own():
+    s = replace(toy(), efficiency=replace(EXACT, host_us_per_sequence=10.0))
+    quiet = replace(s, efficiency=EXACT)
+    for sequences in (1, 500):
+        work = plan.batch_work(s.model.spec, [1] * sequences, [10] * sequences)
+        busy, alone = plan.forward_buckets(s, work), plan.forward_buckets(quiet, work)
+        gpu_ms = sum(alone[b] for b in plan.BUCKETS)
+        assert busy["time"] - alone["time"] == pytest.approx(max(sequences * 10.0 / 1e3 - gpu_ms, 0))
+    assert busy["time"] > alone["time"]  # 500 sequences: 5 ms of host work outlasts the toy's step
+
+
+def test_an_engine_that_reserves_whole_requests_holds_fewer_and_never_preempts():
+    from engine.plan import simulate as sim
+
+    s = Setup(model=plan.resolve_model("llama-3.1-8b"), gpu=plan.get_gpu("l4"), kv_dtype="fp8")
+    grow, reserve = sim.Scheduler(max_num_seqs=1024), sim.Scheduler(max_num_seqs=1024, reserve_full=True)
+    blocks = sim.kv_blocks(s, grow)
+    assert sim.steady_state(s, 1000, 3000, grow)["batch"] == blocks * sim.BLOCK_TOKENS // 2500
+    assert sim.steady_state(s, 1000, 3000, reserve)["batch"] == blocks * sim.BLOCK_TOKENS // 4000
+    workload = sim.Workload(requests=150, prompt_tokens=1000, new_tokens=3000)
+    assert sim.simulate(s, workload, grow)["summary"]["preemptions"] > 0
+    held = sim.simulate(s, workload, reserve)["summary"]
+    assert held["preemptions"] == 0 and held["mean_batch"] <= blocks * sim.BLOCK_TOKENS // 4000 + 1e-9

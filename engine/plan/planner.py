@@ -6,7 +6,10 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
 (the stages of one step run one after another, so a step crosses every layer once):
 
     memory   = (weight bytes / t / bandwidth_efficiency + KV bytes read / t / kv_bandwidth_efficiency) / bandwidth
-    compute  = max(FLOPs / t / (peak x compute_efficiency) - memory, 0)     (overlapped, as a roofline)
+    compute  = max(product FLOPs / t / (peak x compute_efficiency) - weight read time, 0)
+               + max(attention FLOPs / t / (peak in the cache's format x compute_efficiency) - KV read time, 0)
+                 (each a roofline of its own: the products overlap their weights' reads and attention its
+                 cache's, but the two run as separate kernels)
                + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
                  unpack each weight on the vector units between loads, which adds to the step)
     physical = 2 x layers x all-reduce(t, batch x hidden x 2 bytes)   + (p - 1) pipeline sends
@@ -14,11 +17,13 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                all-reduce, ring:   collective_fixed + 2 (t - 1) hop latency + 2 (t - 1) / t x bytes / link
                all-reduce, switch: collective_fixed + 2 hop latency         + 2 (t - 1) / t x bytes / link
     time     = step_fixed + kernels per step x launch cost
+               + max(sequences x host work per sequence - the GPU's step, 0)   (the host prepares the next
+                 step while the GPU runs this one)
     decision = speculative work thrown away (rejected drafts and their share of the verification)
 
-FLOPs = batch x (2 x linear parameters + 4 x layers x heads x head_dim x C); weight bytes count the
-parameters one token reads (an untied input embedding is only looked up; a mixture of experts reads
-its active parameters)."""
+Product FLOPs = batch x 2 x linear parameters, attention FLOPs = batch x 4 x layers x heads x head_dim x C; weight
+bytes count the parameters one token reads (an untied input embedding is only looked up; a mixture of experts
+reads the experts its tokens touch)."""
 from __future__ import annotations
 
 import json
@@ -72,6 +77,7 @@ class Efficiency:
     matvecs_per_layer: int = FITTED["matvecs_per_layer"]
     one_call_layer_us: float | None = FITTED["one_call_layer_us"]
     host_sync_us: float = FITTED["host_sync_us"]
+    host_us_per_sequence: float = FITTED["host_us_per_sequence"]
     dequant_ops: dict = field(default_factory=lambda: dict(FITTED["dequant_ops"]))
 
 
@@ -352,12 +358,16 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     weight_bytes = per_gpu_params(setup, read, routed_read_params(m, work.rows)) * weight_bits(setup) / 8
     kv_read = (kvcalc.values_per_token_per_layer(m.spec, t) * work.kv_token_layers
                * kvcalc.bits_per_value(setup.kv_dtype) / 8)
-    memory = (weight_bytes / eff.bandwidth + kv_read / eff.kv_bandwidth) / (gpu["bandwidth_gbps"] * 1e9) * 1e3
-    attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * work.key_positions
-    flops = (2 * m.read_params() * work.rows + attention) / t
-    compute_dtype = compute_format(setup)
+    bandwidth = gpu["bandwidth_gbps"] * 1e9 / 1e3  # bytes per ms
+    weights_ms, kv_ms = weight_bytes / eff.bandwidth / bandwidth, kv_read / eff.kv_bandwidth / bandwidth
+    linear = 2 * m.read_params() * work.rows / t
+    attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * work.key_positions / t
     compute_eff = eff.compute if work.widest <= 1 else eff.prefill_compute
-    compute = flops / (peak_tflops(gpu, compute_dtype) * compute_eff * 1e12) * 1e3
+    linear_ms = linear / (peak_tflops(gpu, compute_format(setup)) * compute_eff * 1e9)
+    attention_ms = attention / (peak_tflops(gpu, attention_format(setup)) * compute_eff * 1e9)
+    memory, flops = weights_ms + kv_ms, linear + attention
+    # the products overlap their weights' reads and attention its cache's, but the two run as kernels of their own
+    compute = max(linear_ms - weights_ms, 0.0) + max(attention_ms - kv_ms, 0.0)
     dequant = dequant_ms(setup, weight_bytes / (weight_bits(setup) / 8))
     message = work.rows * m.hidden * ACT_BYTES
     moe_layers = m.moe_layers if setup.ep > 1 else 0  # their expert output travels by all-to-all instead
@@ -367,16 +377,27 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
                    + eff.host_sync_us)
     kernels, layers_us = step_kernels(setup, work.widest)
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
-    return {"physical": physical_us / 1e3, "memory": memory, "compute": max(compute - memory, 0.0) + dequant,
-            "time": (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3,
-            "decision": 0.0,
-            "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_roofline_ms": max(memory, compute)}
+    fixed_ms = (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3
+    gpu_ms = physical_us / 1e3 + memory + compute + dequant + fixed_ms
+    # the engine prepares the next step on the host while the GPU runs this one: the GPU waits for what is left over
+    host_wait = max(work.sequences * eff.host_us_per_sequence / 1e3 - gpu_ms, 0.0)
+    return {"physical": physical_us / 1e3, "memory": memory, "compute": compute + dequant,
+            "time": fixed_ms + host_wait, "decision": 0.0,
+            "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_attention_flops": attention,
+            "_host_wait_ms": host_wait, "_roofline_ms": memory + compute}
 
 
 def compute_format(setup: Setup) -> str:
     """The tensor-core format the matrix products run in."""
     fmt = weight_format(setup)
     return "fp4" if fmt in FP4 else fmt if fmt in ("fp32", "fp8") else "bf16"
+
+
+def attention_format(setup: Setup) -> str:
+    """The tensor-core format attention runs in: its cache's (an FP8 or FP4 cache is read into FP8 products, an
+    integer one is dequantized to 16 bits), whatever format the weights are in."""
+    kv = setup.kv_dtype
+    return "fp32" if kv == "fp32" else "fp8" if kv == "fp8" or kv in FP4 else "bf16"
 
 
 def read_params_at(m: Model, rows: int) -> float:
@@ -566,7 +587,9 @@ def formulas(setup: Setup) -> dict:
         "memory": f"({kvcalc.human(step['_weight_bytes'])} of weights / {eff.bandwidth} + "
                   f"{kvcalc.human(step['_bytes'] - step['_weight_bytes'])} of KV cache / {eff.kv_bandwidth}, read per "
                   f"GPU) / {gpu['bandwidth_gbps']:,} GB/s = {step['memory']:.3f} ms",
-        "compute": f"max({step['_flops']:.3g} FLOPs per GPU / (peak x {eff.compute}) - memory, 0) + dequantization "
+        "compute": f"max({step['_flops'] - step['_attention_flops']:.3g} product FLOPs per GPU / ({compute_format(setup)} "
+                   f"peak x {eff.compute}) - weight read, 0) + max({step['_attention_flops']:.3g} attention FLOPs / "
+                   f"({attention_format(setup)} peak x {eff.compute}) - KV read, 0) + dequantization "
                    f"= {step['compute']:.3f} ms",
         "physical": (f"{2 * m.spec.layers - m.moe_layers} all-reduces ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
                      f"2 x {m.moe_layers} expert all-to-alls over {setup.ep} GPUs "
@@ -579,6 +602,8 @@ def formulas(setup: Setup) -> dict:
                                           f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
                 + (f" + {m.spec.layers} layers in one call x {eff.one_call_layer_us:g} us"
                    if eff.one_call_layer_us is not None else "")
+                + (f" + {step['_host_wait_ms']:.3f} ms waiting for the host's {eff.host_us_per_sequence:g} us per sequence"
+                   if step["_host_wait_ms"] else "")
                 + f" = {step['time']:.3f} ms",
         "decision": "speculative drafts the target rejects and their share of the verification (0 without "
                     "speculative decoding)",
@@ -654,7 +679,8 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
                       launch_us=calibration["dispatch_us"],
                       kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=calibration.get("matvec_call_us", 0.0),
                       one_call_layer_us=LOCAL["one_call_layer_us"] if one_call else None,
-                      step_fixed_us=LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"], host_sync_us=0.0)
+                      step_fixed_us=LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"], host_sync_us=0.0,
+                      host_us_per_sequence=0.0)
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,

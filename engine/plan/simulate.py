@@ -42,11 +42,14 @@ class Workload:
 
 @dataclass(frozen=True)
 class Scheduler:
-    """The engine's limits: sequences per step, tokens per step, chunked prefill, the share of GPU memory it takes."""
+    """The engine's limits: sequences per step, tokens per step, chunked prefill, the share of GPU memory it takes,
+    and how it claims KV blocks: as a sequence grows, preempting when they run out (vLLM), or `reserve_full`, its whole
+    prompt and output at admission so nothing is ever evicted (TensorRT-LLM's default GUARANTEED_NO_EVICT)."""
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     chunked_prefill: bool = True
     memory_utilization: float = 0.9
+    reserve_full: bool = False
 
 
 def check_rate(rate: float, name: str = "rate") -> float:
@@ -80,6 +83,12 @@ def kv_blocks(setup: Setup, scheduler: Scheduler) -> int:
     per_block = kvcalc.kv_bytes(kvcalc.with_window(setup.model.spec, None), BLOCK_TOKENS, setup.kv_dtype, 1,
                                 planner.tp_degree(setup)) / setup.pp
     return int(free // per_block) if free > 0 else 0
+
+
+def blocks_to_claim(r, n: int, scheduler: Scheduler) -> int:
+    """KV blocks request r must add to compute n more tokens: up to its whole length if the engine reserves it."""
+    tokens = r.prompt + r.output if scheduler.reserve_full else r.computed + n
+    return max(-(-tokens // BLOCK_TOKENS) - r.blocks, 0)
 
 
 class _Request:
@@ -157,7 +166,7 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
         for r in waiting:
             r.blocks = max(r.blocks, 0)
         for r, n in batch:
-            grown = -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks
+            grown = blocks_to_claim(r, n, scheduler)
             free_blocks -= grown
             r.blocks += grown
         if not batch:
@@ -206,7 +215,7 @@ def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks
     budget, batch, claimed = scheduler.max_batched_tokens, [], 0
 
     def blocks_for(r, n):
-        return -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks
+        return blocks_to_claim(r, n, scheduler)
 
     def admit() -> None:
         nonlocal budget, claimed
@@ -233,7 +242,7 @@ def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks
         n = pending if pending <= budget else budget
         if not scheduler.chunked_prefill and n < pending:
             continue
-        while -(-(r.computed + n) // BLOCK_TOKENS) - r.blocks > blocks_free() - claimed:
+        while blocks_for(r, n) > blocks_free() - claimed:
             victim = running[-1]
             preempt(victim)
             preempted = True
@@ -300,11 +309,11 @@ def steady_rate(finishes: list[float], trim: float = 0.2) -> float:
 def steady_state(setup: Setup, prompt: int, new: int, scheduler: Scheduler = Scheduler(),
                  concurrency: int | None = None) -> dict:
     """The closed form of a full engine: a batch held at the largest size the sequence limit, the KV blocks (at the
-    mean context prompt + new / 2), the token budget and the `concurrency` allow; each step carries a decode token
+    mean context prompt + new / 2, or the whole prompt + new where the engine reserves it), the token budget and the `concurrency` allow; each step carries a decode token
     per sequence and, spread over the steps, the prompts of the sequences that replace finished ones."""
     planner.check_setup(setup)
     mean_context = prompt + new // 2
-    by_memory = kv_blocks(setup, scheduler) * BLOCK_TOKENS // mean_context
+    by_memory = kv_blocks(setup, scheduler) * BLOCK_TOKENS // (prompt + new if scheduler.reserve_full else mean_context)
     by_budget = int(scheduler.max_batched_tokens // (1 + prompt / new))
     limits = {"sequence limit": scheduler.max_num_seqs, "KV memory": by_memory, "token budget": by_budget}
     if concurrency is not None:
