@@ -87,7 +87,7 @@ def efficiency_form() -> plan.Efficiency:
     with st.expander("Efficiency factors: the defaults and where each came from"):
         values = {}
         for name in ("bandwidth", "kv_bandwidth", "compute", "prefill_compute", "link", "collective_fixed_us",
-                     "step_fixed_us", "host_sync_us"):
+                     "step_fixed_us", "host_sync_us", "host_us_per_sequence"):
             fraction = getattr(base, name) <= 1  # a share of a peak; the others are microseconds
             # a share of a peak above zero, a fixed cost not below zero: the browser refuses the rest
             values[name] = st.number_input(name, value=float(getattr(base, name)), step=0.01 if fraction else 1.0,
