@@ -146,3 +146,14 @@ def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is
     with pytest.raises(WorkerRefused, match="^Activation sparsity .* does not batch"):
         list(worker.generate({"db": str(db), "spec": sparse.to_dict()}, every_s=0.05))
     assert Store(db).runs(10).empty
+
+
+def test_closing_a_batch_stream_stops_every_sequence_and_keeps_each_as_cancelled(worker, tmp_path):
+    spec = RunSpec(gen=GenConfig("Name a colour.", max_new_tokens=400, ignore_eos=True), device="cpu", users=3)
+    run = worker.generate({"db": str(tmp_path / "w.duckdb"), "spec": spec.to_dict()}, every_s=0.05)
+    until_ready(run)
+    rows = next(payload for kind, payload in run if kind == "tokens")
+    run.close()
+    runs = Store(tmp_path / "w.duckdb").runs(10)
+    assert len(runs) == 3 and set(runs["status"]) == {"cancelled"} and (runs["n_new_tokens"] < 400).all()
+    assert {r["run_id"] for r in rows} <= set(runs["run_id"])
