@@ -6,11 +6,13 @@ per-request histograms and its prefix-cache counters.
 Its prefix cache works as vLLM's does, in whole blocks of BLOCK tokens (a token here is a word of the
 prompt): a prompt's leading blocks that an earlier prompt had are hits, and only the rest is prefilled,
 PREFILL_MS_PER_TOKEN each, before the first chunk.
-`python load_server.py PORT SLOTS STEP_S [DIE_AFTER] [--prefill-ms-per-token MS] [--log FILE]`:
-with DIE_AFTER the process exits on that request; with --log each request's prompt goes to FILE as a JSON line."""
+`python load_server.py PORT SLOTS STEP_S [DIE_AFTER] [--prefill-ms-per-token MS] [--log FILE] [--cert PEM --key PEM]`:
+with DIE_AFTER the process exits on that request; with --log each request's prompt goes to FILE as a JSON line;
+with --cert and --key it speaks HTTPS."""
 import argparse
 import json
 import os
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -150,9 +152,15 @@ if __name__ == "__main__":
     parser.add_argument("die_after", type=int, nargs="?")
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.0)
     parser.add_argument("--log")
+    parser.add_argument("--cert")
+    parser.add_argument("--key")
     ARGS = parser.parse_args()
     STEP_S = ARGS.step_s
     SEATS = threading.Semaphore(ARGS.slots)
     server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
     server.daemon_threads = True
+    if ARGS.cert:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(ARGS.cert, ARGS.key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     server.serve_forever()

@@ -3,6 +3,7 @@ around a run and a load level, and the load sweep's shared-prefix workload, agai
 (tests/load_server.py, whose prefix cache and prefill time are known, and tests/stream_server.py, which
 has no /metrics)."""
 import json
+import subprocess
 
 import pandas as pd
 import pytest
@@ -41,6 +42,21 @@ def test_a_served_run_stores_its_network_parts_in_order_and_they_make_its_physic
         assert provenance["source"] == "client" and "trace hooks" in provenance["how"] and "new connection" in provenance["how"]
         steps = store.query("SELECT physical_ms FROM steps WHERE run_id = ? ORDER BY step", [run.run_id])["physical_ms"]
         assert steps.iloc[0] == pytest.approx(row["physical_ms"]) and (steps.iloc[1:] == 0).all()
+
+
+def test_an_https_run_records_its_tls_handshake(known_server, store, tmp_path, monkeypatch):  # noqa: F811
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the client trusts the test's own certificate
+    url = known_server(slots=1, step_s=0.01, extra=["--cert", str(cert), "--key", str(key)])
+    run = served_run(url.replace("http://127.0.0.1", "https://localhost"), store, prompt=PROMPT, max_new_tokens=3)
+    list(run)
+    row = store.run(run.run_id)
+    assert row["connection"] == "new" and row["tls_ms"] > 0 and row["dns_ms"] > 0 and row["connect_ms"] > 0
+    assert row["physical_ms"] == pytest.approx(sum(row[p] for p in PARTS)) and row["physical_ms"] <= row["headers_ms"]
+    assert row["prefix_cache_hit_rate"] == 0.0  # its /metrics, read over HTTPS too
 
 
 def test_a_runs_prefix_cache_hit_rate_is_the_counters_difference_around_it(known_server, store):  # noqa: F811
