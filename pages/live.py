@@ -210,7 +210,7 @@ def others_compact(tokens: list[dict], hidden: set[int], users: int, whole: bool
     lines = []
     for user in range(1, users):
         text = "".join(t["piece"] for t in tokens if t.get("user") == user and t["token_id"] not in hidden)
-        shown = text if whole else text[-140:]
+        shown = text if whole else " ".join(text.split())[-100:]  # its latest words, on one line
         lines.append(f'<div style="{"white-space:pre-wrap" if whole else "white-space:nowrap;overflow:hidden"}">'
                      f'<b>user {user + 1}</b>: {html.escape(shown)}</div>')
     return ('<div style="font-size:0.8rem;color:#555;font-family:monospace;margin-top:0.5rem">'
