@@ -93,6 +93,9 @@ def test_a_request_on_a_kept_alive_connection_is_recorded_as_reused(known_server
     first, *rest = rows
     assert first["connection"] == "reused" and first["connect_ms"] == first["dns_ms"] == first["tls_ms"] == 0
     assert all(r["connection"] == "new" and r["connect_ms"] > 0 for r in rest)
+    level = summary["levels"][0]
+    assert level["connections_reused"] == 1 and level["physical_ms"]["mean"] == pytest.approx(
+        sum(r["physical_ms"] for r in rows) / 3)
     for r in rows:
         assert r["send_ms"] > 0 and r["first_byte_ms"] > 0
         assert r["physical_ms"] == pytest.approx(sum(r[p] for p in PARTS))
@@ -153,3 +156,22 @@ def test_trace_parts_are_none_before_the_response_headers():
     trace("connection.connect_tcp.started", {})
     assert trace.parts() is None and network.physical_ms(None) is None
     assert network.columns(None) == dict.fromkeys(network.COLUMNS)
+
+
+def test_the_local_engine_takes_the_shared_prefix_and_reports_no_cache_or_network(tiny_folder, calibration, tmp_path,
+                                                                                  capsys):
+    db = tmp_path / "runs.duckdb"
+    code = main(["load", "--local", "--model", str(tiny_folder), "--concurrency", "2", "--requests", "3",
+                 "--input-tokens", "4", "--output-tokens", "2", "--shared-prefix-tokens", "24", "--db", str(db), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["levels"][0]["completed"] == 3
+    from engine.store.db import Store
+
+    prompts = Store(db).query("SELECT prompt FROM runs")["prompt"].tolist()
+    heads = {p.split("\n\n")[0] for p in prompts}
+    assert len(prompts) == 3 and len(heads) == 1 and len(set(prompts)) == 3
+    # no HTTP and no prefix-cache counters: nothing recorded, never a zero
+    level = out["levels"][0]
+    assert level["prefix_cache_hit_rate"] is None and level["physical_ms"]["mean"] is None
+    requests = served_store.sweep_requests(Store(db), out["sweep_id"])
+    assert requests["connection"].isna().all() and requests["physical_ms"].isna().all()

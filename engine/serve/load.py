@@ -543,6 +543,8 @@ class Sweep:
                 "departures_per_s": departures,
                 "kept_up": departures >= KEPT_UP * spec["rate"] if departures and spec.get("rate") else None,
                 **slo_figures(records, self.cfg.slo, wall),
+                "physical_ms": spread(r["physical_ms"] for r in done),  # each request's own network time
+                "connections_reused": sum(r["connection"] == network.REUSED for r in records),
                 "kv_cache_usage_max": max((s.get("kv_cache_usage", 0.0) for s in samples), default=None),
                 "waiting_max": max((s.get("waiting", 0.0) for s in samples), default=None),
                 "status": "ok", "error": None}
