@@ -14,6 +14,8 @@ from engine.report.html import ReportError, Section, build_html, definitions_sec
 from engine.serve.records import sweeps
 from engine.report.sweep_views import level_frame
 from engine.serve.capacity import describe
+from engine.serve.command import sweep_command
+from engine.run.reproduce import ReproduceError
 
 SWEEP_TAG = "sweep:"
 
@@ -56,6 +58,14 @@ def _num(value, spec: str) -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
+def load_sweep_command(store, sweep_id: int) -> str:
+    """The paragraph with the command that makes the load sweep again, or the sentence that says why none can."""
+    try:
+        return f"<p>Made again by <code>{html.escape(sweep_command(store, sweep_id))}</code> (add --db FILE).</p>"
+    except ReproduceError as exc:
+        return f"<p>{html.escape(str(exc))}</p>"
+
+
 def load_sweep_report(store, sweep_id: int) -> str:
     """A load sweep: its settings, per-level percentiles and throughput, and the capacity curve."""
     frame = sweeps(store, 100000)
@@ -87,5 +97,6 @@ def load_sweep_report(store, sweep_id: int) -> str:
         settings += f"<p>Ended early: {html.escape(sweep['error'])}</p>"
     if isinstance(sweep.get("result"), str):
         settings += f"<p><b>{html.escape(describe(json.loads(sweep['result'])))}</b></p>"
+    settings += load_sweep_command(store, sweep_id)
     sections = [Section("Load sweep", settings + table(header, body, numeric_from=1), [curve]), definitions_section()]
     return build_html(f"Tokenpath: load sweep #{sweep_id}", sections)

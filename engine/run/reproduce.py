@@ -23,6 +23,7 @@ GEN_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature
 SPECULATIVE_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
                      "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
 SERVED_KEYS = ("endpoint", "served_model", "api_key_env", "gpu")  # a served run's config keys that are RunSpec fields
+SWEEP_RENAMED = {"rates": "--rate"}  # a load sweep's config keys whose option is not their own name
 
 
 class ReproduceError(UserError):
@@ -93,10 +94,14 @@ def sweep_arguments(config: dict, options: set[str]) -> list[str]:
     command's options (`timeout_s` is --timeout), lists joined by commas, booleans as bare flags."""
     from engine.paths import workloads
 
+    if config.get("trace_name"):
+        raise ReproduceError("This sweep replayed a trace file, which the store does not keep: run `load` again with "
+                             "that file as --trace.")
     args = []
     for key, value in config.items():
-        flag = next((f for f in ("--" + key.replace("_", "-"), "--" + key.removesuffix("_s").replace("_", "-"))
-                     if f in options), None)
+        flag = SWEEP_RENAMED.get(key) or next((f for f in ("--" + key.replace("_", "-"),
+                                                           "--" + key.removesuffix("_s").replace("_", "-"))
+                                               if f in options), None)
         if flag is None or value is None or value is False or value in ([], {}):
             continue  # left out: the option's default (no SLO, synthetic prompts or a trace)
         if key == "slo":
