@@ -54,3 +54,20 @@ def test_a_switch_that_cannot_batch_is_one_sentence_and_nothing_is_recorded(page
     assert not at.exception
     assert len(at.error) == 1 and at.error[0].value.startswith(says) and "does not batch" in at.error[0].value
     assert not page_db.exists() or Store(page_db).runs().empty
+
+
+def test_the_users_limit_in_the_one_table_reaches_the_command_line_the_spec_and_the_live_page(page_db, monkeypatch,
+                                                                                               capsys):
+    from engine.cli import main as cli
+    from engine.run import spec
+
+    monkeypatch.setitem(spec.LIMITS, "users", spec.Limit(1, 4, True, "users"))
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "--prompts; 1 to 4" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(spec.GenerationError, match="^users must be a whole number between 1 and 4, not 8"):
+        spec.RunSpec(gen=spec.GenConfig("x"), users=8).check()
+    at = AppTest.from_file("../app.py", default_timeout=300)
+    at.switch_page("pages/live.py")
+    at.run()
+    assert next(w for w in at.selectbox if w.label == "Users").options == ["1", "2", "4"]

@@ -47,7 +47,7 @@ def spec_from_args(args):
                     kv_dtype=args.kv_dtype, **spec_settings)
     return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
                    sparsity=args.sparsity, sparsity_mode=args.sparsity_mode,
-                   users=1 if args.users is None else args.users, **served_cli.served_fields(args))
+                   users=args.users, **served_cli.served_fields(args))
 
 
 def what_became_of(run) -> str:
@@ -105,6 +105,7 @@ def generate_once(args) -> int:
     from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
+    _interrupt_once()
     spec = spec_from_args(args)
     spec.check()  # bad input is refused before the database is opened
     if spec.users > 1:
@@ -118,6 +119,7 @@ def generate_once(args) -> int:
             if not args.json:
                 print(event.piece, end="", flush=True)
         _print_result(args, run, run.result)
+        _ignore_interrupts()  # every word about the run is said: a Ctrl-C now would only cut the exit short
     except KeyboardInterrupt:
         print(f"\ninterrupted: {what_became_of(run)}", file=sys.stderr, flush=True)
         return 130
@@ -446,9 +448,8 @@ def add_generate_parser(sub) -> None:
                    help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
     g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
     g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
-    g.add_argument("--users", type=int,
-                   help="decode this many sequences together in one batch (1-16): the prompt and others from the "
-                        "workloads or --prompts")
+    limited(g, "--users", "users", "decode this many sequences together in one batch: the prompt and others from "
+                                   "the workloads or --prompts")
     g.add_argument("--prompts", help="with --users: a text file of the other users' prompts, one per line")
     g.add_argument("--kv-budget-mb", type=float,
                    help="with --users: KV-cache memory the batch may reserve; arrivals beyond it wait")
@@ -530,6 +531,21 @@ def _cancelled(*_):
     print("\ncancelled: interrupted before the command finished", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
+
+
+def _interrupt_once() -> None:
+    """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
+    the final write's handling or the words that say what became of the run."""
+    def interrupt(signum, frame):
+        _ignore_interrupts()
+        raise KeyboardInterrupt
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, interrupt)
+
+
+def _ignore_interrupts() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _cancel_on_sigterm() -> None:
