@@ -1,11 +1,7 @@
-"""Serving: load sweeps against an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI), run in a
-subprocess of their own, and the latency, throughput and server figures of every stored sweep."""
+"""Serving: load sweeps against an OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI) or this machine's
+batching engine, run in a subprocess of their own, and the latency, throughput and server figures of every
+stored sweep with the command that makes it again."""
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -14,6 +10,7 @@ import streamlit as st
 from engine import access
 from engine.report.trace import trace_json
 from engine.serve import client as served
+from engine.serve import jobs
 from engine.serve import records as served_store
 from engine.report import sweep_views
 from engine.errors import UserError
@@ -21,12 +18,14 @@ from engine.measure.slo import parse_slo
 from engine.serve.arrivals import parse_rates
 from engine.serve.load import load_prompts, parse_concurrency
 from engine.paths import workloads
-from engine.paths import REPO_ROOT
 from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
+from engine.run.spec import MAX_BATCH
 from engine.serve.capacity import describe
-from ui import LEGEND, figure, md_escape, open_store, plot_escape, page_setup
+from engine.serve.command import sweep_command
+from engine.run.reproduce import ReproduceError
+from ui import LEGEND, default_model_id, figure, md_escape, open_store, plot_escape, page_setup
 
 # below the plot, clear of the title above it
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.25, x=0)
@@ -37,7 +36,8 @@ st.markdown("Point Tokenpath at a server that speaks the OpenAI API and measure 
             "level, either that many streamed requests kept in flight, or requests arriving at that rate (a Poisson "
             "process, as `vllm bench serve` sends them) whatever is still running. With a latency target (SLO) each "
             "level also gets its goodput: the requests per second that met every target. Every request is stored, "
-            "so two servers or configurations can be compared below. Load goes only to the address given. "
+            "so two servers or configurations can be compared below. Load goes only to the address given, or to this "
+            "machine's own batching engine, which needs no server and sweeps in seconds. "
             "`python -m engine capacity` searches the highest rate that holds a target; its sweeps show here too.")
 store = open_store()
 if store is None:
@@ -48,47 +48,75 @@ with st.expander("What the figures mean"):
         st.markdown(f"**{name}**: {text}")
 
 shipped = workloads()
-if access.shared_mode():  # no form: a shared dashboard names no server and no key variable
+TARGETS = ("a server (its address)", "this machine (the local batching engine)")
+if access.shared_mode():  # a shared dashboard names no server and no key variable; its own models run here
     st.info(access.SERVED_REFUSAL)
-    start = False
+    local = True
 else:
-    with st.form("sweep"):
+    local = st.radio("Send the load to", TARGETS, horizontal=True,
+                     help="This machine: the requests go straight into Tokenpath's continuous-batching engine in a "
+                          "process of its own (`python -m engine load --local`), each one a recorded run, with no "
+                          "server to start.") == TARGETS[1]
+with st.form("sweep"):
+    if local:
+        c = st.columns([3, 1, 2])
+        model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
+                                   + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
+                                      else ""))
+        max_batch = c[1].number_input("Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
+        kv_budget = c[2].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
+                                      "batch may reserve; arrivals beyond it wait for a slot")
+        st.caption("The engine runs the model at fp32 weights with its KV cache, as `load --local` does (it takes no "
+                   "weight level); a server's address, model name and key do not apply here.")
+    else:
         c = st.columns([3, 2, 2])
         endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
         key_env = c[1].text_input("API key environment variable", "", help="the name of a variable set where the app "
                                   "runs; the key itself is never typed here, stored or logged")
         model = c[2].text_input("Served model", "", help="blank: the first model the server lists (GET /v1/models)")
-        c = st.columns(4)
-        levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
-                                      "comma-separated")
-        n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
-        new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
-        prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
-        c = st.columns([2, 3])
-        arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
-        slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
-                                   help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
-                                        "when it meets every one")
-        start = st.form_submit_button("Start the sweep", type="primary")
+    c = st.columns(4)
+    levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
+                                  "comma-separated")
+    n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
+    new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
+    prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
+    c = st.columns([2, 3])
+    arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
+    slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
+                               help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
+                                    "when it meets every one")
+    start = st.form_submit_button("Start the sweep", type="primary")
 
 
-RATES = not access.shared_mode() and arrival.startswith("arrivals")
+RATES = arrival.startswith("arrivals")
 
 
-def launch(progress: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "engine", "load", "--endpoint", endpoint, "--rate" if RATES else "--concurrency",
-               levels_text, "--requests", str(int(n_requests)), "--max-new-tokens", str(int(new_tokens)),
-               "--db", str(store.path), "--progress", str(progress), "--json"]
+def sweep_options() -> list[str]:
+    """`load`'s options for the form: the levels, lengths, prompts and target, and where the requests go."""
+    options = ["--rate" if RATES else "--concurrency", levels_text, "--requests", str(int(n_requests)),
+               "--max-new-tokens", str(int(new_tokens))]
     if slo_text.strip():
-        command += ["--slo", slo_text.strip()]
+        options += ["--slo", slo_text.strip()]
     if prompt_set != "every shipped workload":
-        command += ["--prompts", prompt_set]
+        options += ["--prompts", prompt_set]
+    if local:
+        options += ["--local", "--model", model_id.strip() or "default", "--max-batch", str(int(max_batch))]
+        return options + (["--kv-budget-mb", f"{kv_budget:g}"] if kv_budget else [])
+    options += ["--endpoint", endpoint]
     if model.strip():
-        command += ["--served-model", model.strip()]
-    if key_env.strip():
-        command += ["--api-key-env", key_env.strip()]
-    log = open(progress.with_suffix(".log"), "w")
-    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log)
+        options += ["--served-model", model.strip()]
+    return options + (["--api-key-env", key_env.strip()] if key_env.strip() else [])
+
+
+def check_target() -> None:
+    """The target answers (a server and its model) or may run here (a local model); else one sentence."""
+    if local:
+        if not access.model_choice_allowed(model_id):
+            raise access.AccessError(access.refusal(model_id))
+        return
+    names = served.list_models(endpoint, key_env.strip() or None)
+    if model.strip() and model.strip() not in names:
+        raise ServedError(f"The server has no model '{model.strip()}'; it serves: {', '.join(names[:8])}.")
 
 
 if start:
@@ -97,35 +125,32 @@ if start:
         if slo_text.strip():
             parse_slo(slo_text)
         load_prompts(None if prompt_set == "every shipped workload" else prompt_set)
-        names = served.list_models(endpoint, key_env.strip() or None)
-        if model.strip() and model.strip() not in names:
-            raise ServedError(f"The server has no model '{model.strip()}'; it serves: {', '.join(names[:8])}.")
+        check_target()
     except (ServedError, UserError) as exc:
         st.error(md_escape(str(exc)))
     else:
-        progress = Path(tempfile.mkdtemp(prefix="tokenpath-load-")) / "progress.json"
-        st.session_state["load"] = {"process": launch(progress), "progress": progress}
+        st.session_state["load"] = jobs.start(sweep_options(), store.path)
 
 
-@st.fragment(run_every=1.0)
+# redrawn each second only while a sweep runs: each redraw drops the files downloads made since the last one,
+# so a panel that redraws with nothing to show would cancel every "Download report" a moment after the click
+@st.fragment(run_every=1.0 if "load" in st.session_state else None)
 def progress_panel() -> None:
     job = st.session_state.get("load")
     if not job:
         return
-    process, path = job["process"], job["progress"]
-    state = json.loads(path.read_text()) if path.exists() else {"done": 0, "total": 1, "eta_s": None}
-    running = process.poll() is None
+    state = job.state()
+    running = job.process.poll() is None
     left = f", about {state['eta_s']:.0f} s left" if running and state.get("eta_s") is not None else ""
     st.progress(min(state["done"] / max(state["total"], 1), 1.0),
                 text=f"{state['done']} of {state['total']} requests{left}"
                      + ("" if running else f" · sweep {state.get('sweep_id')} {state.get('status', 'ended')}"))
     if running and st.button("Stop", help="cut the requests in flight and keep every request that finished"):
-        process.terminate()
+        job.process.terminate()
     if not running:
-        log = path.with_suffix(".log")
-        if process.returncode not in (0, None) and log.exists() and log.read_text().strip():
-            st.session_state["load_error"] = log.read_text().strip().splitlines()[-1].removeprefix("error: ")
-        shutil.rmtree(path.parent, ignore_errors=True)  # the sweep's folder in the temp directory
+        if job.error():
+            st.session_state["load_error"] = job.error()
+        job.remove()  # the sweep's folder in the temp directory (a page that never sees the end: the next start)
         st.session_state.pop("load")
         st.rerun()
 
@@ -138,8 +163,9 @@ frame = served_store.sweeps(store)
 if frame.empty:
     st.info("No load sweep stored yet.")
     st.stop()
-label = {r.sweep_id: f"#{r.sweep_id} {r.server_model} at {r.endpoint} · {r.status} · {r.started_at:%Y-%m-%d %H:%M}"
-         for r in frame.itertuples()}
+label = {r.sweep_id: f"#{r.sweep_id} {r.server_model} " + ("on this machine" if r.endpoint == "local" else
+                                                            f"at {r.endpoint}")
+                    + f" · {r.status} · {r.started_at:%Y-%m-%d %H:%M}" for r in frame.itertuples()}
 chosen = st.multiselect("Sweeps to show (the first in detail, all on the per-user against per-GPU curve)", list(label),
                         default=[frame["sweep_id"].iloc[0]], format_func=label.get)
 if not chosen:
@@ -152,6 +178,11 @@ if not levels[label[first]].empty:  # the report is built when the button is pre
                        file_name=f"tokenpath-load-sweep-{first}.html", on_click="ignore",
                        help=f"One HTML file of sweep #{first} (also `python -m engine report --load-sweep {first} "
                             "--out FILE.html`).")
+try:  # the command comes from the sweep's stored parameters, as `load --from-sweep` reads them
+    st.caption(f"The command that makes sweep #{first} again (or `python -m engine load --from-sweep {first}`):")
+    st.code(sweep_command(store, int(first), db=store.path), language="bash")
+except ReproduceError as exc:
+    st.caption(md_escape(str(exc)))
 st.download_button("Download trace", lambda: trace_json(store, sweep_ids=sorted(int(s) for s in chosen)),
                    mime="application/json", file_name=f"tokenpath-load-sweep-trace-{first}.json", on_click="ignore",
                    help="The chosen sweeps as a Chrome trace-event file for ui.perfetto.dev or chrome://tracing: a "

@@ -1,6 +1,8 @@
 """The Serving page through Streamlit's AppTest: bad addresses read as one sentence, a sweep starts
-in a subprocess that stores its requests, and a stored sweep draws its table and plots."""
+in a subprocess that stores its requests (against a server or this machine's batching engine), a stored
+sweep draws its table and plots, gives its HTML report and shows the command that makes it again."""
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +14,39 @@ from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.store.db import Store
 from engine.serve.vllm import free_port
+from engine import access
+from engine.paths import REPO_ROOT
+from streamlit.runtime import Runtime
 
 from test_served import wait_for_port
 
 SERVER = Path(__file__).with_name("stream_server.py")
 
 
-@pytest.fixture
-def stream_url():
+def start_stream_server(delay_s: float):
+    """The small streaming server on a free port, a chunk every delay_s: (its address, its process)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.02"])
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", str(delay_s)])
     wait_for_port(port, proc)
-    yield f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", proc
+
+
+def served_at(delay_s: float):
+    url, proc = start_stream_server(delay_s)
+    yield url
     proc.kill()
     proc.wait(timeout=30)
+
+
+@pytest.fixture
+def stream_url():
+    yield from served_at(0.02)
+
+
+@pytest.fixture
+def slow_stream_url():
+    """A chunk every 50 ms: a request of a dozen tokens takes over half a second."""
+    yield from served_at(0.05)
 
 
 def open_page() -> AppTest:
@@ -55,9 +76,9 @@ def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, str
     at.button[0].click()
     at.run()
     assert not at.error
-    process = at.session_state["load"]["process"]
-    assert process.wait(timeout=600) == 0
-    folder = at.session_state["load"]["progress"].parent
+    job = at.session_state["load"]
+    assert job.process.wait(timeout=600) == 0
+    folder = job.folder
     at.run()  # the progress panel sees the sweep ended
     assert not folder.exists()  # the sweep's folder in the temp directory went with it
     sweeps = served_store.sweeps(Store(page_db))
@@ -115,3 +136,99 @@ def test_a_rate_sweep_with_an_slo_draws_latency_and_goodput_against_rate_and_mar
     completed = table[table["completed"] > 0]
     assert list(delivery["level"]) == list(completed["level"]) and all(s.endswith("req/s") for s in delivery["level"])
 
+
+
+LOCAL = "this machine (the local batching engine)"
+
+
+def widget(widgets, label: str):
+    return next(w for w in widgets if w.label == label)
+
+
+def stored_config(db, sweep_id) -> dict:
+    config = json.loads(Store(db).query("SELECT config FROM load_sweeps WHERE sweep_id = ?", [int(sweep_id)])
+                        ["config"].iloc[0])
+    config.pop("rtt_ms")  # measured by each sweep (none for the local engine)
+    return config
+
+
+def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_sweep(page_db, tiny_folder, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_MODEL", str(tiny_folder))
+    at = open_page()
+    at.radio[0].set_value(LOCAL).run()
+    assert not at.exception
+    # a server's address, model name and key do not apply to this machine
+    assert [t.label for t in at.text_input] == ["Model", "Levels", "Latency target (SLO), optional"]
+    at.text_input[1].set_value("40,80")
+    at.text_input[2].set_value("e2e_ms=600000")
+    widget(at.number_input, "Max batch").set_value(2)
+    widget(at.number_input, "KV-cache budget (MiB, 0 = none)").set_value(64.0)
+    widget(at.number_input, "Requests per level").set_value(3)
+    widget(at.number_input, "New tokens per request").set_value(3)
+    widget(at.selectbox, "Prompts").set_value("open chat")
+    widget(at.selectbox, "Levels are").set_value("arrivals per second (Poisson)")
+    at.button[0].click()
+    at.run()
+    assert not at.exception and not at.error
+    job = at.session_state["load"]
+    assert job.process.wait(timeout=600) == 0, job.log.read_text()
+    at.run()
+    assert not job.folder.exists()
+    store = Store(page_db)
+    sweep = served_store.sweeps(store).iloc[0]
+    assert sweep["status"] == "ok" and sweep["endpoint"] == "local"
+    config = stored_config(page_db, sweep["sweep_id"])
+    assert (config["rates"], config["requests"], config["max_new_tokens"], config["slo"]) == ([40.0, 80.0], 3, 3,
+                                                                                            {"e2e_ms": 600000.0})
+    assert (config["local"], config["model"], config["max_batch"], config["kv_budget_mb"]) == (True, str(tiny_folder),
+                                                                                            2, 64.0)
+    # every request is a recorded run of the local engine
+    assert len(store.query("SELECT run_id FROM runs WHERE tag LIKE 'load:%'")) == 6
+    at = open_page()
+    assert not at.exception and len(at.dataframe[0].value) == 2
+    command = at.code[0].value
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", str(page_db)]
+    assert {"--local", "--rate", "--max-batch", "--kv-budget-mb", "--slo"} <= set(argv)
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    again = served_store.sweeps(store).iloc[0]["sweep_id"]
+    assert again != sweep["sweep_id"] and stored_config(page_db, again) == config
+    assert len(served_store.sweep_requests(store, again)) == 6
+
+
+def test_a_shared_dashboard_sweeps_this_machine_with_its_own_models_only(page_db, monkeypatch):
+    monkeypatch.setenv(access.TOKEN_ENV, "correct-horse-battery-staple")
+    at = AppTest.from_file("../app.py", default_timeout=180)
+    at.session_state["_signed_in"] = True
+    at.switch_page("pages/serving.py").run()
+    assert not at.exception and access.SERVED_REFUSAL in [i.value for i in at.info]
+    assert not at.radio and [t.label for t in at.text_input] == ["Model", "Levels", "Latency target (SLO), optional"]
+    at.text_input[0].set_value("HuggingFaceTB/SmolLM2-360M-Instruct")
+    at.button[0].click()
+    at.run()
+    assert not at.exception and len(at.error) == 1
+    assert at.error[0].value.startswith("This dashboard is shared on the network, so it runs only the project")
+    assert "load" not in at.session_state
+
+
+def store_a_sweep_and_one_that_completed_nothing(db, url: str) -> tuple[int, int]:
+    """Two sweeps against the slow server: one whose requests all complete, then one whose every request
+    misses a deadline shorter than its stream (its levels complete nothing; the newest, shown first)."""
+    store = Store(db)
+    done = Sweep(SweepConfig(url, [1], 2, 3, load_prompts("summary")), store).run()
+    cut = Sweep(SweepConfig(url, [1, 2], 2, 12, load_prompts("summary"), deadline_s=0.15), store).run()
+    assert [lv["completed"] for lv in done["levels"]] == [2] and [lv["completed"] for lv in cut["levels"]] == [0, 0]
+    assert cut["status"] == "ok"  # missed deadlines are a measurement, not a broken level
+    return done["sweep_id"], cut["sweep_id"]
+
+
+def test_a_sweep_whose_level_completed_nothing_offers_its_report_without_an_exception(page_db, slow_stream_url):
+    sweeps = store_a_sweep_and_one_that_completed_nothing(page_db, slow_stream_url)
+    for sweep_id in sweeps:
+        at = open_page()
+        at.multiselect[0].set_value([sweep_id]).run()
+        assert not at.exception
+        report = widget(at.get("download_button"), "Download report")
+        assert f"report --load-sweep {sweep_id}" in report.help
+    assert any("did not complete" in w.value for w in at.warning)
