@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from common import PROMPT, in_turn, ratio, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.measure import hardware
 from engine.model.loader import load_model
 from engine.run.batch import BatchEngine
@@ -73,19 +73,19 @@ def main() -> None:
     print(f"model {base.name} on {base.device}, greedy, {args.tokens} new tokens per request, identical requests, "
           f"{args.rounds} rounds, every (level, batch) once a round in rotating order; the machine is shared "
           "with other work, so compare figures within one round")
+    per_s = lambda ms_table, lv, b: [b * 1e3 / ms for ms in ms_table[(lv, b)]]  # noqa: E731 (tokens a second)
     for lv in variants:
         print(f"\n{lv}:")
-        one = step_ms[(lv, batches[0])]
+        one = per_s(step_ms, lv, batches[0])
         for b in batches:
-            rates = [b * 1e3 / ms for ms in step_ms[(lv, b)]]
-            against = [rate / (batches[0] * 1e3 / base_ms) for rate, base_ms in zip(rates, one)]
+            rates = per_s(step_ms, lv, b)
+            against = [rate / base for rate, base in zip(rates, one)]
             print(f"  batch {b:2d}: {statistics.median(rates):7.1f} tok/s in total, "
                   f"{statistics.median(rates) / b:6.1f} per user, median step {statistics.median(step_ms[(lv, b)]):6.2f} ms; "
-                  f"x{statistics.median(against):.2f} the total of batch {batches[0]} "
+                  f"against the total of batch {batches[0]} {ratio(one, rates)} "
                   f"(per round: {', '.join(f'{x:.2f}' for x in against)}); "
                   f"CPU time {statistics.median(cpu_ms[(lv, b)]):6.2f} ms a step, "
-                  f"x{statistics.median(cpu_ms[(lv, batches[0])]) * b / statistics.median(cpu_ms[(lv, b)]):.2f} "
-                  f"the tokens per CPU second of batch {batches[0]}")
+                  f"tokens per CPU second against batch {batches[0]}'s {ratio(per_s(cpu_ms, lv, batches[0]), per_s(cpu_ms, lv, b))}")
     plain, batched = [], []
     for r in range(args.rounds):
         runs = {"plain": iter(Generation(base, request(args.tokens), calibration=calibration, telemetry=False)),
@@ -95,9 +95,10 @@ def main() -> None:
         plain.append(statistics.median(token_ms["plain"][1:]))
         batched.append(statistics.median(token_ms["engine"][1:]))
     ratios = [p / b for p, b in zip(plain, batched)]
+    speed = lambda ms: [1e3 / x for x in ms]  # noqa: E731
     print(f"\none sequence, fp32, in lockstep: plain decode loop median {statistics.median(plain):.2f} ms a token, "
-          f"batch engine with one user {statistics.median(batched):.2f} ms; engine speed / plain speed "
-          f"{statistics.median(ratios):.3f} (per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+          f"batch engine with one user {statistics.median(batched):.2f} ms; engine speed against plain speed "
+          f"{ratio(speed(plain), speed(batched))} (per round: {', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the benchmarks share: the prompt, decode rates that resist a shared machine's spikes, and the
-result file each benchmark writes (bench/results/<name>.md, stamped with date, machine, command, commit)."""
+"""What the benchmarks share: the prompt, decode rates that resist a shared machine's spikes, a ratio of two
+settings with its 95% interval over the rounds, and the result file each benchmark writes (bench/results/<name>.md, stamped with date, machine, command, commit)."""
 import contextlib
 import io
 import os
@@ -9,6 +9,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from engine.measure.compare import compare
 from engine.run.generate import Generation, GenConfig
 from engine.measure.hardware import cpu_facts
 from engine.paths import REPO_ROOT, RESULTS
@@ -56,6 +57,13 @@ def lockstep_rates(variants: dict, calibration, n: int, rounds: int) -> tuple[di
             rates[k].append(1e3 / statistics.median(token_ms[1:]))  # the first token came with the prefill
             steps[k] = [s for s in gen.steps if s["kind"] == "decode"]
     return rates, steps
+
+
+def ratio(baseline: list[float], candidate: list[float]) -> str:
+    """candidate / baseline over the rounds (speeds, one per round; higher is better): the ratio of their
+    geometric means with its 95% interval and what it supports, "no measurable difference" where the interval
+    includes 1 (engine.measure.compare, as every page says it)."""
+    return compare(baseline, candidate).text().replace(" repeats)", " rounds)")
 
 
 class _Tee(io.TextIOBase):

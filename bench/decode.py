@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from common import ratio, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.measure import hardware
 
 import torch
@@ -136,11 +136,11 @@ def main():
     print(f"ours, instrumented and recorded to DuckDB:        median {med['recorded']:.2f} tok/s end to end")
     print(f"ours, instrumented, on transformers' forward:     median {med['ours-hf-forward']:.2f} tok/s end to end")
     print(f"transformers model.generate:                      median {med['hf']:.2f} tok/s end to end")
-    print(f"lean forward / transformers' forward, both in our loop: {med['ours'] / med['ours-hf-forward']:.3f}")
-    print(f"telemetry on / off: {med['ours'] / med['no-telemetry']:.3f}")
+    print(f"lean forward against transformers' forward, both in our loop: {ratio(rates['ours-hf-forward'], rates['ours'])}")
+    print(f"telemetry on against off: {ratio(rates['no-telemetry'], rates['ours'])}")
     for name in ("ours", "recorded"):
         per_round = ", ".join(f"{a / b:.3f}" for a, b in zip(rates[name], rates["hf"]))
-        print(f"ratio {name} / generate: {med[name] / med['hf']:.3f} (per round: {per_round})")
+        print(f"{name} against generate: {ratio(rates['hf'], rates[name])} (per round: {per_round})")
     print(f"memory peak: {shape.weight_bytes / 1e6:.0f} MB of weights per token at {calibration['memory_gbps']:.1f} "
           f"GB/s (best method: {calibration['memory_method']}; "
           + ", ".join(f"{k} {v:.1f}" for k, v in calibration["memory_methods_gbps"].items())

@@ -7,7 +7,7 @@ import streamlit as st
 
 from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
-from engine.report.advisor import settings
+from engine.report.advisor import arms as setting_arms
 from engine.run.reproduce import command, spec_of
 from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, show_flash
 
@@ -85,9 +85,7 @@ if picked.empty:
 ids = [int(i) for i in picked["run_id"]]
 st.subheader(f"{len(ids)} selected")
 st.dataframe(comparison(picked), width="stretch")
-SETTING = ["model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "backend"]
-rows = picked.sort_values("run_id").to_dict("records")
-arms = settings([{**r, "label": " · ".join(str(r[k]) for k in SETTING)} for r in rows])
+arms = setting_arms(picked.sort_values("run_id").to_dict("records"))
 if len(arms) > 1:  # repeats of one setting are one arm; the oldest selected run's setting is the baseline
     base = arms[0]["decode_rates"]
     st.markdown("**Decode speed against the oldest selected run's setting**, each setting's runs taken as repeats")

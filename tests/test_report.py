@@ -17,6 +17,7 @@ from engine.report.definitions import BUCKET_MEANING, METRICS
 from engine.run.generate import Generation, GenConfig
 from engine.switches.quant import variant
 from engine.report.html import ReportError, Section, runs_report
+from engine.measure.compare import NO_DIFFERENCE, compare
 from engine.measure.distances import BUCKETS
 from engine.store.db import Store
 
@@ -63,17 +64,49 @@ def test_the_report_holds_every_run_its_settings_and_figures(recorded):
         assert html.escape(BUCKET_MEANING[bucket]) in page and BUCKET_COLOURS[bucket] in page
 
 
-def test_the_comparison_has_speedups_against_the_first_run_and_the_stored_quality(recorded):
+def test_the_comparison_has_every_run_and_the_stored_quality(recorded):
     store, ids = recorded
     page = runs_report(store, ids)
     comparison = page[page.index("<h2>Comparison</h2>"):page.index("<h2>The five buckets</h2>")]
     rows = re.findall(r"<tr><td>#(\d+)</td>(.*?)</tr>", comparison)
     assert [int(r[0]) for r in rows] == ids
-    base, no_kv = store.run(ids[0]), store.run(ids[1])
-    expected = no_kv["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-    assert f">{expected:.2f}x<" in rows[1][1] and ">1.00x<" in rows[0][1]
     measured = store.query("SELECT perplexity FROM quality").iloc[0, 0]
     assert f"{measured:.3f}" in rows[2][1] and f"{measured:.3f}" not in rows[0][1]
+
+
+def setting_rows(page: str) -> list[list[str]]:
+    """The cells of the comparison's table of settings (the first table of the section)."""
+    comparison = page[page.index("<h2>Comparison</h2>"):page.index("<h2>The five buckets</h2>")]
+    first = comparison[:comparison.index("</table>")]
+    return [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(<td.*?)</tr>", first)]
+
+
+def test_single_runs_of_different_settings_claim_no_difference(recorded):
+    store, ids = recorded
+    rows = setting_rows(runs_report(store, ids))
+    assert [r[1] for r in rows] == [f"#{i}" for i in ids]
+    for row in rows:
+        assert row[4].endswith("single runs: no interval, so no difference can be claimed")
+        assert row[5].endswith("single runs: no interval, so no difference can be claimed")
+
+
+def test_repeats_of_a_setting_give_each_ratio_its_interval(store, tiny_lm, calibration):
+    """Interleaved repeats of two settings: each row states compare()'s ratio, interval and verdict over the
+    stored runs, the first setting against itself 1 with no measurable difference."""
+    ids = []
+    for kv in [True, False] * 3:
+        cfg = GenConfig("Name a colour.", max_new_tokens=5, kv_cache=kv, ignore_eos=True)
+        ids.append(Generation(tiny_lm, cfg, store=store, calibration=calibration).run()["run_id"])
+    rows = setting_rows(runs_report(store, ids))
+    assert [r[1] for r in rows] == [", ".join(f"#{i}" for i in ids[0::2]), ", ".join(f"#{i}" for i in ids[1::2])]
+    assert [r[2] for r in rows] == ["3", "3"]
+    stored = {i: store.run(i) for i in ids}
+    for key, column in (("decode_tokens_per_s", 4), ("tokens_per_s", 5)):
+        on, off = ([stored[i][key] for i in ids[k::2]] for k in (0, 1))
+        assert rows[0][column] == html.escape(compare(on, on).text())
+        assert rows[0][column].startswith("1.00x (95% interval ") and rows[0][column].endswith(NO_DIFFERENCE)
+        assert rows[1][column] == html.escape(compare(on, off).text())
+        assert "95% interval" in rows[1][column] and "3 vs 3 repeats" in rows[1][column]
 
 
 def test_a_roofline_ratio_above_the_peak_carries_its_sentence(tmp_path, tiny_lm, calibration):

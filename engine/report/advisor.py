@@ -61,7 +61,8 @@ def rates(run: dict) -> list[float]:
 
 def settings(runs: list[dict]) -> list[dict]:
     """Runs with the same label (the repeats of one setting) as one row, in the order labels first appear:
-    the mean of each figure, every repeat's decode speed in decode_rates and the run ids in run_ids."""
+    the mean of each figure, every repeat's decode speed in decode_rates (end to end in end_to_end_rates) and the
+    run ids in run_ids."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(r["label"], []).append(r)
@@ -72,5 +73,21 @@ def settings(runs: list[dict]) -> list[dict]:
         rows.append({"label": label, "repeats": len(group), **{f"{b}_ms": mean(f"{b}_ms") for b in BUCKETS},
                      "decode_tokens_per_s": mean("decode_tokens_per_s"), "ttft_ms": mean("ttft_ms"),
                      "tokens_per_s": mean("tokens_per_s"), "decode_rates": usable(r["decode_tokens_per_s"] for r in group),
+                     "end_to_end_rates": usable(r.get("tokens_per_s") for r in group),
                      "run_ids": [r["run_id"] for r in group if "run_id" in r]})
     return rows
+
+
+# The stored columns that make two runs the same setting, so that their runs are repeats of one arm.
+SETTING = ("model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "backend")
+
+
+def arms(runs: list[dict]) -> list[dict]:
+    """Stored runs as settings (runs alike in every SETTING column are one arm's repeats), in the order each
+    setting first appears: the first arm is the baseline of every comparison."""
+    return settings([{**r, "label": " · ".join(str(r.get(k)) for k in SETTING)} for r in runs])
+
+
+def against(baseline: list[float], rates: list[float]) -> str:
+    """A ratio of speeds against the baseline's, with its 95% interval and verdict; a dash where an arm has none."""
+    return compare(baseline, rates).text() if baseline and rates else "-"

@@ -16,6 +16,7 @@ from plotly.offline import get_plotlyjs
 
 from engine.errors import UserError
 from engine.run.reproduce import command, spec_of
+from engine.report.advisor import against, arms
 from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
 from engine.measure.distances import FORMULAS
@@ -140,9 +141,8 @@ def _ratio(value, base):
 
 
 def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
-    base = runs[0]
-    header = ["run", "settings", "status", "new tokens", "TTFT ms", "TPOT ms", "decode tok/s", "speedup (decode)",
-              "tok/s end to end", "speedup (end to end)", "weights read per forward MB", "KV bytes per token",
+    header = ["run", "settings", "status", "new tokens", "TTFT ms", "TPOT ms", "decode tok/s",
+              "tok/s end to end", "weights read per forward MB", "KV bytes per token",
               "roofline / measured forward", "acceptance rate", "tokens per target forward", "perplexity",
               "KL divergence (nats)", "top-1 agreement"]
     rows = []
@@ -150,8 +150,7 @@ def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
         m, spec, q = run["metrics"], run["metrics"].get("speculative", {}), quality.get(run["run_id"], {})
         rows.append([f"#{run['run_id']}", html.escape(switches(run)), html.escape(run["status"]),
                      fmt(run["n_new_tokens"], "d"), fmt(run["ttft_ms"]), fmt(run["tpot_ms"]),
-                     fmt(run["decode_tokens_per_s"]), fmt(_ratio(run["decode_tokens_per_s"], base["decode_tokens_per_s"]), ".2f", "x"),
-                     fmt(run["tokens_per_s"]), fmt(_ratio(run["tokens_per_s"], base["tokens_per_s"]), ".2f", "x"),
+                     fmt(run["decode_tokens_per_s"]), fmt(run["tokens_per_s"]),
                      fmt(_ratio(m.get("weight_bytes_per_forward"), 1e6)), fmt(m.get("kv_bytes_per_token"), ",d"),
                      fmt(m.get("roofline_ratio_decode"), ".0%"), fmt(spec.get("acceptance_rate"), ".0%"),
                      fmt(spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None), ".2f"),
@@ -160,12 +159,28 @@ def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
 
     above = [f"#{run['run_id']}: {html.escape(sentence)}" for run in runs
              if (sentence := above_peak_sentence(run["metrics"].get("roofline_ratio_decode")))]
-    note = (f'<p class="note">Speedups are against the first run, #{base["run_id"]}. Quality is the newest stored '
+    note = ('<p class="note">Quality is the newest stored '
             "measurement of the same model and variant (<code>python -m engine quality</code>), teacher-forced on "
             "data/eval.txt against fp32 dense; – where none is stored. Memory and compute buckets and the roofline "
             "are estimates from the calibration; every time is measured.</p>"
             + "".join(f'<p class="note">{line}</p>' for line in above))
-    return Section("Comparison", note + table(header, rows, numeric_from=3))
+    return Section("Comparison", settings_compared(runs) + note + table(header, rows, numeric_from=3))
+
+
+def settings_compared(runs: list[dict]) -> str:
+    """Each setting's speed against the first run's setting, its runs taken as repeats: the ratio with its 95%
+    interval, "no measurable difference" where the interval includes 1 (engine.measure.compare)."""
+    groups = arms(runs)
+    base = groups[0]
+    rows = [[html.escape(a["label"]), ", ".join(f"#{i}" for i in a["run_ids"]), str(a["repeats"]),
+             fmt(a["decode_tokens_per_s"]), html.escape(against(base["decode_rates"], a["decode_rates"])),
+             html.escape(against(base["end_to_end_rates"], a["end_to_end_rates"]))] for a in groups]
+    header = ["setting", "runs", "repeats", "decode tok/s (mean)", "decode against the first setting",
+              "end to end against the first setting"]
+    return (f'<p class="note">Each setting against the first run\'s ({html.escape(base["label"])}), the runs of one '
+            "setting taken as its repeats. The 95% interval is Welch's t over the repeats' log speeds; where it "
+            "includes 1 there is no measurable difference, and single runs give no interval.</p>"
+            + table(header, rows, numeric_from=2))
 
 
 def machine_section(runs: list[dict]) -> Section:
