@@ -185,14 +185,28 @@ def count_label(value: float) -> str:
 JS_SAFE_INTEGER = 2**53 - 1  # the largest whole number a browser's number field holds exactly
 
 
+def whole_number_input(where, label: str, low: int | None = None, high: int | None = None, value: int = 0,
+                       step: int = 1, **options) -> int:
+    """A number field for a whole number. Streamlit's whole-number field reads what is typed with the
+    browser's parseInt, so `1e6` silently becomes 1; this one reads it as a number (1,000,000, or the
+    browser's own sentence when that is beyond the range), shows no decimals, and rounds a fraction with
+    a line that says so. The range is capped at what the browser holds exactly."""
+    high = JS_SAFE_INTEGER if high is None else min(high, JS_SAFE_INTEGER)
+    low = -JS_SAFE_INTEGER if low is None else max(low, -JS_SAFE_INTEGER)
+    typed = where.number_input(label, float(low), float(high), float(value), float(step), format="%.0f", **options)
+    whole = round(typed)
+    if whole != typed:
+        where.warning(f"{label} takes whole numbers: {typed:g} is read as {whole}.")
+    return whole
+
+
 def setting_input(where, label: str, name: str, step: float | None = None, value=None, help: str | None = None):
-    """A number field for a generation setting: its range from engine.run.spec.LIMITS (a whole-number
-    range capped at what the browser holds exactly), its default from the run specification's."""
+    """A number field for a generation setting: its range from engine.run.spec.LIMITS, its default from
+    the run specification's."""
     limit = LIMITS[name]
     default = SPEC_DEFAULTS[name] if value is None else value
     if limit.whole:
-        return where.number_input(label, int(limit.low), min(int(limit.high), JS_SAFE_INTEGER), int(default),
-                                  help=help)
+        return whole_number_input(where, label, int(limit.low), int(limit.high), int(default), help=help)
     return where.number_input(label, float(limit.low), float(limit.high), float(default), step, help=help)
 
 

@@ -11,7 +11,8 @@ from engine.plan import shapes
 from engine.run.spec import GenConfig, RunSpec
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.plan.kvcalc import KVCalcError, human
-from ui import LEGEND, default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import (LEGEND, default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request,
+                whole_number_input)
 
 page_setup("KV calculator")
 
@@ -54,11 +55,11 @@ def pick_spec() -> kvcalc.AttentionSpec | None:
         return presets[name]
     if source == "Custom shape":
         c = st.columns(5)
-        layers = c[0].number_input("Layers", value=96, step=1)
-        heads = c[1].number_input("Attention heads", value=96, step=1)
-        kv_heads = c[2].number_input("KV heads", value=96, step=1)
-        head_dim = c[3].number_input("Head dim", value=128, step=1)
-        window = c[4].number_input("Sliding window (0 = none)", value=0, step=1)
+        layers = whole_number_input(c[0], "Layers", value=96, step=1)
+        heads = whole_number_input(c[1], "Attention heads", value=96, step=1)
+        kv_heads = whole_number_input(c[2], "KV heads", value=96, step=1)
+        head_dim = whole_number_input(c[3], "Head dim", value=128, step=1)
+        window = whole_number_input(c[4], "Sliding window (0 = none)", value=0, step=1)
         s = kvcalc.spec(layers=layers, kv_heads=kv_heads, head_dim=head_dim, attention_heads=heads)
         return kvcalc.with_window(s, window) if window else s
     if source == "Upload a config.json":
@@ -79,11 +80,11 @@ try:
     spec = pick_spec()
     c = st.columns(6)
     dtype = c[0].selectbox("KV precision", list(kvcalc.KV_BITS), index=2)
-    group = c[1].number_input("Group size (int8/int4 scales)", value=kvcalc.DEFAULT_GROUP, step=1,
-                              disabled=dtype not in kvcalc.GROUPED)
-    context = c[2].number_input("Context (tokens)", value=2048, step=256)
-    batch = c[3].number_input("Batch", value=1, step=1)
-    tp = c[4].number_input("Tensor-parallel GPUs", value=1, step=1)
+    group = whole_number_input(c[1], "Group size (int8/int4 scales)", value=kvcalc.DEFAULT_GROUP, step=1,
+                                     disabled=dtype not in kvcalc.GROUPED)
+    context = whole_number_input(c[2], "Context (tokens)", value=2048, step=256)
+    batch = whole_number_input(c[3], "Batch", value=1, step=1)
+    tp = whole_number_input(c[4], "Tensor-parallel GPUs", value=1, step=1)
     weight_dtype = c[5].selectbox("Weights precision", list(kvcalc.WEIGHT_BITS), index=1)
     if spec is not None:
         params = st.number_input("Parameters (for the weights' memory; 0 = unknown)",

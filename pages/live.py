@@ -20,7 +20,7 @@ from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
                 md_escape, open_store, page_setup, setting_input, show_calibration_verdict, show_warm_up,
-                worker_request)
+                worker_request, whole_number_input)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
@@ -105,16 +105,16 @@ with st.form("live"):
         seed = setting_input(c[1], "Random seed (when sampling)", "seed", value=DEFAULTS["seed"])
         draft_model = c[2].text_input("Draft model (for draft)", DEFAULTS["draft_model"],
                                       help="self-int8, self-exit:K (the first K layers), or a model id or folder")
-        spec_k = c[3].number_input("Draft length K", 1, MAX_K, DEFAULTS["spec_k"])
+        spec_k = whole_number_input(c[3], "Draft length K", 1, MAX_K, DEFAULTS["spec_k"])
         c = st.columns(4)
         adaptive = c[0].toggle("Adaptive", DEFAULTS["adaptive"], help="Grow K after full acceptance, shrink it after "
                                "a rejection; pause guessing while it costs more per token than plain steps.")
-        max_ngram = c[1].number_input("N-gram size", 2, 6, DEFAULTS["max_ngram"], help="Prompt lookup: the longest "
-                                      "n-gram matched. Lookahead: N, the length of the n-grams it collects and verifies.")
-        window = c[2].number_input("Lookahead window W", 1, MAX_WINDOW, DEFAULTS["window"],
-                                   help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
-        guesses = c[3].number_input("Lookahead guesses G", 1, MAX_GUESSES, DEFAULTS["guesses"],
-                                    help="At most this many collected n-grams verified per step.")
+        max_ngram = whole_number_input(c[1], "N-gram size", 2, 6, DEFAULTS["max_ngram"], help="Prompt lookup: the longest "
+                                             "n-gram matched. Lookahead: N, the length of the n-grams it collects and verifies.")
+        window = whole_number_input(c[2], "Lookahead window W", 1, MAX_WINDOW, DEFAULTS["window"],
+                                          help="Columns of guesses refined in parallel, each a Jacobi trajectory.")
+        guesses = whole_number_input(c[3], "Lookahead guesses G", 1, MAX_GUESSES, DEFAULTS["guesses"],
+                                           help="At most this many collected n-grams verified per step.")
         c = st.columns(2)
         baseline = c[0].checkbox("Run the fp32 greedy baseline too, on the same prompt, and compare")
         redraw_label = c[1].selectbox("Draw the tokens while they stream", list(REDRAWS), index=1, help=LIVE_HELP)

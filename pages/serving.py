@@ -25,7 +25,7 @@ from engine.run.spec import MAX_BATCH
 from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
 from engine.run.reproduce import ReproduceError
-from ui import LEGEND, default_model_id, figure, md_escape, open_store, plot_escape, page_setup
+from ui import LEGEND, default_model_id, figure, md_escape, open_store, plot_escape, page_setup, whole_number_input
 
 # below the plot, clear of the title above it
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.25, x=0)
@@ -63,7 +63,7 @@ with st.form("sweep"):
         model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
                                    + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
                                       else ""))
-        max_batch = c[1].number_input("Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
+        max_batch = whole_number_input(c[1], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
         kv_budget = c[2].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
                                       "batch may reserve; arrivals beyond it wait for a slot")
         st.caption("The engine runs the model at fp32 weights with its KV cache, as `load --local` does (it takes no "
@@ -77,8 +77,8 @@ with st.form("sweep"):
     c = st.columns(4)
     levels_text = c[0].text_input("Levels", "1,2,4,8", help="concurrency levels, or request rates in requests/s, "
                                   "comma-separated")
-    n_requests = c[1].number_input("Requests per level", 1, 1000, 8)
-    new_tokens = c[2].number_input("New tokens per request", 1, 4096, 32)
+    n_requests = whole_number_input(c[1], "Requests per level", 1, 1000, 8)
+    new_tokens = whole_number_input(c[2], "New tokens per request", 1, 4096, 32)
     prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
     c = st.columns([2, 3])
     arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
@@ -229,8 +229,8 @@ if table["rate"].notna().any():
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     st.plotly_chart(fig, width="stretch")
 
-gpus = st.number_input("GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
-                       "per-GPU axis below")
+gpus = whole_number_input(st, "GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
+                              "per-GPU axis below")
 fig = go.Figure()
 for name, frame in levels.items():
     rates = sweep_views.user_and_server_rates(frame, int(gpus))

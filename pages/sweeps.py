@@ -18,7 +18,8 @@ from engine.run.spec import GenConfig, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.report.charts import LEGEND
-from ui import BUCKET_COLOURS, default_model_id, figure, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import (BUCKET_COLOURS, default_model_id, figure, md_escape, open_store, page_setup, run_in_worker,
+                worker_request, whole_number_input)
 
 page_setup("Sweeps")
 st.title("Sweeps")
@@ -37,10 +38,10 @@ with st.form("sweep"):
     kv = c[1].multiselect("KV cache", ["on", "off"], default=["on"])
     sparsities = c[2].multiselect("Sparsity (fp32 only)", ["dense", "mask 50%", "skip 50%"], default=["dense"])
     specs = c[3].multiselect("Speculative", list(SPEC), default=["none"])
-    tokens = c[4].number_input("New tokens per run", 4, 512, 32)
-    repeats = c[5].number_input("Repeats", 1, 10, 3, help="Each setting runs this many times, the settings "
-                                "interleaved (A B A B), so a speed ratio gets a 95% interval and a drift of the "
-                                "machine falls on every setting alike; the sweep takes this many times longer.")
+    tokens = whole_number_input(c[4], "New tokens per run", 4, 512, 32)
+    repeats = whole_number_input(c[5], "Repeats", 1, 10, 3, help="Each setting runs this many times, the settings "
+                                       "interleaved (A B A B), so a speed ratio gets a 95% interval and a drift of the "
+                                       "machine falls on every setting alike; the sweep takes this many times longer.")
     go_button = st.form_submit_button("Run the sweep", type="primary")
 
 store = open_store()

@@ -211,3 +211,33 @@ def test_distances_shows_a_served_run_beside_a_local_one_without_an_exception(pa
     assert not at.exception
     labels = [s.value for s in at.subheader]
     assert any("served" in label for label in labels) and not any("nan" in label for label in labels)
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed")
+def test_in_chromium_a_whole_number_typed_as_1e6_is_a_million_or_refused(tmp_path):
+    """A browser's whole-number field read with parseInt turns `1e6` into 1; typed numbers keep their value,
+    a fraction is rounded with a line that says so, and one beyond the range is refused in a sentence."""
+    with serve_app(tmp_path / "numbers.duckdb") as url, browser_page() as page:
+        page.goto(url + "/kv_calculator")
+        context = page.get_by_label("Context (tokens)")
+        context.wait_for(timeout=90_000)
+        context.fill("1e6")
+        context.press("Enter")
+        page.get_by_text("KV cache at 1,000,000 tokens x 1").wait_for(timeout=30_000)
+        batch = page.get_by_label("Batch", exact=True)
+        batch.fill("2.7")
+        batch.press("Enter")
+        page.get_by_text("Batch takes whole numbers: 2.7 is read as 3.").wait_for(timeout=30_000)
+        page.get_by_text("KV cache at 1,000,000 tokens x 3").wait_for(timeout=30_000)
+
+        page.goto(url + "/sweeps")
+        repeats = page.get_by_role("spinbutton", name="Repeats")
+        repeats.wait_for(timeout=90_000)
+        repeats.fill("1e6")
+        repeats.press("Enter")
+        # the browser's own sentence, read aloud by screen readers and shown beside the field
+        page.get_by_role("alert").filter(has_text="Please enter a value between 1 and 10.").wait_for(
+            state="attached", timeout=30_000)
+        assert repeats.get_attribute("aria-invalid") == "true"
+        page.screenshot(path="/tmp/whole-numbers.png")
+        assert page.locator("[data-testid='stException']").count() == 0
