@@ -90,6 +90,38 @@ def access_gate() -> None:
     st.stop()
 
 
+def session_signed_in(session_id: str) -> bool:
+    """Whether this open session of the server has signed in (its own _signed_in, set by access_gate)."""
+    from streamlit.runtime import Runtime
+
+    info = Runtime.instance()._session_mgr.get_active_session_info(session_id)
+    state = info.session.session_state if info is not None else {}
+    return "_signed_in" in state and state["_signed_in"] is True
+
+
+def refuse_uploads_before_sign_in() -> None:
+    """Streamlit's upload endpoint stores a file for any open session, whether or not its page ever
+    drew an uploader; on a shared dashboard the server itself answers 403 to a session that has not
+    signed in, so nothing is kept for it. Idempotent: the share's launcher calls it before the server
+    starts (so even the first session is covered), and importing this module calls it again."""
+    from starlette.exceptions import HTTPException
+    from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
+
+    store = MemoryUploadedFileManager.add_file
+    if getattr(store, "signed_in_only", False):
+        return
+
+    def add_file(self, session_id, file):
+        if access.shared_mode() and not session_signed_in(session_id):
+            raise HTTPException(status_code=403, detail="Sign in with the access token before uploading.")
+        store(self, session_id, file)
+
+    add_file.signed_in_only = True
+    MemoryUploadedFileManager.add_file = add_file
+
+
+refuse_uploads_before_sign_in()
+
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:=^&])")
 # GFM makes links of bare https://..., www.... and e-mail addresses even when their characters are
 # backslash-escaped; an invisible word joiner before the colon, the at sign and www's dot stops that

@@ -177,9 +177,15 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str]:
     return sorted(n for n in names if n)
 
 
+# `python -m streamlit`, after ui.py has made the upload endpoint refuse sessions that have not signed in,
+# so the refusal holds before the first page runs (ui.py imports Streamlit; this module must not)
+LAUNCH = ("import sys; sys.path.insert(0, {root!r}); import ui; ui.refuse_uploads_before_sign_in(); "
+          "from streamlit.web.cli import main; sys.exit(main())")
+
+
 def streamlit_command(host: str, port: int, extra_hosts: list[str]) -> list[str]:
-    command = [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "app.py"), "--server.address", host,
-               "--server.port", str(port), "--server.maxUploadSize", str(UPLOAD_MB)]
+    command = [sys.executable, "-c", LAUNCH.format(root=str(REPO_ROOT)), "run", str(REPO_ROOT / "app.py"),
+               "--server.address", host, "--server.port", str(port), "--server.maxUploadSize", str(UPLOAD_MB)]
     for name in allowed_hosts(host, extra_hosts):
         command += ["--server.allowedHosts", name]
     return command

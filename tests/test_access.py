@@ -206,3 +206,53 @@ def test_the_server_refuses_uploads_larger_than_any_page_accepts():
     assert settings["server"]["maxUploadSize"] == access.UPLOAD_MB
     command = access.streamlit_command("0.0.0.0", 8502, [])
     assert command[command.index("--server.maxUploadSize") + 1] == str(access.UPLOAD_MB)
+
+
+def upload(url: str, session_id: str, xsrf: str) -> int:
+    """PUT one small file to Streamlit's upload endpoint for this session; the HTTP status."""
+    import urllib.error
+    import urllib.request
+
+    boundary = "tokenpath-boundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"config.json\"\r\n"
+            f"Content-Type: application/json\r\n\r\n{{\"x\": \"{'y' * 1000}\"}}\r\n--{boundary}--\r\n").encode()
+    request = urllib.request.Request(f"{url}/_stcore/upload_file/{session_id}/file-1", data=body, method="PUT",
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}",
+                                              "X-Xsrftoken": xsrf, "Cookie": f"_streamlit_xsrf={xsrf}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@needs_chromium
+def test_the_share_refuses_uploads_from_a_session_that_has_not_signed_in(tmp_path):
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    def share(port):
+        return [sys.executable, "-m", "engine.access", "--host", "127.0.0.1", "--port", str(port)]
+
+    sessions = []
+
+    def watch(socket):
+        def frame(payload):
+            if isinstance(payload, bytes):
+                msg = ForwardMsg()
+                msg.ParseFromString(payload)
+                if msg.WhichOneof("type") == "new_session" and msg.new_session.initialize.session_id:
+                    sessions.append(msg.new_session.initialize.session_id)
+        socket.on("framereceived", frame)
+
+    with serve_app(tmp_path / "share.duckdb", env={access.TOKEN_ENV: TOKEN}, command=share) as url, \
+            browser_page() as page:
+        page.on("websocket", watch)
+        page.goto(url)
+        page.get_by_label("Access token", exact=True).wait_for(timeout=90_000)
+        xsrf = next(c["value"] for c in page.context.cookies() if c["name"] == "_streamlit_xsrf")
+        assert sessions
+        assert upload(url, sessions[-1], xsrf) == 403  # stored for no one: the session has not signed in
+        page.get_by_label("Access token", exact=True).fill(TOKEN)
+        page.get_by_role("button", name="Sign in").click()
+        page.get_by_text("Latest runs").wait_for(timeout=90_000)
+        assert upload(url, sessions[-1], xsrf) == 204  # the KV calculator's config.json upload still works
