@@ -105,6 +105,7 @@ def generate_once(args) -> int:
     from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
+    _interrupt_once()
     spec = spec_from_args(args)
     spec.check()  # bad input is refused before the database is opened
     if spec.users > 1:
@@ -118,6 +119,7 @@ def generate_once(args) -> int:
             if not args.json:
                 print(event.piece, end="", flush=True)
         _print_result(args, run, run.result)
+        _ignore_interrupts()  # every word about the run is said: a Ctrl-C now would only cut the exit short
     except KeyboardInterrupt:
         print(f"\ninterrupted: {what_became_of(run)}", file=sys.stderr, flush=True)
         return 130
@@ -529,6 +531,21 @@ def _cancelled(*_):
     print("\ncancelled: interrupted before the command finished", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
+
+
+def _interrupt_once() -> None:
+    """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
+    the final write's handling or the words that say what became of the run."""
+    def interrupt(signum, frame):
+        _ignore_interrupts()
+        raise KeyboardInterrupt
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, interrupt)
+
+
+def _ignore_interrupts() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _cancel_on_sigterm() -> None:
