@@ -4,8 +4,15 @@ Only pathlib and the environment: pure modules import this without loading torch
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA = REPO_ROOT / "data"
+PACKAGE = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE.parent
+# A checkout reads its shipped files from data/ and keeps runs, models and kernel builds beside them; an
+# installed package (pip install .) carries the shipped files as engine/data and keeps what it writes in
+# the user's data folder ($XDG_DATA_HOME/tokenpath, default ~/.local/share/tokenpath).
+CHECKOUT = (REPO_ROOT / "data" / "workloads.json").is_file()
+DATA = REPO_ROOT / "data" if CHECKOUT else PACKAGE / "data"
+STATE = DATA if CHECKOUT else Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "tokenpath"
+BUILD = REPO_ROOT / "build" if CHECKOUT else STATE / "build"
 EVAL_TEXT = DATA / "eval.txt"  # quality: teacher-forced perplexity, KL and top-1
 CALIBRATION_TEXT = DATA / "calibration.txt"  # int8 smoothing factors, sparsity thresholds
 WORKLOADS = DATA / "workloads.json"
@@ -14,13 +21,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model every fresh install ca
 
 
 def models_dir() -> Path:
-    """Converted and local models ($TOKENPATH_MODELS, default data/models)."""
-    return Path(os.environ.get("TOKENPATH_MODELS", DATA / "models"))
+    """Converted and local models ($TOKENPATH_MODELS, default data/models, or models in the user folder)."""
+    return Path(os.environ.get("TOKENPATH_MODELS", STATE / "models"))
 
 
 def default_db_path() -> Path:
-    """The run store ($TOKENPATH_DB, default data/runs.duckdb)."""
-    return Path(os.environ.get("TOKENPATH_DB", DATA / "runs.duckdb"))
+    """The run store ($TOKENPATH_DB, default data/runs.duckdb, or runs.duckdb in the user folder)."""
+    return Path(os.environ.get("TOKENPATH_DB", STATE / "runs.duckdb"))
 
 
 def workloads() -> dict[str, dict]:

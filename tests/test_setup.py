@@ -1,5 +1,6 @@
 """Setup: the C++ kernels are built inside the checkout, one folder per environment, a build killed
-half-way never holds up the next process, and a missing build happens at model load, not in a run."""
+half-way never holds up the next process, and a missing build happens at model load, not in a run; a
+non-editable install is a working command line of its own."""
 import os
 import signal
 import subprocess
@@ -95,3 +96,40 @@ def test_a_live_builder_is_waited_for(tmp_path, monkeypatch):
     holder.wait(timeout=60)
     out, err = waiter.communicate(timeout=120)
     assert waiter.returncode == 0 and out.strip() == "imported", err
+
+
+def test_a_non_editable_install_gives_a_working_command_that_finds_its_data(tmp_path):
+    """pip install (not -e) of a copy of the sources into a folder of its own: its `tokenpath` command,
+    run from elsewhere, reads the shipped data from the package and writes runs to the user's folder."""
+    import json
+    import shutil
+
+    source = tmp_path / "source"  # a copy, so the build writes nothing into the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "requirements.txt", "requirements-test.txt", "ui.py", "browser.py"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("engine", "data"):
+        shutil.copytree(ROOT / folder, source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "models", "*.duckdb*", "journals*"))
+    target = tmp_path / "installed"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(source)], check=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENPATH_")}
+    env.update(PYTHONPATH=str(target), XDG_DATA_HOME=str(tmp_path / "user"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def tokenpath(*args):
+        done = subprocess.run([str(target / "bin" / "tokenpath"), *args], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    where = subprocess.run([sys.executable, "-c", "import engine.paths as p; print(p.CHECKOUT, p.DATA)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120).stdout.split()
+    assert where == ["False", str(target / "engine" / "data")]  # the installed copy, not the checkout
+    plan = json.loads(tokenpath("plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-sxm", "--json"))
+    assert plan["decode_ms_per_token"] > 0 and plan["distances_ms"]["memory"] > 0  # the data sheets were read
+    assert json.loads(tokenpath("runs", "--json")) == []
+    assert (tmp_path / "user" / "tokenpath" / "runs.duckdb").is_file()  # not inside the installed package
+    assert not list(target.glob("engine/data/*.duckdb"))

@@ -18,7 +18,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine.paths import REPO_ROOT
+from engine.paths import BUILD
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 SOURCES = tuple(sorted(KERNELS.glob("*.cpp")))
@@ -71,7 +71,7 @@ def _cpu_model() -> str:
 
 
 def build_root() -> Path:
-    return Path(os.environ.get("TOKENPATH_BUILD", REPO_ROOT / "build"))
+    return Path(os.environ.get("TOKENPATH_BUILD", BUILD))
 
 
 def build_directory() -> Path:

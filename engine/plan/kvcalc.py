@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.plan import shapes
 from engine.dtypes import BITS, FP4_BITS
-from engine.paths import DATA
+from engine.paths import DATA, models_dir
 from engine.plan.shapes import ShapeError as KVCalcError  # bad calculator input: one sentence for the user
 
 KV_BITS = {**BITS, **FP4_BITS}
@@ -168,7 +168,7 @@ def spec_from_model_folder(model: str) -> AttentionSpec:
 
 def project_model_folders() -> dict[str, Path]:
     """The project's own converted models (data/models/NAME with a config.json), by folder name."""
-    return {p.parent.name: p.parent for p in sorted((DATA / "models").glob("*/config.json"))}
+    return {p.parent.name: p.parent for p in sorted(models_dir().glob("*/config.json"))}
 
 
 def load_presets() -> dict[str, AttentionSpec]:
