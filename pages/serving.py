@@ -180,7 +180,7 @@ if not levels[label[first]].empty:  # the report is built when the button is pre
                             "--out FILE.html`).")
 try:  # the command comes from the sweep's stored parameters, as `load --from-sweep` reads them
     st.caption(f"The command that makes sweep #{first} again (or `python -m engine load --from-sweep {first}`):")
-    st.code(sweep_command(store, int(first), db=store.path), language="bash")
+    st.code(sweep_command(store, int(first), db=store.path), language="bash", wrap_lines=True)
 except ReproduceError as exc:
     st.caption(md_escape(str(exc)))
 st.download_button("Download trace", lambda: trace_json(store, sweep_ids=sorted(int(s) for s in chosen)),

@@ -1,4 +1,5 @@
 """Reports of a sweep (runs tagged sweep:ID) and of a load sweep against a real local streaming server."""
+import html
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.switches.quant import variant
 from engine.report.html import ReportError
 from engine.store.db import Store
-from engine.report.sweeps import load_sweep_report, sweep_report, sweep_tag
+from engine.report.sweeps import load_sweep_report, sweep_report, sweep_results, sweep_tag
+from engine.measure.compare import compare
+from engine.run.open import open_run
+from engine.sweep import SweepSpec, start
 from engine.serve.vllm import free_port
 
 from test_served import wait_for_port
@@ -32,6 +36,19 @@ def test_a_sweep_report_holds_its_tagged_runs_and_the_advisor(tiny_lm, calibrati
     assert "Advisor" in page and "bound by" in page and "<script src=" not in page
     with pytest.raises(ReportError, match="No finished runs of sweep"):
         sweep_report(store, "19990101-000000")
+
+
+def test_a_stored_sweep_report_states_each_setting_with_its_interval_and_its_command(tiny_folder, store):
+    spec = SweepSpec("summary", ["fp32", "bf16"], new_tokens=4, repeat=2, model=str(tiny_folder), device="cpu")
+    sweep_id = start(store, spec)
+    for _, run_spec in spec.runs(sweep_id):
+        open_run(run_spec, store).run()
+    results = sweep_results(store, sweep_id)
+    assert [(r["label"], r["repeats"]) for r in results] == [("fp32, KV on", 2), ("bf16, KV on", 2)]
+    assert results[0]["decode vs baseline"].startswith("1.00x (95% interval ")
+    assert results[1]["decode vs baseline"] == compare(results[0]["decode_rates"], results[1]["decode_rates"]).text()
+    page = sweep_report(store, sweep_id)
+    assert html.escape(spec.command()) in page and html.escape(results[1]["decode vs baseline"]) in page
 
 
 def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):

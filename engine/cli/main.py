@@ -519,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli.tracing import add_parser as add_trace_parser
 
     add_trace_parser(sub)
+    from engine.cli.sweeping import add_parser as add_sweep_parser
+
+    add_sweep_parser(sub)
     from engine.cli.doctor import add_parser as add_doctor_parser
 
     add_doctor_parser(sub)

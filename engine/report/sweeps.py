@@ -1,4 +1,4 @@
-"""Reports of a sweep (the Sweeps page's grid, its runs tagged sweep:ID) and of a load sweep against a
+"""Reports of a sweep (a grid of settings, engine/sweep.py, its runs tagged sweep:ID) and of a load sweep against a
 server (its levels and requests), built from the stored rows with the report module's sections."""
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 
 import plotly.graph_objects as go
 
-from engine.report.advisor import advise, settings
-from engine.report.charts import readable, run_switches
+from engine.report.advisor import advise, against, settings
+from engine.report.charts import readable
+from engine.run.reproduce import spec_of
+from engine.sweep import arm_of, stored, stored_ids, sweep_tag
 from engine.measure.distances import BUCKETS
 from engine.report.html import ReportError, Section, build_html, definitions_section, runs_report, table
 from engine.serve.records import sweeps
@@ -17,12 +19,6 @@ from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
 from engine.run.reproduce import ReproduceError
 
-SWEEP_TAG = "sweep:"
-
-
-def sweep_tag(sweep_id: str) -> str:
-    return SWEEP_TAG + sweep_id
-
 
 def sweep_runs(store, sweep_id: str) -> list[dict]:
     frame = store.query("SELECT * FROM runs WHERE tag = ? AND status = 'ok' ORDER BY run_id", [sweep_tag(sweep_id)])
@@ -30,27 +26,34 @@ def sweep_runs(store, sweep_id: str) -> list[dict]:
 
 
 def advisor_rows(runs: list[dict]) -> list[dict]:
-    """The advisor's view of stored runs: one row per setting (its repeats together), the buckets per token, the rates."""
-    class Row:  # run_switches reads attributes
-        def __init__(self, run):
-            self.__dict__.update(run)
-
-    return settings([{"label": f"{r['model']} · {' · '.join(run_switches(Row(r)))}", "run_id": r["run_id"],
+    """The advisor's view of a sweep's stored runs: one row per setting of its grid (its repeats together), in the
+    order the settings first ran, the buckets per token, the rates."""
+    return settings([{"label": arm_of(spec_of(r)).label, "run_id": r["run_id"],
                       **{f"{b}_ms": (r[f"{b}_ms"] or 0.0) / (r["n_new_tokens"] or 1) for b in BUCKETS},
                       "decode_tokens_per_s": r["decode_tokens_per_s"], "ttft_ms": r["ttft_ms"],
                       "tokens_per_s": r["tokens_per_s"]} for r in runs])
 
 
+def sweep_results(store, sweep_id: str) -> list[dict]:
+    """A sweep's settings as the advisor reads them, each with its decode speed against the first setting (the
+    ratio, its 95% interval and verdict) in "decode vs baseline"; empty before any run finished."""
+    rows = advisor_rows(sweep_runs(store, sweep_id))
+    return [{**row, "decode vs baseline": against(rows[0]["decode_rates"], row["decode_rates"])} for row in rows]
+
+
 def sweep_report(store, sweep_id: str) -> str:
-    """The sweep's runs compared against its first (the baseline), with the advisor's reading."""
+    """The sweep's runs compared against its first (the baseline), with the advisor's reading and the command
+    that makes the sweep again."""
     runs = sweep_runs(store, sweep_id)
     if not runs:
         raise ReportError(f"No finished runs of sweep '{sweep_id}' in {store.path.name}: run a sweep on the Sweeps "
-                          "page first (its id is shown under its results).")
+                          "page or with `python -m engine sweep` first (its id is shown under its results).")
     rows = advisor_rows(runs)
     advice = "".join(f"<li>{html.escape(line)}</li>" for line in advise(rows, rows[0]))
+    again = (f"<p>The command that makes this sweep again:</p><pre>{html.escape(stored(store, sweep_id).command())}"
+             "</pre>" if sweep_id in stored_ids(store) else "")
     return runs_report(store, [r["run_id"] for r in runs], title=f"Tokenpath: sweep {sweep_id}",
-                       extra=[Section("Advisor", f"<ul>{advice}</ul>")])
+                       extra=[Section("Advisor", f"<ul>{advice}</ul>{again}")])
 
 
 def _num(value, spec: str) -> str:

@@ -101,5 +101,8 @@ MIGRATIONS = {
         "ALTER TABLE runs ADD COLUMN prefix_cache_hits DOUBLE",  # prompt tokens found in the cache
         "ALTER TABLE runs ADD COLUMN prefix_cache_hit_rate DOUBLE",  # NULL where the server has no such counters
     ],
+    11: [  # a sweep's full specification (engine/sweep.py), stored before its first run
+        "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, created_at TIMESTAMP, spec VARCHAR)",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -1,0 +1,176 @@
+"""A sweep: a grid of settings on one workload, each setting run `repeat` times with the settings interleaved
+(A B A B), its runs tagged sweep:ID. Its full specification is stored (table sweeps) before its first run, so
+the Sweeps page and `python -m engine sweep` make the same stored sweep, and the command that makes it again
+is written from what is stored."""
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+
+from engine.errors import UserError
+from engine.measure.compare import interleaved
+from engine.paths import workloads
+from engine.run.spec import GenConfig, RunSpec
+from engine.store.sql import utcnow
+
+SWEEP_TAG = "sweep:"
+MAX_REPEAT = 10  # each setting's runs; the sweep takes this many times longer
+MIN_TOKENS, MAX_TOKENS = 4, 512  # new tokens per run
+KV = ("on", "off")
+# A sweep's sparsity settings by name: (target sparsity, mode). Sparsity applies to fp32 weights only.
+SPARSITY = {"dense": (0.0, "mask"), "mask-50": (0.5, "mask"), "skip-50": (0.5, "skip")}
+
+
+class SweepError(UserError):
+    """A sweep that cannot run as asked; the message is one sentence."""
+
+
+def sweep_tag(sweep_id: str) -> str:
+    """The tag a sweep's runs are stored with."""
+    return SWEEP_TAG + sweep_id
+
+
+def speculative_methods() -> dict[str, dict]:
+    """The speculative methods a sweep can set, by name, with the GenConfig settings it runs each with."""
+    from engine.switches.speculative import METHODS
+
+    return {name: dict(spec=name, **m.sweep) if name != "none" else {} for name, m in METHODS.items()}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One setting of the grid."""
+    weights: str
+    kv: str
+    sparsity: str
+    speculative: str
+
+    @property
+    def label(self) -> str:
+        return (f"{self.weights}, KV {self.kv}" + ("" if self.sparsity == "dense" else f", {self.sparsity}")
+                + ("" if self.speculative == "none" else f", {self.speculative}"))
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Everything that decides what a sweep runs; the first value of each list is the baseline."""
+    workload: str
+    weights: list[str] = field(default_factory=lambda: ["fp32"])
+    kv: list[str] = field(default_factory=lambda: ["on"])
+    sparsity: list[str] = field(default_factory=lambda: ["dense"])
+    speculative: list[str] = field(default_factory=lambda: ["none"])
+    new_tokens: int = 32
+    repeat: int = 3
+    model: str = "default"
+    device: str = "auto"
+
+    def check(self) -> None:
+        """Raise SweepError with one sentence for anything the sweep cannot run."""
+        from engine.model.loader import pick_device
+        from engine.switches.quant import LEVELS, available_levels
+
+        shipped = workloads()
+        if self.workload not in shipped:
+            raise SweepError(f"Unknown workload '{self.workload}': choose one of {', '.join(shipped)}.")
+        runnable = available_levels(pick_device(self.device))
+        for name, values, known in (("weight level", self.weights, list(LEVELS)), ("KV cache setting", self.kv, KV),
+                                    ("sparsity", self.sparsity, list(SPARSITY)),
+                                    ("speculative method", self.speculative, list(speculative_methods()))):
+            unknown = [v for v in values if v not in known]
+            if unknown:
+                raise SweepError(f"Unknown {name} '{unknown[0]}': choose from {', '.join(known)}.")
+        slow = [lv for lv in self.weights if lv not in runnable]
+        if slow:
+            raise SweepError(f"The weight level '{slow[0]}' does not run on this device: choose from "
+                             f"{', '.join(runnable)}.")
+        if not _whole(self.repeat, 1, MAX_REPEAT):
+            raise SweepError(f"A sweep repeats each setting 1 to {MAX_REPEAT} times, not {self.repeat!r}.")
+        if not _whole(self.new_tokens, MIN_TOKENS, MAX_TOKENS):
+            raise SweepError(f"A sweep's runs make {MIN_TOKENS} to {MAX_TOKENS} new tokens, not {self.new_tokens!r}.")
+        if not self.grid():
+            raise SweepError("The grid is empty: give at least one value of every setting (sparsity other than "
+                             "dense needs fp32 weights).")
+
+    def grid(self) -> list[Arm]:
+        """Every combination of the settings, in the order given; sparsity only with fp32 weights."""
+        return [Arm(*combo) for combo in itertools.product(dict.fromkeys(self.weights), dict.fromkeys(self.kv),
+                                                           dict.fromkeys(self.sparsity),
+                                                           dict.fromkeys(self.speculative))
+                if combo[2] == "dense" or combo[0] == "fp32"]
+
+    def run_spec(self, arm: Arm, sweep_id: str) -> RunSpec:
+        """The run of one arm, tagged with the sweep."""
+        cfg = GenConfig(workloads()[self.workload]["prompt"], max_new_tokens=self.new_tokens,
+                        kv_cache=arm.kv == "on", ignore_eos=True, **speculative_methods()[arm.speculative])
+        level, mode = SPARSITY[arm.sparsity]
+        return RunSpec(gen=cfg, model=self.model, device=self.device, weights=arm.weights, sparsity=level,
+                       sparsity_mode=mode, tag=sweep_tag(sweep_id))
+
+    def runs(self, sweep_id: str) -> list[tuple[Arm, RunSpec]]:
+        """Every run of the sweep in the order to run them: the arms interleaved, `repeat` times."""
+        return [(arm, self.run_spec(arm, sweep_id)) for arm in interleaved(self.grid(), self.repeat)]
+
+    def arguments(self) -> list[str]:
+        """`sweep`'s arguments for this specification (without --db)."""
+        args = ["--workload", self.workload]
+        for name in ("weights", "kv", "sparsity", "speculative"):
+            args += [f"--{name}", ",".join(getattr(self, name))]
+        args += ["--new-tokens", str(self.new_tokens), "--repeat", str(self.repeat)]
+        for name in ("model", "device"):
+            if getattr(self, name) != _default(name):
+                args += [f"--{name}", getattr(self, name)]
+        return args
+
+    def command(self, db: str | None = None) -> str:
+        """The shell command that makes this sweep again, copyable as it is."""
+        return shlex.join(["python", "-m", "engine", "sweep", *self.arguments(), *(["--db", str(db)] if db else [])])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SweepSpec:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+
+def _default(name: str):
+    return next(f.default for f in fields(SweepSpec) if f.name == name)
+
+
+def _whole(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def start(store, spec: SweepSpec) -> str:
+    """Check the sweep, store its specification under a new id (the time it starts, made unique), and return
+    the id; bad input raises SweepError before anything is stored."""
+    spec.check()
+    base = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    taken = set(store.query("SELECT sweep_id FROM sweeps WHERE sweep_id LIKE ?", [base + "%"])["sweep_id"])
+    sweep_id = next(c for c in itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2))) if c not in taken)
+    store.insert({"sweeps": [{"sweep_id": sweep_id, "created_at": utcnow(), "spec": spec.to_json()}]})
+    return sweep_id
+
+
+def stored(store, sweep_id: str) -> SweepSpec:
+    """The specification a stored sweep was made with."""
+    frame = store.query("SELECT spec FROM sweeps WHERE sweep_id = ?", [sweep_id])
+    if frame.empty:
+        raise SweepError(f"No sweep '{sweep_id}' in {store.path.name}: the Sweeps page lists the stored ones.")
+    return SweepSpec.from_json(frame.iloc[0, 0])
+
+
+def stored_ids(store) -> list[str]:
+    """The stored sweeps' ids, newest first."""
+    return list(store.query("SELECT sweep_id FROM sweeps ORDER BY created_at DESC, sweep_id DESC")["sweep_id"])
+
+
+def arm_of(spec: RunSpec) -> Arm:
+    """The arm a stored run of a sweep belongs to, from its RunSpec."""
+    sparsity = next((name for name, (level, mode) in SPARSITY.items()
+                     if level == spec.sparsity and (mode == spec.sparsity_mode or not level)), f"{spec.sparsity:g}")
+    return Arm(spec.weights, "on" if spec.gen.kv_cache else "off", sparsity, spec.gen.spec)
