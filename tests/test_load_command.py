@@ -1,0 +1,39 @@
+"""The command that makes a stored load sweep again (engine.serve.command): rate levels come back as --rate,
+and a sweep it cannot make again (a capacity search, a replayed trace) says why in one sentence."""
+import shlex
+
+import pytest
+
+from engine.run.reproduce import ReproduceError
+from engine.serve import records as served_store
+from engine.serve.command import load_options, sweep_command
+
+CONFIG = {"endpoint": None, "concurrency": [], "rates": [2.0, 4.5], "requests": 3, "max_new_tokens": 5,
+          "slo": {"ttft_ms": 500.0}, "seed": 0, "local": True, "model": "default", "max_batch": 4,
+          "kv_budget_mb": None, "trace_name": None, "rtt_ms": None}
+
+
+def stored(store, config: dict, kind: str) -> int:
+    return served_store.start_sweep(store, endpoint="local", server_model="m", config=config, kind=kind)
+
+
+def test_a_rate_sweep_comes_back_with_its_rates_and_every_stored_option(store):
+    argv = shlex.split(sweep_command(store, stored(store, CONFIG, "rate"), db="other.duckdb"))
+    assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", "other.duckdb"]
+    assert "--local" in argv
+    at = {flag: argv[argv.index(flag) + 1] for flag in ("--rate", "--requests", "--slo", "--max-batch", "--model")}
+    assert at == {"--rate": "2.0,4.5", "--requests": "3", "--slo": "ttft_ms=500", "--max-batch": "4",
+                  "--model": "default"}
+    assert set(a for a in argv if a.startswith("--")) <= load_options()
+    assert "--concurrency" not in argv and "--kv-budget-mb" not in argv  # empty and unset: the defaults
+
+
+@pytest.mark.parametrize("config, kind, words", [
+    (CONFIG, "capacity", "is a capacity search"),
+    ({**CONFIG, "trace_name": "data/traces/x.jsonl"}, "rate", "replayed a trace file"),
+])
+def test_a_sweep_that_cannot_be_made_again_says_why(store, config, kind, words):
+    with pytest.raises(ReproduceError, match=words):
+        sweep_command(store, stored(store, config, kind))
+    with pytest.raises(ReproduceError, match="is not in"):
+        sweep_command(store, 999)
