@@ -1,5 +1,6 @@
 """Batching: sequences decoded together give each one the tokens it gets alone, join and leave between
-steps, wait for the KV budget, and are each a recorded run whose buckets sum to its own time."""
+steps, wait for the KV budget or are preempted and recomputed when it runs out, and are each a recorded run
+whose buckets sum to its own time."""
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from transformers import DynamicCache
 
 from engine.errors import UserError
 from engine.model.cpu_kernels import optional_kernel
-from engine.run.batch import BatchEngine, BatchError
+from engine.run.batch import CACHE_ROOM, BatchEngine, BatchError
 from engine.run.generate import Generation
 from engine.run.local import LocalEngine
 from engine.run.spec import GenConfig
@@ -139,18 +140,83 @@ def test_a_cancelled_sequence_frees_its_slot_and_its_cache(tiny_lm, calibration,
     assert runs.loc[running.run_id, "n_new_tokens"] == len(running.token_ids) >= 3
 
 
+def real_kv_bytes(seq) -> int:
+    """The bytes the tensors of a sequence's cache really occupy: their storages, the room they keep included."""
+    if seq.cache is None:
+        return 0
+    return sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+               for layer in seq.cache.layers if layer.is_initialized)
+
+
+def stepped_within_budget(engine) -> None:
+    """Run the engine to the end, checking after every step that its count of KV bytes is what each cache's
+    tensors occupy once decoded (a prefill's concatenated tensors, exactly its positions, take no more than
+    the count reserves) and never above the budget."""
+    per_position = engine.shape.kv_bytes_per_token
+    while engine.step():
+        assert engine.reserved_bytes <= engine.kv_budget_bytes
+        for seq in engine.running:
+            real, held = real_kv_bytes(seq), seq.held * per_position
+            if seq.phase == "decode":
+                assert real in (held, seq.past * per_position) and real <= held, (seq.past, seq.held, real)
+            else:
+                assert real == seq.filled * per_position <= held
+    assert not engine.running and not engine.queued
+
+
 def test_an_exhausted_kv_budget_queues_arrivals_instead_of_failing_them(tiny_lm, calibration):
     per_position = BatchEngine(tiny_lm, calibration=calibration).shape.kv_bytes_per_token
     cfgs = [sampled(p, 6, seed) for seed, p in enumerate(PROMPTS)]
-    engine = BatchEngine(tiny_lm, max_batch=4, calibration=calibration, kv_budget_bytes=per_position * 70)
+    engine = BatchEngine(tiny_lm, max_batch=4, calibration=calibration, kv_budget_bytes=per_position * 300)
     seqs = [engine.submit(cfg) for cfg in cfgs]
-    engine.step()
-    assert engine.reserved_bytes <= engine.kv_budget_bytes and 1 <= len(engine.running) < 4 and engine.queued
+    engine.step()  # each is reserved the 128 positions of room its first decode grows its cache to: two fit
+    assert engine.reserved_bytes == 2 * CACHE_ROOM * per_position and engine.running == seqs[:2]
+    assert engine.queued == [seqs[2], seqs[3]]
     engine.run()
     assert all(s.status == "ok" and s.token_ids == alone(tiny_lm, s.cfg, calibration) for s in seqs)
-    assert max(engine.batch_sizes) < 4
+    assert max(engine.batch_sizes) < 4 and engine.preemptions == 0
     with pytest.raises(BatchError, match="smaller than one sequence needs"):
-        engine.check(greedy(PROMPTS[1], tokens=200))
+        engine.check(greedy(PROMPTS[1], tokens=300))  # room for 384 positions at its full length
+
+
+def test_a_budget_that_runs_out_mid_decode_preempts_the_newest_which_recomputes_its_own_tokens(
+        tiny_lm, calibration, store):
+    """Four sequences that outgrow a budget of three caches' room: the newest-admitted ones are preempted, wait,
+    and are recomputed; each ends with the tokens it gets alone, its preemptions and recompute steps in its run,
+    the waiting in its time distance, its buckets summing to its time, the budget never exceeded."""
+    per_position = BatchEngine(tiny_lm, calibration=calibration).shape.kv_bytes_per_token
+    engine = BatchEngine(tiny_lm, store, max_batch=4, calibration=calibration,
+                         kv_budget_bytes=3 * CACHE_ROOM * per_position)
+    seqs = [engine.submit(greedy(p, tokens=150 + 10 * i)) for i, p in enumerate(PROMPTS)]
+    stepped_within_budget(engine)
+    assert engine.preemptions == sum(s.preemptions for s in seqs) >= 2 and seqs[0].preemptions == 0
+    for seq in seqs:
+        assert seq.status == "ok" and seq.token_ids == alone(tiny_lm, seq.cfg, calibration), seq.cfg.prompt
+        run = store.runs(10).set_index("run_id").loc[seq.run_id]
+        steps = store.steps(seq.run_id).to_dict("records")
+        recomputes = [s for s in steps if s["kind"] == "recompute"]
+        assert len(recomputes) == seq.preemptions == seq.result["preemptions"]
+        for step in recomputes:  # the prompt and every token so far, prefilled again; the wait before it is time
+            assert step["n_input"] == step["context_len"] > len(seq.prompt_ids) and step["n_emitted"] == 1
+            assert step["time_ms"] >= step["host_ms"] > 0
+        if seq.preemptions:
+            assert seq.result["preempted_ms"] > 0 and sum(s["time_ms"] for s in recomputes) >= seq.result["preempted_ms"]
+        tokens = store.tokens(seq.run_id)
+        assert list(tokens["token_id"]) == seq.token_ids
+        buckets = sum(tokens[f"{b}_ms"].sum() for b in ("physical", "memory", "compute", "time", "decision"))
+        assert buckets == pytest.approx(tokens["t_ms"].iloc[-1], rel=1e-9)
+        assert run["total_ms"] == pytest.approx(tokens["t_ms"].iloc[-1])
+
+
+def test_the_default_model_decodes_a_preempted_sequence_as_it_does_alone(default_lm, calibration):
+    per_position = BatchEngine(default_lm, calibration=calibration).shape.kv_bytes_per_token
+    engine = BatchEngine(default_lm, max_batch=2, calibration=calibration,
+                         kv_budget_bytes=(2 * CACHE_ROOM + CACHE_ROOM // 2) * per_position)
+    seqs = [engine.submit(greedy(p, tokens=CACHE_ROOM + 12)) for p in PROMPTS[1:3]]
+    stepped_within_budget(engine)
+    assert seqs[1].preemptions >= 1 and seqs[0].preemptions == 0
+    for seq in seqs:
+        assert seq.status == "ok" and seq.token_ids == alone(default_lm, seq.cfg, calibration), seq.cfg.prompt
 
 
 @pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
@@ -159,10 +225,30 @@ def test_a_hundred_requests_against_a_cap_of_eight_finish_with_their_own_text_an
     seqs = [engine.submit(sampled(f"{PROMPTS[i % 4]} {i}", 3 + i % 5, i)) for i in range(100)]
     engine.run()
     assert max(engine.batch_sizes) == 8 and len({s.text for s in seqs}) > 90
+    _finished_with_their_own_text_and_runs(tiny_lm, seqs, store, calibration)
+
+
+@pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
+def test_a_hundred_requests_against_a_cap_of_eight_and_a_tight_budget_are_preempted_and_all_finish(
+        tiny_lm, calibration, store):
+    """Room for twelve caches of 128 positions among eight slots: when more than four sequences outgrow their
+    first 128 at once, the newest are preempted and recomputed; the budget holds at every step, and every request
+    ends with its own text and run."""
+    per_position = BatchEngine(tiny_lm, calibration=calibration).shape.kv_bytes_per_token
+    engine = BatchEngine(tiny_lm, store, max_batch=8, calibration=calibration, prefill_chunk=8 * CACHE_ROOM,
+                         kv_budget_bytes=12 * CACHE_ROOM * per_position)
+    preamble = f"{PROMPTS[3]} " * 6  # about 90 tokens: a few dozen more take a cache past its first 128 positions
+    seqs = [engine.submit(sampled(f"{preamble}{PROMPTS[i % 4]} {i}", 12 + i % 30, i)) for i in range(100)]
+    stepped_within_budget(engine)
+    assert max(engine.batch_sizes) == 8 and engine.preemptions > 0 and len({s.text for s in seqs}) == 100
+    _finished_with_their_own_text_and_runs(tiny_lm, seqs, store, calibration)
+
+
+def _finished_with_their_own_text_and_runs(lm, seqs, store, calibration) -> None:
     runs = store.runs(200).set_index("run_id")
-    assert len(runs) == 100
+    assert len(runs) == len(seqs)
     for seq in seqs:
-        assert seq.status == "ok" and seq.token_ids == alone(tiny_lm, seq.cfg, calibration)
+        assert seq.status == "ok" and seq.token_ids == alone(lm, seq.cfg, calibration)
         run = runs.loc[seq.run_id]
         assert run["status"] == "ok" and run["output"] == seq.text and run["prompt"] == seq.cfg.prompt
         assert list(store.tokens(seq.run_id)["token_id"]) == seq.token_ids
@@ -244,6 +330,7 @@ def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path)
     (["--users", "0"], "between 1 and 16"),
     (["--users", "17"], "between 1 and 16"),
     (["--users", "2", "--kv-budget-mb", "0.0001"], "smaller than one sequence"),
+    (["--users", "2", "--kv-budget-mb", "0.1", "--max-new-tokens", "300"], "smaller than one sequence"),
     (["--users", "2", "--max-new-tokens", "4000"], "context"),
     (["--users", "2", "--spec", "prompt-lookup"], "Speculative decoding"),
     (["--users", "2", "--sparsity", "0.5"], "sparsity"),

@@ -1,15 +1,23 @@
 """Continuous batching: many sequences decoded together, each step's weights read once for all of them.
 
-BatchEngine keeps arrivals in a queue and up to max_batch sequences running. A step admits the arrivals that a
-free slot and the KV budget allow (each reserves room for its prompt and its whole token budget, so a running
-sequence never has to be preempted), runs up to prefill_chunk prompt tokens of the admitted arrivals (oldest
-first, a long prompt in chunks over several steps), then one batched decode of every sequence past its prefill (LeanLlama.decode_batch). Sequences join and leave between steps; a cancelled one
-frees its slot, its reservation and its cache at the next step.
+BatchEngine keeps arrivals in a queue and up to max_batch sequences running. Under a KV budget it counts the bytes
+each running sequence's cache takes: the room the decode grows it by, CACHE_ROOM positions at a time
+(LeanLlama.decode_batch), reserved for its prompt when it is admitted (a cache that grows is copied once, so for
+that moment its old storage is held too). A step first makes room for the running sequences' next positions: when
+the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing its cache and putting it back
+at the front of the queue, to be recomputed (one prefill of its prompt and the tokens it has so far, which gives
+its next token) when memory allows. Then, unless it preempted, it admits the arrivals that a free slot and the
+budget allow, runs up to prefill_chunk prompt tokens of the admitted ones (oldest first, a long prompt in chunks
+over several steps), and one batched decode of every sequence past its prefill. Sequences join and leave between
+steps; a cancelled one frees its slot and its cache at the next step. A request too long for the budget even alone
+is refused before it is queued.
 
 Every sequence is its own recorded run with its own journal. Its rows share each step it took part in: its
 memory estimate carries 1/batch of the weights' trip (engine.run.rows), its own KV bytes and FLOPs stay its own,
 and the rest of the step, like the time it waited to be admitted or while another sequence's prefill ran, is
-the time distance; its steps tile its timeline, so its buckets sum to its measured time."""
+the time distance; its steps tile its timeline, so its buckets sum to its measured time. A preempted sequence's
+recompute is a step of its run (kind recompute), and the time from its preemption to its recompute's forward is
+the time distance too."""
 from __future__ import annotations
 
 import math
@@ -37,6 +45,19 @@ from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
 PREFILL_CHUNK = 128  # prompt tokens a step prefills, between the running sequences' decode steps
+CACHE_ROOM = 128  # positions a decode grows a full cache by (engine/model/lean.py, kernels/decode.cpp)
+
+
+def decoded_room(positions: int) -> int:
+    """Positions of room a cache holding `positions` takes once the decode has grown it; a prefill takes no more
+    (its chunks concatenate, and a last chunk of one token grows the cache as a decode does)."""
+    return -(-positions // CACHE_ROOM) * CACHE_ROOM
+
+
+def most_positions(n_prompt: int, max_new_tokens: int) -> int:
+    """The most positions of room a sequence's cache takes in its life, preempted on the way or not: its last
+    token is emitted, never fed back."""
+    return decoded_room(n_prompt + max_new_tokens - 1)
 
 
 class BatchError(UserError):
@@ -81,17 +102,20 @@ class Sequence:
                  sink: queue.SimpleQueue | None):
         self.cfg, self.prompt_ids, self.tag, self.sink = cfg, ids, tag, sink
         self.output = Output(engine.lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
-        self.reserved = (len(ids) + cfg.max_new_tokens) * engine.shape.kv_bytes_per_token
         self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.phase = "queued"  # queued, prefill, decode, done
         self.cache: DynamicCache | None = None
-        self.filled = 0  # prompt tokens in the cache
+        self.held = 0  # positions of room its cache takes, or that are reserved for the prefill under way
+        self.filled = 0  # prompt tokens (after a preemption: prompt and output tokens) in the cache
         self.prefill_forward_ns = 0
         self.past = 0  # positions in the cache
         self.step = 0
         self.t_request = t_request
         self.t_admitted: int | None = None
         self.t_last = self.t_request  # when its previous step handed over its tokens
+        self.preemptions = 0
+        self.t_preempted: int | None = None
+        self.preempted_ns = 0  # from each preemption to the recompute's admission
         self.steps: list[dict] = []
         self.tokens: list[dict] = []
         self.forwards: list[tuple[float, float, float]] = []  # each batched decode whole, for the peak check
@@ -111,8 +135,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.output.token_ids
 
+    @property
+    def fill_ids(self) -> list[int]:
+        """What its prefill runs: the prompt, or after a preemption the prompt and every token so far."""
+        return self.prompt_ids + self.token_ids
+
     def cancel(self) -> None:
-        """Stop this sequence at the next step; its slot, reservation and cache are freed then."""
+        """Stop this sequence at the next step; its slot and cache are freed then."""
         self.cancel_requested = True
 
 
@@ -137,10 +166,16 @@ class BatchEngine:
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
+        self.preemptions = 0
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(s.reserved for s in self.running)
+        """KV bytes the running sequences' caches take, or that are reserved for the prefills under way."""
+        return sum(s.held for s in self.running) * self.shape.kv_bytes_per_token
+
+    def _fits(self, extra_positions: int) -> bool:
+        return (self.kv_budget_bytes is None
+                or self.reserved_bytes + extra_positions * self.shape.kv_bytes_per_token <= self.kv_budget_bytes)
 
     def check(self, cfg: GenConfig) -> list[int]:
         """The prompt's token ids, or BatchError (GenerationError) with one sentence when this request cannot run
@@ -158,10 +193,12 @@ class BatchEngine:
         if needed > self.lm.max_context:
             raise BatchError(f"A prompt ({len(ids)} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs {needed} "
                              f"positions but {self.lm.name} has a context of {self.lm.max_context}; shorten one of them.")
-        need = needed * self.shape.kv_bytes_per_token
+        most = most_positions(len(ids), cfg.max_new_tokens)
+        need = most * self.shape.kv_bytes_per_token
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
-            raise BatchError(f"The KV budget ({self.kv_budget_bytes / 2**20:.1f} MiB) is smaller than one sequence "
-                             f"needs ({need / 2**20:.1f} MiB for {needed} positions); raise it or shorten the request.")
+            raise BatchError(f"The KV budget ({self.kv_budget_bytes / 2**20:.2f} MiB) is smaller than one sequence "
+                             f"needs ({need / 2**20:.2f} MiB: room for {most} positions); raise it or shorten the "
+                             "request.")
         return ids
 
     def submit(self, cfg: GenConfig, tag: str | None = None, t_request: int | None = None,
@@ -189,7 +226,8 @@ class BatchEngine:
         """Admit, prefill up to prefill_chunk prompt tokens, one batched decode. False when nothing was left to do."""
         for seq in [s for s in self.queued + self.running if s.cancel_requested]:
             self._end(seq, "cancelled", "cancelled")
-        self._admit()
+        if not self._make_room():
+            self._admit()
         if not self.running:
             return False
         try:
@@ -213,21 +251,54 @@ class BatchEngine:
         for seq in self.running + self.queued:
             self._end(seq, status, status)
 
+    def _make_room(self) -> bool:
+        """Grow each decoding sequence's count to the room its next position takes, preempting the newest-admitted
+        running sequence while they do not fit the budget; whether it preempted. The oldest one alone always
+        fits: check() refused any request whose whole life does not."""
+        preempted = False
+        for seq in list(self.running):
+            if seq.phase != "decode" or seq not in self.running:
+                continue
+            grown = max(seq.held, decoded_room(seq.past + 1))
+            while not self._fits(grown - seq.held) and seq in self.running:
+                self._preempt(self.running[-1])
+                preempted = True
+            if seq in self.running:
+                seq.held = grown
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's cache and put it back at the front of the queue, to be recomputed."""
+        self.running.remove(seq)
+        self.queued.insert(0, seq)
+        seq.phase = seq.status = "queued"
+        seq.cache, seq.held, seq.filled, seq.prefill_forward_ns = None, 0, 0, 0
+        seq.preemptions += 1
+        seq.t_preempted = time.perf_counter_ns()
+        self.preemptions += 1
+
     def _admit(self) -> None:
         while self.queued and len(self.running) < self.max_batch:
             seq = self.queued[0]
-            if self.kv_budget_bytes is not None and self.reserved_bytes + seq.reserved > self.kv_budget_bytes:
-                return  # it waits for a running sequence to finish and give its reservation back
+            if not self._fits(decoded_room(len(seq.fill_ids))):
+                return  # it waits for a running sequence to finish and free its cache
             self.queued.pop(0)
             seq.phase = seq.status = "prefill"
-            seq.t_admitted = time.perf_counter_ns()
+            now = time.perf_counter_ns()
+            seq.t_admitted = seq.t_admitted or now
+            if seq.t_preempted is not None:
+                seq.preempted_ns += now - seq.t_preempted
+                seq.t_preempted = None
+            seq.held = decoded_room(len(seq.fill_ids))
             seq.cache = DynamicCache(config=self.lm.config)
             self.running.append(seq)
 
     @torch.inference_mode()
     def _prefill_chunk(self, seq: Sequence, most: int) -> int:
-        """Up to `most` of the sequence's prompt tokens through the model; how many it took."""
-        chunk = seq.prompt_ids[seq.filled:seq.filled + most]
+        """Up to `most` of the sequence's prompt tokens (after a preemption, its prompt and output tokens) through
+        the model; how many it took."""
+        fill = seq.fill_ids
+        chunk = fill[seq.filled:seq.filled + most]
         t_forward = time.perf_counter_ns()
         extra = {"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {}
         out = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache, use_cache=True,
@@ -236,17 +307,19 @@ class BatchEngine:
         t_sync = time.perf_counter_ns()
         seq.prefill_forward_ns += t_sync - t_forward
         seq.filled += len(chunk)
-        if seq.filled < len(seq.prompt_ids):
+        if seq.filled < len(fill):
             return len(chunk)
         token = select_token(out.logits[0, -1].float().cpu(), seq.cfg, seq.generator)
         t_host = time.perf_counter_ns()
-        # the prompt's forwards as one phase, which ended at t_sync; everything else since the request (waiting
-        # to be admitted, the other sequences' steps between the chunks) is the host phase: serial waiting
+        # the prefill's forwards as one phase, which ended at t_sync; everything else since the request or its
+        # previous step (waiting to be admitted or readmitted, the other sequences' steps between the chunks) is
+        # the host phase: serial waiting
         began = t_sync - seq.prefill_forward_ns
-        seq.past = len(seq.prompt_ids)
+        seq.past = len(fill)
         seq.phase = seq.status = "decode"
-        self._emit(seq, Outcome(n_input=len(seq.prompt_ids), past=0, drafted=0, accepted=0, emitted=[token],
-                                marks=(seq.t_request, began, began, began, t_sync, t_sync, t_host)))
+        self._emit(seq, Outcome(n_input=len(fill), past=0, drafted=0, accepted=0, emitted=[token],
+                                marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host)),
+                   kind="recompute" if seq.preemptions and seq.step else None)
         return len(chunk)
 
     @torch.inference_mode()
@@ -271,13 +344,15 @@ class BatchEngine:
             seq.forwards.append(whole)
             self._emit(seq, outcome)
 
-    def _emit(self, seq: Sequence, out: Outcome) -> None:
-        """Take the step's token into the sequence's output, rows, journal and stream; end it when done."""
+    def _emit(self, seq: Sequence, out: Outcome, kind: str | None = None) -> None:
+        """Take the step's token into the sequence's output, rows, journal and stream; end it when done. kind
+        names a step that is neither the first prefill nor a decode (a recompute)."""
         events, text, done = seq.output.take(out.emitted)
         t_end = time.perf_counter_ns()
         row, token_rows = account(self.attribution, seq.step, out,
                                   [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
                                   len(seq.token_ids) - len(events), seq.t_request, t_end)
+        row.kind = kind or row.kind
         seq.steps.append(columns(row))
         seq.tokens.extend(columns(r) for r in token_rows)
         if seq.recorder is not None:
@@ -293,7 +368,7 @@ class BatchEngine:
             self._end(seq, "ok", done)
 
     def _end(self, seq: Sequence, status: str, reason: str | None) -> None:
-        """Finish the sequence's run and free its slot, reservation and cache."""
+        """Finish the sequence's run and free its slot and cache."""
         for pool in (self.queued, self.running):
             if seq in pool:
                 pool.remove(seq)
@@ -318,6 +393,9 @@ class BatchEngine:
             "distances_ms": sum_buckets([{b: s[f"{b}_ms"] for b in BUCKETS} for s in seq.steps]),
             "stop_reason": seq.stop_reason,
             "queue_ms": ((seq.t_admitted or time.perf_counter_ns()) - seq.t_request) / 1e6,
+            "preemptions": seq.preemptions,
+            "preempted_ms": (seq.preempted_ns + (time.perf_counter_ns() - seq.t_preempted if seq.t_preempted
+                                                 else 0)) / 1e6,
             "batch_mean": sum(s["batch"] for s in decode) / len(decode) if decode else None,
             "batch_max": max((s["batch"] for s in decode), default=None),
             "kv_bytes_per_token": self.shape.kv_bytes_per_token,
@@ -351,6 +429,7 @@ def batch_summary(seqs: list[Sequence], wall_s: float) -> dict:
         "tokens_per_s_per_user": sum(per_user) / len(per_user) if per_user else None,
         "run_ids": [s.run_id for s in seqs],
         "runs": [{k: s.result.get(k) for k in ("run_id", "status", "n_prompt_tokens", "n_new_tokens", "ttft_ms",
-                                               "tpot_ms", "total_ms", "queue_ms", "batch_mean", "stop_reason", "text")}
+                                               "tpot_ms", "total_ms", "queue_ms", "batch_mean", "preemptions",
+                                               "stop_reason", "text")}
                  for s in seqs],
     }
