@@ -6,6 +6,7 @@ import streamlit as st
 
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
+from engine.measure.energy import energy_sentence
 from ui import (LEGEND, BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
                 plot_escape, run_label, show_calibration_verdict)
 
@@ -117,3 +118,5 @@ for run_id in chosen:
         st.plotly_chart(tel, width="stretch")
         st.caption(f"Telemetry sampled every 100 ms; resident memory peaked at "
                    f"{telemetry['rss_bytes'].max() / 2**30:.2f} GiB.")
+    if energy_sentence(totals.loc[run_id]):
+        st.caption(md_escape(energy_sentence(totals.loc[run_id])))

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cli.doctor import telemetry_checks
+from engine.measure.energy import counters_for
 from engine.switches.quant import LEVELS, available_levels
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +36,17 @@ def test_the_doctor_runs_every_switch_on_the_cpu_and_reads_each_run_back():
     assert checks["store"]["status"] == "ok" and f"{len(switches)} of {len(switches)} runs" in checks["store"]["detail"]
     assert checks["C++ kernels"]["status"] == "ok" and checks["telemetry: psutil"]["status"] == "ok"
     assert checks["calibration"]["status"] == "ok" and "fixed" in checks["calibration"]["detail"]
+    assert checks["energy"]["status"] in ("ok", "not here") and checks["energy"]["detail"]
+
+
+def test_the_doctor_says_whether_a_runs_energy_can_be_measured_here():
+    """The counters a CPU run reads: their joules and watts where this machine exposes them, else the reason."""
+    energy = {c.name: c for c in telemetry_checks(torch.device("cpu"))}["energy"]
+    counters, reason = counters_for(torch.device("cpu"))
+    if counters:
+        assert energy.status == "ok" and counters[0].name in energy.detail and " W)" in energy.detail
+    else:
+        assert energy.status == "not here" and energy.detail == reason and "powercap" in energy.fix
 
 
 @pytest.mark.parametrize("device, sentence", [

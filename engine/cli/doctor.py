@@ -1,5 +1,6 @@
 """python -m engine doctor: the first command on a new machine. Runs every switch briefly with the
-default model on one device and checks telemetry, the C++ kernels, the store and the calibration.
+default model on one device and checks telemetry, the energy counters, the C++ kernels, the store and the
+calibration.
 
 It prints one table: what works, how fast (decode tokens per second over a few tokens: a sign of
 life, not a benchmark), and what to install or do for what does not. Exit code 1 when a check failed."""
@@ -94,12 +95,27 @@ def kernel_check(device) -> Check:
                  fix="a C++ compiler (apt-get install g++) and ninja (pip install ninja); runs use PyTorch meanwhile")
 
 
+ENERGY_FIX = ("on the CPU, read access to /sys/class/powercap/intel-rapl:*/energy_uj (root only by default); on "
+              "CUDA, an NVIDIA GPU of Volta or newer with its driver; runs store no energy meanwhile")
+
+
+def energy_check(reading: dict, seconds: float) -> Check:
+    """Whether a run's energy can be measured here: what the counters read over a few tenths of a second."""
+    if reading["energy_j"] is None:
+        return Check("energy", "not here", detail=reading["energy_note"], fix=ENERGY_FIX)
+    return Check("energy", "ok", detail=f"{reading['energy_source']}: {reading['energy_j']:.2f} J over {seconds:.1f} s "
+                                        f"({reading['energy_j'] / seconds:.1f} W)")
+
+
 def telemetry_checks(device) -> list[Check]:
-    """psutil's CPU and memory readings always; NVML's GPU readings on CUDA."""
+    """psutil's CPU and memory readings always; NVML's GPU readings on CUDA; the energy counters a run reads."""
+    from engine.measure.energy import EnergyMeter
     from engine.measure.hardware import TelemetrySampler, gpu_facts
 
+    meter, start = EnergyMeter(device), time.perf_counter()
     with TelemetrySampler(device, interval_s=0.1) as sampler:
         time.sleep(0.6)
+    energy = energy_check(meter.stop(), time.perf_counter() - start)
     rows = sampler.samples
     cpu = [r["cpu_percent"] for r in rows if r["cpu_percent"] is not None]
     checks = [Check("telemetry: psutil", "ok" if cpu else "failed",
@@ -112,7 +128,7 @@ def telemetry_checks(device) -> list[Check]:
                       if gpu and facts["available"] else
                       Check("telemetry: NVML", "not here", detail=facts["reason"] or "no GPU readings",
                             fix="nvidia-ml-py (pip) and the NVIDIA driver"))
-    return checks
+    return checks + [energy]
 
 
 def calibration_check(device) -> tuple[Check, dict]:

@@ -2,7 +2,8 @@
 
 Every step and token goes to the journal (engine.store.journal) as it happens, so neither a kill nor a
 database that another process holds loses them; the database is written once, at the end, so no
-token waits for it. Local and served runs keep their records the same way."""
+token waits for it. Local and served runs keep their records the same way; a local run also keeps the energy
+its device's counters measured from its start to its end (engine.measure.energy)."""
 from __future__ import annotations
 
 import signal
@@ -10,7 +11,9 @@ import threading
 from contextlib import contextmanager
 
 import duckdb
+import torch
 
+from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
 from engine.run.rows import columns
 from engine.store.db import Store, StoreError
@@ -45,11 +48,14 @@ class Recorder:
         self.run_id: int | None = None
         self.journal: Journal | None = None
         self.written = False  # the run's ending is in the database
+        self.energy: EnergyMeter | None = None  # a local run's, from its start
 
     def start(self, *, n_prompt_tokens: int, **run) -> int:
-        """Write a local run's row and open its journal."""
+        """Write a local run's row, open its journal and read its device's energy counters."""
         with signals_deferred():
-            return self.attach(self.store.start_run(**run), n_prompt_tokens)
+            run_id = self.attach(self.store.start_run(**run), n_prompt_tokens)
+        self.energy = EnergyMeter(torch.device(run["device"]))
+        return run_id
 
     def attach(self, run_id: int, n_prompt_tokens: int | None) -> int:
         """Open the journal of a run whose row is written (by start, or by the served backend's own insert)."""
@@ -71,6 +77,8 @@ class Recorder:
                steps: list[dict], tokens: list[dict], telemetry: list[dict], run_columns: dict | None = None) -> None:
         """Write the run's rows and ending in one transaction. If the database cannot be reached, or a
         Ctrl-C or SIGTERM cuts the write short, the ending stays in the journal and RecordDeferred says so."""
+        if self.energy is not None:
+            run_columns = {**(run_columns or {}), **self.energy.stop()}
         ending = {"status": status, "output": output, "token_ids": list(token_ids), "metrics": metrics,
                   "error": error, "columns": run_columns}
         self.journal.write("finish", {**ending, "telemetry": telemetry})

@@ -104,5 +104,10 @@ MIGRATIONS = {
     11: [  # a sweep's full specification (engine/sweep.py), stored before its first run
         "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, created_at TIMESTAMP, spec VARCHAR)",
     ],
+    12: [  # a local run's energy from its device's counters (RAPL, NVML) at its start and end
+        "ALTER TABLE runs ADD COLUMN energy_j DOUBLE",  # NULL where no counter could be read: never an estimate
+        "ALTER TABLE runs ADD COLUMN energy_source VARCHAR",  # the counters read
+        "ALTER TABLE runs ADD COLUMN energy_note VARCHAR",  # why energy_j is NULL
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)

@@ -18,7 +18,8 @@ def utcnow() -> datetime:
 
 # run columns only some backends set (a served run's: its provenance, network parts and prefix-cache counters)
 EXTRA_COLUMNS = ("provenance", "server_work_ms", "dns_ms", "connect_ms", "tls_ms", "send_ms", "first_byte_ms",
-                 "headers_ms", "connection", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
+                 "headers_ms", "connection", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+                 "energy_j", "energy_source", "energy_note")  # a local run's energy (engine.measure.energy)
 
 
 def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metrics: dict | None,
