@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from engine.errors import UserError
 from engine.measure.compare import interleaved
 from engine.paths import workloads
-from engine.run.spec import GenConfig, RunSpec
+from engine.run.spec import LIMITS, GenConfig, RunSpec
 from engine.store.sql import utcnow
 
 SWEEP_TAG = "sweep:"
@@ -47,11 +47,18 @@ class Arm:
     kv: str
     sparsity: str
     speculative: str
+    users: int = 1
 
     @property
     def label(self) -> str:
         return (f"{self.weights}, KV {self.kv}" + ("" if self.sparsity == "dense" else f", {self.sparsity}")
-                + ("" if self.speculative == "none" else f", {self.speculative}"))
+                + ("" if self.speculative == "none" else f", {self.speculative}")
+                + ("" if self.users == 1 else f", {self.users} users"))
+
+    @property
+    def batchable(self) -> bool:
+        """Whether several users can decode in one batch with these settings (engine.run.spec.check_batchable)."""
+        return self.kv == "on" and self.sparsity == "dense" and self.speculative == "none"
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class SweepSpec:
     kv: list[str] = field(default_factory=lambda: ["on"])
     sparsity: list[str] = field(default_factory=lambda: ["dense"])
     speculative: list[str] = field(default_factory=lambda: ["none"])
+    users: list[int] = field(default_factory=lambda: [1])  # sequences decoded together in one batch
     new_tokens: int = 32
     repeat: int = 3
     model: str = "default"
@@ -86,20 +94,25 @@ class SweepSpec:
         if slow:
             raise SweepError(f"The weight level '{slow[0]}' does not run on this device: choose from "
                              f"{', '.join(runnable)}.")
+        for users in self.users:
+            if not _whole(users, 1, int(LIMITS["users"].high)):
+                raise SweepError(f"A sweep's batch holds 1 to {LIMITS['users'].high:.0f} users, not {users!r}.")
         if not _whole(self.repeat, 1, MAX_REPEAT):
             raise SweepError(f"A sweep repeats each setting 1 to {MAX_REPEAT} times, not {self.repeat!r}.")
         if not _whole(self.new_tokens, MIN_TOKENS, MAX_TOKENS):
             raise SweepError(f"A sweep's runs make {MIN_TOKENS} to {MAX_TOKENS} new tokens, not {self.new_tokens!r}.")
         if not self.grid():
             raise SweepError("The grid is empty: give at least one value of every setting (sparsity other than "
-                             "dense needs fp32 weights).")
+                             "dense needs fp32 weights; more than one user needs the KV cache on, dense and no "
+                             "speculative method).")
 
     def grid(self) -> list[Arm]:
-        """Every combination of the settings, in the order given; sparsity only with fp32 weights."""
-        return [Arm(*combo) for combo in itertools.product(dict.fromkeys(self.weights), dict.fromkeys(self.kv),
-                                                           dict.fromkeys(self.sparsity),
-                                                           dict.fromkeys(self.speculative))
-                if combo[2] == "dense" or combo[0] == "fp32"]
+        """Every combination of the settings, in the order given; sparsity only with fp32 weights, a batch of
+        several users only where its settings batch."""
+        arms = [Arm(*combo) for combo in itertools.product(*(dict.fromkeys(getattr(self, name)) for name in
+                                                              ("weights", "kv", "sparsity", "speculative", "users")))]
+        return [arm for arm in arms if (arm.sparsity == "dense" or arm.weights == "fp32")
+                and (arm.users == 1 or arm.batchable)]
 
     def run_spec(self, arm: Arm, sweep_id: str) -> RunSpec:
         """The run of one arm, tagged with the sweep."""
@@ -107,7 +120,7 @@ class SweepSpec:
                         kv_cache=arm.kv == "on", ignore_eos=True, **speculative_methods()[arm.speculative])
         level, mode = SPARSITY[arm.sparsity]
         return RunSpec(gen=cfg, model=self.model, device=self.device, weights=arm.weights, sparsity=level,
-                       sparsity_mode=mode, tag=sweep_tag(sweep_id))
+                       sparsity_mode=mode, tag=sweep_tag(sweep_id), users=arm.users)
 
     def runs(self, sweep_id: str) -> list[tuple[Arm, RunSpec]]:
         """Every run of the sweep in the order to run them: the arms interleaved, `repeat` times."""
@@ -116,8 +129,8 @@ class SweepSpec:
     def arguments(self) -> list[str]:
         """`sweep`'s arguments for this specification (without --db)."""
         args = ["--workload", self.workload]
-        for name in ("weights", "kv", "sparsity", "speculative"):
-            args += [f"--{name}", ",".join(getattr(self, name))]
+        for name in ("weights", "kv", "sparsity", "speculative", "users"):
+            args += [f"--{name}", ",".join(map(str, getattr(self, name)))]
         args += ["--new-tokens", str(self.new_tokens), "--repeat", str(self.repeat)]
         for name in ("model", "device"):
             if getattr(self, name) != _default(name):
@@ -169,8 +182,14 @@ def stored_ids(store) -> list[str]:
     return list(store.query("SELECT sweep_id FROM sweeps ORDER BY created_at DESC, sweep_id DESC")["sweep_id"])
 
 
-def arm_of(spec: RunSpec) -> Arm:
-    """The arm a stored run of a sweep belongs to, from its RunSpec."""
+def arm_of(run: dict) -> Arm:
+    """The arm a stored run of a sweep belongs to: its RunSpec's settings, and for a sequence of a batch the
+    batch it was decoded in (its engine's max_batch, which a batched run is given its users as)."""
+    from engine.run.reproduce import spec_of
+
+    spec = spec_of(run)
+    config = run["config"] if isinstance(run["config"], dict) else json.loads(run["config"] or "{}")
     sparsity = next((name for name, (level, mode) in SPARSITY.items()
                      if level == spec.sparsity and (mode == spec.sparsity_mode or not level)), f"{spec.sparsity:g}")
-    return Arm(spec.weights, "on" if spec.gen.kv_cache else "off", sparsity, spec.gen.spec)
+    return Arm(spec.weights, "on" if spec.gen.kv_cache else "off", sparsity, spec.gen.spec,
+               int(config.get("max_batch") or spec.users))

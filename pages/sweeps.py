@@ -28,7 +28,7 @@ device = "auto"
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
-    c = st.columns([3, 1.4, 2, 2, 1.2, 1.2])  # the weights' chips need room for their full names
+    c = st.columns([3, 1.4, 2, 2, 1.4, 1.2, 1.2])  # the weights' chips need room for their full names
     runnable = available_levels(pick_device(device))
     levels = c[0].multiselect("Weights", runnable, default=[lv for lv in ("fp32", "int8-dyn", "int4-wo") if lv in runnable])
     kv = c[1].multiselect("KV cache", list(KV), default=["on"])
@@ -36,8 +36,11 @@ with st.form("sweep"):
                                   help="mask-50 zeroes half the activations; skip-50 also skips the weight rows "
                                        "they leave idle.")
     specs = c[3].multiselect("Speculative", list(speculative_methods()), default=["none"])
-    tokens = whole_number_input(c[4], "New tokens per run", MIN_TOKENS, MAX_TOKENS, 32)
-    repeats = whole_number_input(c[5], "Repeats", 1, MAX_REPEAT, 3, help="Each setting runs this many times, the "
+    users = c[4].multiselect("Users", [1, 2, 4, 8], default=[1], help="Sequences decoded together in one batch: "
+                             "the weights are read once a step for all of them. More than one user needs the KV "
+                             "cache on, dense and no speculative method; a batch's tokens/s are every user's.")
+    tokens = whole_number_input(c[5], "New tokens per run", MIN_TOKENS, MAX_TOKENS, 32)
+    repeats = whole_number_input(c[6], "Repeats", 1, MAX_REPEAT, 3, help="Each setting runs this many times, the "
                                  "settings interleaved (A B A B), so a speed ratio gets a 95% interval and a drift of "
                                  "the machine falls on every setting alike; the sweep takes this many times longer.")
     go_button = st.form_submit_button("Run the sweep", type="primary")
@@ -45,7 +48,7 @@ with st.form("sweep"):
 store = open_store()
 
 if go_button and store is not None:
-    spec = SweepSpec(workload, levels, kv, sparsities, specs, new_tokens=int(tokens), repeat=int(repeats),
+    spec = SweepSpec(workload, levels, kv, sparsities, specs, users, new_tokens=int(tokens), repeat=int(repeats),
                      model=default_model_id(), device=device)
     try:
         sweep_id = start(store, spec)  # checked, then stored before its first run; its runs are tagged sweep:<id>
@@ -89,7 +92,7 @@ if chosen:
     st.plotly_chart(fig, width="stretch")
     frame["run_ids"] = [", ".join(f"#{i}" for i in ids) for ids in frame["run_ids"]]
     shown = frame.drop(columns=["decode_rates", "end_to_end_rates"]).rename(columns={
-        "label": "setting", "run_ids": "runs", "decode_tokens_per_s": "decode tokens/s", "ttft_ms": "time to first token (ms)",
+        "label": "setting", "run_ids": "runs", "decode_tokens_per_s": "decode tokens/s (all users)", "ttft_ms": "time to first token (ms)",
         "tokens_per_s": "tokens/s", **{f"{b}_ms": f"{b} (ms per token)" for b in BUCKETS}})
     st.dataframe(shown.map(lambda v: figure(v) if isinstance(v, float) else v), hide_index=True, width="stretch")
     st.caption("Figures are means over each setting's repeats; the ratio's 95% interval is Welch's t over the "

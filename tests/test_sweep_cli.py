@@ -38,12 +38,20 @@ def test_the_grid_is_every_combination_with_sparsity_on_fp32_only_and_the_runs_i
     runs = spec.runs("20261203-080000")
     assert [arm for arm, _ in runs] == spec.grid() * 2  # A B C ... A B C, not A A B B
     assert {r.tag for _, r in runs} == {"sweep:20261203-080000"}
-    assert all(arm_of(r) == arm for arm, r in runs)  # a stored run finds its setting again
+    assert all(arm_of({"config": {"run_spec": r.to_dict()}}) == arm for arm, r in runs)  # a stored run's setting
+
+
+def test_several_users_only_where_the_settings_batch():
+    spec = SweepSpec("summary", ["fp32"], ["on", "off"], ["dense", "skip-50"], ["none", "draft"], [1, 4])
+    batched = [a for a in spec.grid() if a.users > 1]
+    assert [a.label for a in batched] == ["fp32, KV on, 4 users"]
+    assert len(spec.grid()) == 8 + 1
+    assert spec.run_spec(batched[0], "x").users == 4
 
 
 @pytest.mark.parametrize("spec", [
     SweepSpec("summary"), SweepSpec("code edit", ["fp32", "int8-dyn"], ["off", "on"], ["dense", "mask-50"],
-                                    ["none", "lookahead"], new_tokens=5, repeat=MAX_REPEAT, model="/tmp/a b"),
+                                    ["none", "lookahead"], [1, 8], new_tokens=5, repeat=MAX_REPEAT, model="/tmp/a b"),
 ])
 def test_the_command_describes_the_specification_exactly(spec):
     assert parsed(spec.command()) == spec
@@ -55,7 +63,8 @@ def test_the_command_describes_the_specification_exactly(spec):
     (dict(sparsity=["mask-90"]), "Unknown sparsity 'mask-90'"), (dict(speculative=["psychic"]), "psychic"),
     (dict(workload="novel"), "Unknown workload 'novel'"), (dict(repeat=0), "1 to 10 times, not 0"),
     (dict(repeat=10**9), "not 1000000000"), (dict(new_tokens=3), "4 to 512 new tokens"),
-    (dict(weights=[]), "The grid is empty"), (dict(weights=["int8-dyn"], sparsity=["mask-50"]), "The grid is empty"),
+    (dict(weights=[]), "The grid is empty"), (dict(users=[0]), "1 to 16 users, not 0"),
+    (dict(users=[1, 17]), "not 17"), (dict(kv=["off"], users=[8]), "The grid is empty"), (dict(weights=["int8-dyn"], sparsity=["mask-50"]), "The grid is empty"),
 ])
 def test_bad_input_is_one_sentence_and_nothing_is_stored(store, change, words):
     with pytest.raises(SweepError, match=words) as caught:
@@ -65,7 +74,8 @@ def test_bad_input_is_one_sentence_and_nothing_is_stored(store, change, words):
 
 
 @pytest.mark.parametrize("args", [["--weights", "fp33"], ["--repeat", "0"], ["--repeat", "100000"],
-                                  ["--weights", "int8-dyn", "--sparsity", "mask-50"], ["--weights", ","]])
+                                  ["--weights", "int8-dyn", "--sparsity", "mask-50"], ["--weights", ","],
+                                  ["--users", "eight"], ["--users", "0"], ["--users", "8", "--kv", "off"]])
 def test_bad_input_on_the_command_line_exits_2_without_a_database(tmp_path, args):
     db = tmp_path / "runs.duckdb"
     code, out, err = cli("sweep", "--workload", "summary", *args, "--db", db)

@@ -51,6 +51,21 @@ def test_a_stored_sweep_report_states_each_setting_with_its_interval_and_its_com
     assert html.escape(spec.command()) in page and html.escape(results[1]["decode vs baseline"]) in page
 
 
+def test_a_sweep_of_users_takes_each_batch_as_one_repeat_with_every_users_tokens(tiny_folder, store):
+    spec = SweepSpec("summary", new_tokens=4, users=[1, 2], repeat=2, model=str(tiny_folder), device="cpu")
+    sweep_id = start(store, spec)
+    for _, run_spec in spec.runs(sweep_id):
+        open_run(run_spec, store).run()
+    runs = store.query("SELECT run_id, decode_tokens_per_s FROM runs ORDER BY run_id")
+    assert len(runs) == 2 * (1 + 2)  # each repeat: a lone run, then a batch of two sequences' runs
+    rates = list(runs["decode_tokens_per_s"])
+    results = sweep_results(store, sweep_id)
+    assert [(r["label"], r["repeats"], r["run_ids"]) for r in results] == [
+        ("fp32, KV on", 2, [1, 4]), ("fp32, KV on, 2 users", 2, [2, 5])]
+    assert results[1]["decode_rates"] == pytest.approx([rates[1] + rates[2], rates[4] + rates[5]])
+    assert results[1]["decode vs baseline"] == compare(results[0]["decode_rates"], results[1]["decode_rates"]).text()
+
+
 def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.02"])

@@ -2,6 +2,7 @@
 interleaved, compared over the repeats: the same stored sweep the Sweeps page makes."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -13,10 +14,19 @@ def listed(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def user_counts(text: str) -> list[int]:
+    """--users: whole numbers separated by commas."""
+    counts = listed(text)
+    if not all(c.isdigit() for c in counts):
+        raise argparse.ArgumentTypeError(f"--users takes whole numbers separated by commas (such as 1,8), not "
+                                         f"'{text[:40]}'")
+    return [int(c) for c in counts]
+
+
 def spec_from_args(args) -> SweepSpec:
     return SweepSpec(args.workload, listed(args.weights), listed(args.kv), listed(args.sparsity),
-                     listed(args.speculative), new_tokens=args.new_tokens, repeat=args.repeat, model=args.model,
-                     device=args.device)
+                     listed(args.speculative), args.users, new_tokens=args.new_tokens, repeat=args.repeat,
+                     model=args.model, device=args.device)
 
 
 def cmd_sweep(args) -> int:
@@ -47,7 +57,7 @@ def cmd_sweep(args) -> int:
                           "settings": results, "advice": advice}, indent=2, default=str))
         return 0
     for row in results:
-        print(f"{row['label']:<32} {row['repeats']} runs, decode {row['decode_tokens_per_s'] or 0:7.2f} tok/s; "
+        print(f"{row['label']:<32} {row['repeats']} repeats, decode {row['decode_tokens_per_s'] or 0:7.2f} tok/s (every user's); "
               f"against the baseline {row['decode vs baseline']}")
     for line in advice:
         print(f"- {line}")
@@ -62,6 +72,9 @@ def add_parser(sub) -> None:
     s.add_argument("--kv", default="on", help="KV cache: on, off or on,off")
     s.add_argument("--sparsity", default="dense", help="dense, mask-50, skip-50 (comma-separated; fp32 only)")
     s.add_argument("--speculative", default="none", help="speculative methods, comma-separated (none: plain)")
+    s.add_argument("--users", type=user_counts, default=[1],
+                   help="sequences decoded together in one batch, comma-separated (1,2,4,8); more than one needs the "
+                        "KV cache on, dense and no speculative method")
     s.add_argument("--new-tokens", type=int, default=32, help=f"new tokens per run, {MIN_TOKENS} to {MAX_TOKENS}")
     s.add_argument("--repeat", type=int, default=3, help=f"runs of each setting, interleaved, 1 to {MAX_REPEAT}")
     s.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")

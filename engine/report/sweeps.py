@@ -9,8 +9,7 @@ import plotly.graph_objects as go
 
 from engine.report.advisor import advise, against, settings
 from engine.report.charts import readable
-from engine.run.reproduce import spec_of
-from engine.sweep import arm_of, stored, stored_ids, sweep_tag
+from engine.sweep import Arm, arm_of, stored, stored_ids, sweep_tag
 from engine.measure.distances import BUCKETS
 from engine.report.html import ReportError, Section, build_html, definitions_section, runs_report, table
 from engine.serve.records import sweeps
@@ -25,13 +24,34 @@ def sweep_runs(store, sweep_id: str) -> list[dict]:
     return frame.to_dict("records")
 
 
+def batches(runs: list[dict]) -> list[tuple[Arm, list[dict]]]:
+    """A sweep's stored runs (in run order) as the batches they decoded in: a lone run by itself, the sequences of
+    a batch (consecutive runs of one arm, its users of them) together."""
+    out: list[tuple[Arm, list[dict]]] = []
+    for run in runs:
+        arm = arm_of(run)
+        if out and out[-1][0] == arm and len(out[-1][1]) < arm.users:
+            out[-1][1].append(run)
+        else:
+            out.append((arm, [run]))
+    return out
+
+
 def advisor_rows(runs: list[dict]) -> list[dict]:
     """The advisor's view of a sweep's stored runs: one row per setting of its grid (its repeats together), in the
-    order the settings first ran, the buckets per token, the rates."""
-    return settings([{"label": arm_of(spec_of(r)).label, "run_id": r["run_id"],
-                      **{f"{b}_ms": (r[f"{b}_ms"] or 0.0) / (r["n_new_tokens"] or 1) for b in BUCKETS},
-                      "decode_tokens_per_s": r["decode_tokens_per_s"], "ttft_ms": r["ttft_ms"],
-                      "tokens_per_s": r["tokens_per_s"]} for r in runs])
+    order the settings first ran, the buckets per token, the rates. A batch is one repeat: its tokens/s are every
+    user's together, its buckets per token over every user's tokens."""
+    def total(batch, key):
+        return sum(r[key] for r in batch) if all(r[key] is not None for r in batch) else None
+
+    rows = []
+    for arm, batch in batches(runs):
+        tokens = sum(r["n_new_tokens"] or 0 for r in batch) or 1
+        rows.append({"label": arm.label, "run_id": batch[0]["run_id"],
+                     **{f"{b}_ms": sum(r[f"{b}_ms"] or 0.0 for r in batch) / tokens for b in BUCKETS},
+                     "decode_tokens_per_s": total(batch, "decode_tokens_per_s"), "tokens_per_s": total(batch, "tokens_per_s"),
+                     "ttft_ms": sum(r["ttft_ms"] or 0.0 for r in batch) / len(batch)})
+    return settings(rows)
 
 
 def sweep_results(store, sweep_id: str) -> list[dict]:
