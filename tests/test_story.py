@@ -15,6 +15,7 @@ from engine.store.db import Store
 from browser import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+LOCAL_COMPARISONS = 6  # every comparison of the three local chapters
 SERVER = Path(__file__).with_name("stream_server.py")
 
 
@@ -44,7 +45,8 @@ def test_every_chapter_run_is_a_valid_spec_tagged_with_its_chapter_and_arm():
             spec.check()
             assert spec.tag.startswith(f"story:{chapter.key}:") and spec.gen.ignore_eos
     memory = story.chapter_specs(story.BY_KEY["memory"])
-    assert [s.weights for s in memory] == ["fp32", "int8-dyn", "int4-wo"] * story.REPEATS
+    assert [(s.weights, s.users) for s in memory] == [("fp32", 1), ("int8-dyn", 1), ("int4-wo", 1),
+                                                      ("fp32", 8)] * story.REPEATS
     assert len({s.gen.prompt for s in memory}) == 1  # the same prompt at every precision
     assert story.served_spec("http://127.0.0.1:8000").tag == "story:physical:served"
     with pytest.raises(GenerationError, match="tag"):
@@ -75,7 +77,7 @@ def test_the_story_page_renders_on_an_empty_database(story_page):
     at = story_page()
     assert not at.exception and not at.error
     assert [h.value for h in at.header] == [f"{i}. {c.title}" for i, c in enumerate(story.CHAPTERS, start=1)]
-    assert sum("Not played yet" in i.value for i in at.info) == 5  # every comparison of the three local chapters
+    assert sum("Not played yet" in i.value for i in at.info) == LOCAL_COMPARISONS
     assert any("Estimates, not measurements" in w.value for w in at.warning)
     assert not [b for b in at.get("download_button")]  # nothing to report yet
 
@@ -92,7 +94,7 @@ def test_each_chapters_button_stores_tagged_runs_and_draws_them(story_page, page
     comparisons = story.BY_KEY[chapter].comparisons
     titled = [c for c in at.get("plotly_chart") if any(cmp.title in c.proto.spec for cmp in comparisons)]
     assert len(titled) >= len(comparisons)
-    assert sum("Not played yet" in i.value for i in at.info) == 5 - len(comparisons)
+    assert sum("Not played yet" in i.value for i in at.info) == LOCAL_COMPARISONS - len(comparisons)
     # a second visit shows them at once, and replaying the chapter adds new runs, shown in their place
     again = story_page()
     assert not again.exception and any("tok/s" in m.value for m in again.metric)
@@ -185,3 +187,27 @@ def test_a_lever_is_called_a_difference_only_when_its_repeats_show_one(store):
     assert found["int8 (int8-dyn)"]["measurable"] and found["int8 (int8-dyn)"]["vs baseline"].endswith("faster")
     assert not found["int4 (int4-wo)"]["measurable"]
     assert found["int4 (int4-wo)"]["vs baseline"].endswith("no measurable difference")
+
+
+def test_a_batch_of_users_is_one_repeat_with_every_users_tokens_per_second(store):
+    """The batching lever reads each repeat as one batch of eight runs: its speed is their decode speeds together,
+    so eight users at just under one user's speed each are a measurable gain in tokens per second."""
+    memory = story.BY_KEY["memory"]
+    comparison = memory.comparisons[1]
+    assert [(a.key, a.users) for a in comparison.arms] == [("fp32", 1), ("users-8", 8)]
+
+    def stored(arm: str, rate: float) -> None:
+        run_id = store.start_run(model="synthetic", device="cpu", dtype="float32", config={"quant": "fp32"},
+                                 hardware={}, prompt=story.SHORT_PROMPT, tag=story.tag(memory, arm))
+        store.finish_run(run_id, status="ok", metrics={"decode_tokens_per_s": rate, "n_new_tokens": 6})
+
+    for repeat in range(story.REPEATS):
+        stored("fp32", 20.0 + repeat)
+        for user in range(8):
+            stored("users-8", 15.0 + repeat + user / 10)
+    assert story.arm_rates(store, story.tag(memory, "users-8"), 8) == pytest.approx(
+        [8 * (15.0 + r) + 2.8 for r in (2, 1, 0)])  # newest batch first
+    found = {r["arm"]: r for r in story.comparison_rows(store, comparison, story.latest_runs(store, memory))}
+    batch = found["8 users, one batch"]
+    assert batch["decode tok/s"] == pytest.approx(8 * 17.0 + 2.8) and batch["decode tok/s per user"] == 17.7
+    assert batch["measurable"] and batch["vs baseline"].endswith("faster") and "3 vs 3 repeats" in batch["vs baseline"]

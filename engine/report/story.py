@@ -42,6 +42,7 @@ class Arm:
     sparsity: float = 0.0
     sparsity_mode: str = "mask"
     gen: dict = field(default_factory=dict)  # speculative settings (GenConfig fields)
+    users: int = 1  # sequences decoded together in one batch: each repeat is one batch of this many runs
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,18 @@ CHAPTERS = (
     Chapter("memory", "Memory distance: fewer bytes per token",
             "Generation is a logistics problem: the weights must be carried to the compute units for every token, "
             "and quantization helps only when fewer bytes move and a kernel reads the format.",
-            "Fewer bytes: the same prompt with 8-bit and 4-bit weights.",
+            "Fewer bytes per token: the same prompt with 8-bit and 4-bit weights, and eight users sharing each "
+            "read of the weights.",
             (Comparison("fp32 against int8 and int4 weights",
                         "bytes read per token, tokens per second, and what the fewer bits cost in quality",
                         FP32, (Arm("int8-dyn", "int8 (int8-dyn)", weights="int8-dyn"),
                                Arm("int4-wo", "int4 (int4-wo)", weights="int4-wo")),
-                        ("decode tok/s", "vs baseline", "weights MB per token", "perplexity", "KL", "top-1")),)),
+                        ("decode tok/s", "vs baseline", "weights MB per token", "perplexity", "KL", "top-1")),
+             Comparison("1 user against 8 users in one batch (fp32)",
+                        "weight bytes read per token and decode tokens per second of every user together, when eight "
+                        "users' tokens share each trip of the weights",
+                        FP32, (Arm("users-8", "8 users, one batch", users=8),),
+                        ("decode tok/s", "vs baseline", "decode tok/s per user", "weights MB per token")))),
     Chapter("time", "Time distance: fewer serial steps",
             "A token waits for every serial step before it: recomputing the whole prefix at each step, or one "
             "forward per token when several could be checked in one.",
@@ -127,7 +134,7 @@ def tag(chapter: Chapter, arm: Arm | str) -> str:
 def arm_spec(chapter: Chapter, arm: Arm, model: str = "default", device: str = "auto") -> RunSpec:
     gen = GenConfig(arm.prompt, max_new_tokens=NEW_TOKENS, kv_cache=arm.kv_cache, ignore_eos=True, **arm.gen)
     return RunSpec(gen=gen, model=model, device=device, weights=arm.weights, sparsity=arm.sparsity,
-                   sparsity_mode=arm.sparsity_mode, tag=tag(chapter, arm))
+                   sparsity_mode=arm.sparsity_mode, tag=tag(chapter, arm), users=arm.users)
 
 
 def chapter_specs(chapter: Chapter, model: str = "default", device: str = "auto") -> list[RunSpec]:
@@ -136,11 +143,14 @@ def chapter_specs(chapter: Chapter, model: str = "default", device: str = "auto"
     return interleaved([arm_spec(chapter, arm, model, device) for arm in arms.values()], REPEATS)
 
 
-def arm_rates(store, run_tag: str) -> list[float]:
-    """The decode speeds of an arm's newest REPEATS finished runs: the latest play's repeats."""
+def arm_rates(store, run_tag: str, users: int = 1) -> list[float]:
+    """The decode speeds of an arm's newest REPEATS finished repeats, newest first: the latest play's. A repeat of
+    several users is one batch (its users' consecutive runs), its speed every user's tokens per second together."""
     frame = store.query("SELECT decode_tokens_per_s FROM runs WHERE tag = ? AND status = 'ok' ORDER BY run_id DESC "
-                        "LIMIT ?", [run_tag, REPEATS])
-    return usable(frame["decode_tokens_per_s"])
+                        "LIMIT ?", [run_tag, REPEATS * users])
+    speeds = list(frame["decode_tokens_per_s"])
+    batches = [usable(speeds[i:i + users]) for i in range(0, len(speeds), users)]
+    return [sum(batch) for batch in batches if len(batch) == users]
 
 
 def served_spec(endpoint: str, served_model: str | None = None) -> RunSpec:
@@ -197,7 +207,7 @@ def figures(run: dict, baseline: dict | None, quality: dict | None, weight_bytes
             "perplexity": q.get("perplexity"), "KL": q.get("kl_mean"), "top-1": q.get("top1_agreement")}
 
 
-FORMATS = {"decode tok/s": ".1f", "speedup": ".2f", "TPOT ms": ".1f", "TTFT ms": ".1f", "weights MB per token": ".0f",
+FORMATS = {"decode tok/s": ".1f", "decode tok/s per user": ".1f", "speedup": ".2f", "TPOT ms": ".1f", "TTFT ms": ".1f", "weights MB per token": ".0f",
            "tokens per forward": ".2f", "acceptance": ".0%", "thrown away": "d", "decision share": ".0%",
            "network share": ".0%", "perplexity": ".3f", "KL": ".5f", "top-1": ".1%"}
 
@@ -213,12 +223,14 @@ def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> lis
     present = [arm for arm in comparison.arms if arm.key in runs]
     quality = latest_quality(store, [runs[arm.key] for arm in present])
     baseline = runs.get(comparison.baseline.key)
-    base_rates = arm_rates(store, baseline["tag"]) if baseline else []
+    base_rates = arm_rates(store, baseline["tag"], comparison.baseline.users) if baseline else []
     rows = []
     for arm in present:
         run = runs[arm.key]
         values = figures(run, baseline, quality.get(run["run_id"]), weight_bytes_per_token(store, run["run_id"]))
-        rates = arm_rates(store, run["tag"])
+        rates = arm_rates(store, run["tag"], arm.users)
+        values["decode tok/s per user"] = values["decode tok/s"]  # the newest run's: one user's sequence
+        values["decode tok/s"] = rates[0] if rates else None  # the newest repeat's, every user's together
         against = compare(base_rates, rates) if base_rates and rates and arm is not comparison.baseline else None
         values["speedup"] = against.ratio if against else values["speedup"]
         values["vs baseline"] = "the baseline" if arm is comparison.baseline else (
