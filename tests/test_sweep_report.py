@@ -64,6 +64,8 @@ def test_a_sweep_of_users_takes_each_batch_as_one_repeat_with_every_users_tokens
         ("fp32, KV on", 2, [1, 4]), ("fp32, KV on, 2 users", 2, [2, 5])]
     assert results[1]["decode_rates"] == pytest.approx([rates[1] + rates[2], rates[4] + rates[5]])
     assert results[1]["decode vs baseline"] == compare(results[0]["decode_rates"], results[1]["decode_rates"]).text()
+    page = sweep_report(store, sweep_id)  # its table of settings keeps a batch's sequences apart from lone runs
+    assert "· batch of up to 2</td><td>#2, #3, #5, #6</td><td class=n>4</td>" in page
 
 
 def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):

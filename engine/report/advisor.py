@@ -2,6 +2,8 @@
 (memory and links) or by waiting, and which switch helped most, as far as the repeats' 95% intervals show?"""
 from __future__ import annotations
 
+import json
+
 from engine.measure.compare import compare, usable
 from engine.measure.distances import BUCKETS
 
@@ -83,9 +85,16 @@ SETTING = ("model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "b
 
 
 def arms(runs: list[dict]) -> list[dict]:
-    """Stored runs as settings (runs alike in every SETTING column are one arm's repeats), in the order each
-    setting first appears: the first arm is the baseline of every comparison."""
-    return settings([{**r, "label": " · ".join(str(r.get(k)) for k in SETTING)} for r in runs])
+    """Stored runs as settings (runs alike in every SETTING column and decoded in the same size of batch are one
+    arm's repeats), in the order each setting first appears: the first arm is the baseline of every comparison."""
+    return settings([{**r, "label": " · ".join(str(r.get(k)) for k in SETTING) + batch_label(r)} for r in runs])
+
+
+def batch_label(run: dict) -> str:
+    """' · batch of up to N' for a run decoded by a batching engine of N sequences (its config's max_batch)."""
+    config = run.get("config") or {}
+    cap = (json.loads(config) if isinstance(config, str) else config).get("max_batch")
+    return f" · batch of up to {cap}" if cap else ""
 
 
 def against(baseline: list[float], rates: list[float]) -> str:
