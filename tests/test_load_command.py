@@ -1,12 +1,14 @@
 """The command that makes a stored load sweep again (engine.serve.command): rate levels come back as --rate,
 and a sweep it cannot make again (a capacity search, a replayed trace) says why in one sentence."""
+import argparse
 import shlex
 
 import pytest
 
 from engine.run.reproduce import ReproduceError
 from engine.serve import records as served_store
-from engine.serve.command import load_options, sweep_command
+from engine.cli.main import build_parser
+from engine.serve.command import LOAD_OPTIONS, sweep_command
 
 CONFIG = {"endpoint": None, "concurrency": [], "rates": [2.0, 4.5], "requests": 3, "max_new_tokens": 5,
           "slo": {"ttft_ms": 500.0}, "seed": 0, "local": True, "model": "default", "max_batch": 4,
@@ -24,7 +26,7 @@ def test_a_rate_sweep_comes_back_with_its_rates_and_every_stored_option(store):
     at = {flag: argv[argv.index(flag) + 1] for flag in ("--rate", "--requests", "--slo", "--max-batch", "--model")}
     assert at == {"--rate": "2.0,4.5", "--requests": "3", "--slo": "ttft_ms=500", "--max-batch": "4",
                   "--model": "default"}
-    assert set(a for a in argv if a.startswith("--")) <= load_options()
+    assert set(a for a in argv if a.startswith("--")) <= LOAD_OPTIONS | {"--db"}
     assert "--concurrency" not in argv and "--kv-budget-mb" not in argv  # empty and unset: the defaults
 
 
@@ -37,3 +39,10 @@ def test_a_sweep_that_cannot_be_made_again_says_why(store, config, kind, words):
         sweep_command(store, stored(store, config, kind))
     with pytest.raises(ReproduceError, match="is not in"):
         sweep_command(store, 999)
+
+
+def test_the_options_a_sweep_can_store_are_the_load_command_s_own():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsed = {flag for action in commands.choices["load"]._actions for flag in action.option_strings}
+    not_stored = {"-h", "--help", "--db", "--from-db", "--from-sweep", "--json", "--progress", "--trace"}
+    assert LOAD_OPTIONS == parsed - not_stored

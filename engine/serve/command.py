@@ -2,21 +2,18 @@
 config keeps (engine.run.reproduce.sweep_arguments), copyable as it is; `load --from-sweep ID` runs the same."""
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
-from functools import cache
 
 from engine.run.reproduce import ReproduceError, sweep_arguments
 
-
-@cache
-def load_options() -> frozenset[str]:
-    """Every option string `python -m engine load` takes."""
-    from engine.cli.main import build_parser
-
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return frozenset(flag for action in commands.choices["load"]._actions for flag in action.option_strings)
+# the options of `python -m engine load` that a stored sweep's config can set (tests/test_load_command.py holds
+# this to the command line's parser, which lives above this wing)
+LOAD_OPTIONS = frozenset({
+    "--api-key-env", "--burstiness", "--concurrency", "--deadline", "--duration", "--endpoint", "--input-tokens",
+    "--kv-budget-mb", "--length-spread", "--local", "--max-batch", "--max-concurrency", "--max-new-tokens", "--model",
+    "--output-tokens", "--prompts", "--rate", "--requests", "--seed", "--served-model", "--shared-prefix-tokens",
+    "--slo", "--temperature", "--timeout", "--warmup"})
 
 
 def sweep_command(store, sweep_id: int, db: str | None = None) -> str:
@@ -27,5 +24,5 @@ def sweep_command(store, sweep_id: int, db: str | None = None) -> str:
     if found["kind"].iloc[0] == "capacity":
         raise ReproduceError(f"Sweep {sweep_id} is a capacity search, whose rates follow from its own results: run "
                              "`python -m engine capacity` again with its target to search again.")
-    argv = sweep_arguments(json.loads(found["config"].iloc[0]), set(load_options()))
+    argv = sweep_arguments(json.loads(found["config"].iloc[0]), set(LOAD_OPTIONS))
     return shlex.join(["python", "-m", "engine", "load", *argv, *(["--db", str(db)] if db else [])])
