@@ -164,21 +164,22 @@ def _sparsity_words(row) -> str:
     return f"{row['sparsity']:.0%} {row['sparsity_mode']}" if row.get("sparsity") else "dense"
 
 
-# the columns people compare, in words a person would say, each from a runs row
+# the columns people compare, in words a person would say, each from a runs row: the figures first, then the
+# settings that tell runs apart, then the rest (a narrow window shows the figures without scrolling)
 RUN_COLUMNS = {
     "run": lambda r: f"#{int(r['run_id'])}",
-    "started (UTC)": lambda r: r["started_at"].strftime("%Y-%m-%d %H:%M") if r.get("started_at") is not None else "",
-    "status": lambda r: r["status"],
-    "model": lambda r: r["model"],
+    "time to first token (ms)": lambda r: figure(r.get("ttft_ms")),
+    "time per output token (ms)": lambda r: figure(r.get("tpot_ms")),
+    "tokens/s": lambda r: figure(r.get("tokens_per_s")),
     "weights": lambda r: r.get("quant") or r.get("dtype") or "",
     "KV cache": lambda r: "on" if r.get("kv_cache") else "off",
     "sparsity": _sparsity_words,
     "speculative": lambda r: r.get("spec") or "none",
     "tag": lambda r: r.get("tag") or "",
     "new tokens": lambda r: int(r["n_new_tokens"] or 0),
-    "time to first token (ms)": lambda r: figure(r.get("ttft_ms")),
-    "time per output token (ms)": lambda r: figure(r.get("tpot_ms")),
-    "tokens/s": lambda r: figure(r.get("tokens_per_s")),
+    "status": lambda r: r["status"],
+    "started (UTC)": lambda r: r["started_at"].strftime("%Y-%m-%d %H:%M") if r.get("started_at") is not None else "",
+    "model": lambda r: r["model"],
 }
 
 
