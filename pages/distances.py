@@ -7,8 +7,9 @@ import streamlit as st
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
 from engine.measure.energy import energy_sentence
-from ui import (LEGEND, BUCKET_COLOURS, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup,
-                plot_escape, run_label, show_calibration_verdict)
+from engine.report.charts import totals_chart
+from ui import (LEGEND, BUCKET_MEANING, bucket_chart, log_ticks, md_escape, open_store, page_setup, run_label,
+                show_calibration_verdict)
 
 page_setup("Distances")
 st.title("Latency by distance")
@@ -40,13 +41,8 @@ st.download_button("Download trace", lambda: trace_json(store, sorted(chosen)), 
 st.subheader("Bucket totals per run")
 totals = runs[runs["run_id"].isin(chosen)].set_index("run_id")
 per_token = st.toggle("Per token (divide by the tokens each run produced)", True)
-fig = go.Figure()
-for b in BUCKETS:
-    values = totals[f"{b}_ms"] / (totals["n_new_tokens"] if per_token else 1)
-    fig.add_bar(y=[plot_escape(labels[i]) for i in totals.index], x=values, name=b, orientation="h", marker_color=BUCKET_COLOURS[b])
-fig.update_layout(barmode="stack", xaxis_title="ms per token" if per_token else "ms per run",
-                  height=120 + 40 * len(chosen), margin=dict(l=10, r=10, t=40, b=40), legend=LEGEND)
-st.plotly_chart(fig, width="stretch")
+st.plotly_chart(totals_chart([labels[i] for i in totals.index], totals.reset_index().to_dict("records"), per_token),
+                width="stretch")
 
 
 def calibration_note(run_metrics) -> str:

@@ -28,20 +28,21 @@ device = "auto"
 
 with st.form("sweep"):
     workload = st.selectbox("Workload", list(shipped), format_func=lambda n: f"{n}: {shipped[n]['kind']}")
-    c = st.columns([3, 1.4, 2, 2])  # the weights' chips need room for their full names
+    c = st.columns([2, 1])  # three rows, so each list's chips read whole in a window 1024 px wide
     runnable = available_levels(pick_device(device))
     levels = c[0].multiselect("Weights", runnable, default=[lv for lv in ("fp32", "int8-dyn", "int4-wo") if lv in runnable])
     kv = c[1].multiselect("KV cache", list(KV), default=["on"])
-    sparsities = c[2].multiselect("Sparsity (fp32 only)", list(SPARSITY), default=["dense"],
+    c = st.columns(3)
+    sparsities = c[0].multiselect("Sparsity (fp32 only)", list(SPARSITY), default=["dense"],
                                   help="mask-50 zeroes half the activations; skip-50 also skips the weight rows "
                                        "they leave idle.")
-    specs = c[3].multiselect("Speculative", list(speculative_methods()), default=["none"])
-    c = st.columns([2, 1, 1])
-    users = c[0].multiselect("Users", [1, 2, 4, 8], default=[1], help="Sequences decoded together in one batch: "
+    specs = c[1].multiselect("Speculative", list(speculative_methods()), default=["none"])
+    users = c[2].multiselect("Users", [1, 2, 4, 8], default=[1], help="Sequences decoded together in one batch: "
                              "the weights are read once a step for all of them. More than one user needs the KV "
                              "cache on, dense and no speculative method; a batch's tokens/s are every user's.")
-    tokens = whole_number_input(c[1], "New tokens per run", MIN_TOKENS, MAX_TOKENS, 32)
-    repeats = whole_number_input(c[2], "Repeats", 1, MAX_REPEAT, 3, help="Each setting runs this many times, the "
+    c = st.columns(3)
+    tokens = whole_number_input(c[0], "New tokens per run", MIN_TOKENS, MAX_TOKENS, 32)
+    repeats = whole_number_input(c[1], "Repeats", 1, MAX_REPEAT, 3, help="Each setting runs this many times, the "
                                  "settings interleaved (A B A B), so a speed ratio gets a 95% interval and a drift of "
                                  "the machine falls on every setting alike; the sweep takes this many times longer.")
     go_button = st.form_submit_button("Run the sweep", type="primary")

@@ -83,8 +83,22 @@ def bucket_chart(token_rows: list[dict], title: str = "Where each token's time w
         fig.update_yaxes(range=[0, top])
         fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
                            showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
-    return readable(fig, barmode="stack", title=plot_escape(title), xaxis_title="token index", yaxis_title="ms per token",
+    # the title at the top edge, so a legend wrapped onto two lines in a narrow window stays below it
+    return readable(fig, barmode="stack", title=dict(text=plot_escape(title), y=0.98, yanchor="top"),
+                    xaxis_title="token index", yaxis_title="ms per token",
                     height=380, margin=dict(l=60, r=10, t=100, b=50))
+
+
+def wrapped_label(label: str, width: int = 34) -> str:
+    """A run label made literal for Plotly and broken between its " · " parts into lines of about `width`
+    characters, so a narrow window keeps room for the bars."""
+    lines: list[str] = []
+    for part in str(label).split(" · "):
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append(part)
+    return "<br>".join(plot_escape(line) for line in lines)
 
 
 def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, title: str | None = None) -> go.Figure:
@@ -93,7 +107,7 @@ def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, ti
     fig = go.Figure()
     for b in BUCKETS:
         values = [(row[f"{b}_ms"] or 0.0) / ((row["n_new_tokens"] or 1) if per_token else 1) for row in rows]
-        fig.add_bar(y=[plot_escape(label) for label in labels], x=values, name=b, orientation="h",
+        fig.add_bar(y=[wrapped_label(label) for label in labels], x=values, name=b, orientation="h",
                     marker_color=BUCKET_COLOURS[b],
                     hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
     unit = "ms per token" if per_token else "ms per run"
