@@ -142,7 +142,7 @@ def test_int8_moves_fewer_bytes_per_token_than_fp32(default_lm, calibration):
     int8 = run(variant(default_lm, "int8-wo"), calibration, prompt, max_new_tokens=8, ignore_eos=True)
     mean = lambda g, key: sum(s[key] for s in decode_steps(g)) / len(decode_steps(g))  # noqa: E731
     assert mean(int8, "weight_bytes") < mean(fp32, "weight_bytes") / 3
-    assert mean(int8, "memory_ms") < mean(fp32, "memory_ms")
+    assert mean(int8, "memory_est_ms") < mean(fp32, "memory_est_ms")  # the bucket is capped by the measured forward
 
 
 def test_cli_quality_json_is_recorded(tmp_path):
