@@ -20,8 +20,8 @@ from engine.report.definitions import BUCKET_MEANING  # noqa: F401
 from engine.measure.distances import BUCKETS
 from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
-from engine.run.spec import DEFAULTS as SPEC_DEFAULTS
-from engine.run.spec import LIMITS, GenConfig, RunSpec
+from engine.spec import DEFAULTS as SPEC_DEFAULTS
+from engine.spec import LIMITS, GenConfig, RunSpec
 from engine.store.db import Store, StoreError
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
@@ -234,7 +234,7 @@ def whole_number_input(where, label: str, low: int | None = None, high: int | No
 
 
 def setting_input(where, label: str, name: str, step: float | None = None, value=None, help: str | None = None):
-    """A number field for a generation setting: its range from engine.run.spec.LIMITS, its default from
+    """A number field for a generation setting: its range from engine.spec.LIMITS, its default from
     the run specification's."""
     limit = LIMITS[name]
     default = SPEC_DEFAULTS[name] if value is None else value

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.measure import hardware
 from engine.run.generate import Generation, GenConfig
 from engine.run.open import open_run
-from engine.run.spec import RunSpec
+from engine.spec import RunSpec
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
 from engine.paths import workloads
 from engine.model.loader import load_model

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from engine.errors import UserError
 from engine.measure.compare import interleaved
 from engine.paths import workloads
-from engine.run.spec import LIMITS, GenConfig, RunSpec
+from engine.spec import LIMITS, GenConfig, RunSpec
 from engine.store.sql import utcnow
 
 SWEEP_TAG = "sweep:"
@@ -57,7 +57,7 @@ class Arm:
 
     @property
     def batchable(self) -> bool:
-        """Whether several users can decode in one batch with these settings (engine.run.spec.check_batchable)."""
+        """Whether several users can decode in one batch with these settings (engine.spec.check_batchable)."""
         return self.kv == "on" and self.sparsity == "dense" and self.speculative == "none"
 
 

@@ -8,7 +8,7 @@ import streamlit as st
 from engine import access
 from engine.plan import kvcalc
 from engine.plan import shapes
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.plan.kvcalc import KVCalcError, human
 from ui import (LEGEND, default_model_id, log_ticks, md_escape, open_store, page_setup, run_in_worker, worker_request,

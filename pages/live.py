@@ -14,8 +14,8 @@ from engine.paths import workloads
 from engine.plan.planner import gpu_ids
 from engine.switches.quant import INT4_GROUPS, LEVELS
 from engine.switches.sparsity import ALL_MODES
-from engine.run.spec import DEFAULTS as SPEC
-from engine.run.spec import LIMITS, GenConfig, GenerationError, RunSpec
+from engine.spec import DEFAULTS as SPEC
+from engine.spec import LIMITS, GenConfig, GenerationError, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
@@ -49,7 +49,7 @@ BATCH_HELP = {"Tokens/s per user": "Each sequence's tokens over its own time fro
                                         "step's weights plus its own cache.",
               "Your TTFT": "Time to your sequence's first token, prefills of the others' prompts included."}
 shipped = workloads()
-# the form's defaults: the run specification's own (engine.run.spec.DEFAULTS), under the page's names
+# the form's defaults: the run specification's own (engine.spec.DEFAULTS), under the page's names
 DEFAULTS = {"model": default_model_id(), "device": SPEC["device"], "max_new": SPEC["max_new_tokens"],
             "group": SPEC["group_size"], "mode": SPEC["sparsity_mode"], "temperature": SPEC["temperature"],
             "top_p": SPEC["top_p"], "top_k": SPEC["top_k"], "seed": int(LIMITS["seed"].low), "draft_model": "self-int8",

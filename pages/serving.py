@@ -21,10 +21,10 @@ from engine.paths import workloads
 from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
-from engine.run.spec import MAX_BATCH
+from engine.spec import MAX_BATCH
 from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
-from engine.run.reproduce import ReproduceError
+from engine.serve.command import ReproduceError
 from ui import LEGEND, default_model_id, figure, md_escape, open_store, plot_escape, page_setup, whole_number_input
 
 # below the plot, clear of the title above it

@@ -16,7 +16,7 @@ from engine.model.cpu_kernels import optional_kernel
 from engine.run.batch import CACHE_ROOM, BatchEngine, BatchError
 from engine.run.generate import Generation
 from engine.run.local import LocalEngine
-from engine.run.spec import GenConfig
+from engine.spec import GenConfig
 from engine.store import journal
 from engine.store.db import Store
 from engine.switches.quant import quantize

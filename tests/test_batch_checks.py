@@ -9,7 +9,7 @@ from engine.measure import hardware
 from engine.plan import planner
 from engine.run.batch import BatchEngine
 from engine.run.generate import Generation
-from engine.run.spec import GenConfig
+from engine.spec import GenConfig
 
 BATCH = 8
 PROMPTS = ["Count the stars", "Name a river", "Say hello", "Pick a colour", "List two cats", "Add one and two",

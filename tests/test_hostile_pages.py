@@ -5,7 +5,7 @@ import os
 import pandas as pd
 import pytest
 
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 from streamlit.testing.v1 import AppTest
 
 from browser import CHROMIUM, browser_page, serve_app

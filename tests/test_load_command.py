@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from engine.run.reproduce import ReproduceError
+from engine.serve.command import ReproduceError
 from engine.serve import records as served_store
 from engine.cli.main import build_parser
 from engine.serve.command import LOAD_OPTIONS, sweep_command

@@ -59,7 +59,7 @@ def test_a_switch_that_cannot_batch_is_one_sentence_and_nothing_is_recorded(page
 def test_the_users_limit_in_the_one_table_reaches_the_command_line_the_spec_and_the_live_page(page_db, monkeypatch,
                                                                                                capsys):
     from engine.cli import main as cli
-    from engine.run import spec
+    from engine import spec
 
     monkeypatch.setitem(spec.LIMITS, "users", spec.Limit(1, 4, True, "users"))
     with pytest.raises(SystemExit):

@@ -146,7 +146,7 @@ def test_live_page_served_mode_with_a_server_that_does_not_answer_is_one_sentenc
 
 def test_a_limit_changed_in_the_one_table_reaches_the_command_line_and_the_live_page(page_db, monkeypatch, capsys):
     from engine.cli import main as cli
-    from engine.run import spec
+    from engine import spec
 
     monkeypatch.setitem(spec.LIMITS, "temperature", spec.Limit(0.0, 7.5, False, "temperature (0: greedy)"))
     monkeypatch.setitem(spec.LIMITS, "top_k", spec.Limit(0, 321, True, "top_k (0: off)"))

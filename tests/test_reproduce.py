@@ -11,7 +11,7 @@ import pytest
 
 from engine.run.generate import Generation
 from engine.run.reproduce import ReproduceError, arguments, command, stored_spec
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 from engine.run.worker import GenerationWorker
 from engine.switches.quant import variant
 from engine.store.db import Store

@@ -16,7 +16,7 @@ from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
 from engine.serve.client import ServedError, ServedRun, ServedRunError
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.serve.vllm import free_port
@@ -357,7 +357,7 @@ def test_serve_vllm_refuses_ports_and_threads_out_of_range(capsys):
 
 
 def test_a_backend_refuses_what_it_cannot_honour_in_one_sentence_for_the_command_line_and_the_page(capsys, tmp_path):
-    from engine.run.spec import GenerationError
+    from engine.spec import GenerationError
 
     page_spec = RunSpec(gen=GenConfig("Hi", top_k=5), backend="served", endpoint="http://127.0.0.1:9")
     with pytest.raises(GenerationError) as refused:

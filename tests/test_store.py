@@ -129,7 +129,7 @@ def test_delete_removes_a_run_with_its_rows_and_keeps_the_others(tiny_lm, calibr
 def test_the_steps_and_tokens_tables_have_the_row_types_columns(store):
     from dataclasses import fields
 
-    from engine.run.rows import ServedStepRow, ServedTokenRow, StepRow, TokenRow
+    from engine.store.rows import ServedStepRow, ServedTokenRow, StepRow, TokenRow
 
     for table, rows in (("steps", (StepRow, ServedStepRow)), ("tokens", (TokenRow, ServedTokenRow))):
         columns = set(store.query(f"SELECT * FROM {table} LIMIT 0").columns)

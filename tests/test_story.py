@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine.report import story
 from engine.run.generate import Generation
-from engine.run.spec import GenConfig, GenerationError, RunSpec
+from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.store.db import Store
 from browser import free_port
 

@@ -14,7 +14,7 @@ import pytest
 from engine.measure.distances import BUCKETS, PHASES
 from engine.report.trace import PHASE_TIDS, STEP_TID, TraceError, trace, trace_json
 from engine.run.generate import Generation
-from engine.run.spec import GenConfig
+from engine.spec import GenConfig
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.store.db import Store

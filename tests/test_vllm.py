@@ -10,7 +10,7 @@ from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.run.generate import Generation, GenConfig
 from engine.run.open import open_run
-from engine.run.spec import RunSpec
+from engine.spec import RunSpec
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.serve.client import ServedError
 from engine.measure.distances import BUCKETS

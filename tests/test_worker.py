@@ -2,7 +2,7 @@
 import pytest
 
 from engine.run.generate import Generation, GenConfig
-from engine.run.spec import RunSpec
+from engine.spec import RunSpec
 from engine.store.db import Store
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)

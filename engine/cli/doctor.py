@@ -68,7 +68,7 @@ def _timed_run(name: str, spec, store, calibration) -> Check:
 
 def switch_checks(device, tokens: int, store, calibration) -> list[Check]:
     """Every weight level, the KV cache off, each sparsity mode and one speculative method."""
-    from engine.run.spec import GenConfig, RunSpec
+    from engine.spec import GenConfig, RunSpec
     from engine.switches.quant import LEVELS
     from engine.switches.sparsity import MODES
 

@@ -32,7 +32,7 @@ SPEC_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--
 def spec_from_args(args):
     """The RunSpec the command line describes; speculative flags without --spec are refused."""
     from engine.run.generate import GenerationError
-    from engine.run.spec import GenConfig, RunSpec
+    from engine.spec import GenConfig, RunSpec
 
     given = [flag for dest, flag in SPEC_FLAGS.items()
              if getattr(args, dest, None) is not None and getattr(args, dest) is not False]
@@ -65,7 +65,7 @@ def what_became_of(run) -> str:
 
 def cmd_generate(args) -> int:
     """One run, or --repeat N of them one after another; --from-run takes every setting from a stored run."""
-    from engine.run.spec import GenerationError
+    from engine.spec import GenerationError
 
     if args.from_run is not None:
         return generate_again(args)
@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
 def generate_again(args) -> int:
     """generate --from-run ID: the stored run's own command, parsed and run against --db."""
     from engine.run.reproduce import arguments, stored_spec
-    from engine.run.spec import GenerationError
+    from engine.spec import GenerationError
     from engine.store.db import Store
 
     if args.prompt is not None:
@@ -100,8 +100,8 @@ def generate_once(args) -> int:
     """A run of the local engine, or of a server with --endpoint: the same spec, the same loop, the same record."""
     from engine.errors import UserError
     from engine.run.open import open_run
-    from engine.run.record import RecordDeferred
-    from engine.run.spec import GenerationError
+    from engine.store.record import RecordDeferred
+    from engine.spec import GenerationError
     from engine.serve.client import ServedRunError
     from engine.store.db import Store
 
@@ -195,7 +195,7 @@ def cmd_quality(args) -> int:
     from engine.store.db import Store
 
     from engine.run.prepare import base_model, prepare
-    from engine.run.spec import GenConfig, RunSpec
+    from engine.spec import GenConfig, RunSpec
 
     store = Store(args.db)
     spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.quant,
@@ -398,8 +398,8 @@ def run_id(text: str) -> int:
 
 def limited(parser, flag: str, name: str, help: str = "") -> None:
     """An option whose default comes from GenConfig and whose range, stated in its help, from
-    engine.run.spec.LIMITS, the table GenConfig.check enforces."""
-    from engine.run.spec import DEFAULTS, LIMITS
+    engine.spec.LIMITS, the table GenConfig.check enforces."""
+    from engine.spec import DEFAULTS, LIMITS
 
     limit = LIMITS[name]
     shown = (lambda v: str(int(v))) if limit.whole else (lambda v: f"{v:g}")

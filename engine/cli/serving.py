@@ -30,7 +30,7 @@ def _print_json(obj) -> None:
 
 def served_fields(args) -> dict:
     """The RunSpec fields of `generate --endpoint`: backend, server, key, GPU, timeout and deadline."""
-    from engine.run.spec import STALL_TIMEOUT_S
+    from engine.spec import STALL_TIMEOUT_S
 
     fields = {"timeout_s": STALL_TIMEOUT_S if args.timeout is None else args.timeout, "deadline_s": args.deadline,
               "served_model": args.served_model, "api_key_env": args.api_key_env, "gpu": args.gpu}
@@ -118,8 +118,8 @@ def _local_target(args, cfg):
     after every setting is checked (nothing is loaded or stored for bad input)."""
     from engine.run.batch import budget_bytes, check_cap
     from engine.run.prepare import prepare
-    from engine.run.spec import GenConfig, RunSpec
-    from engine.serve.local import LocalTarget
+    from engine.spec import GenConfig, RunSpec
+    from engine.run.load_target import LocalTarget
     from engine.store.db import Store
 
     check_cap(args.max_batch)
@@ -211,7 +211,7 @@ def cmd_capacity(args) -> int:
 
 def load_again(args) -> int:
     """load --from-sweep ID: the stored sweep's parameters as `load`'s options, run against --db."""
-    from engine.run.reproduce import ReproduceError, sweep_arguments
+    from engine.serve.command import ReproduceError, sweep_arguments
     from engine.store.db import Store, StoreError
 
     try:

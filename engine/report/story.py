@@ -17,7 +17,7 @@ from engine.report.html import (FIGURE_CONFIG, ReportError, Section, build_html,
                      load_runs, run_sections, table)
 from engine.measure.compare import compare, interleaved, usable
 from engine.store.sql import utcnow
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 
 TAG = "story"
 # Three interleaved repeats of 6 tokens decode about as many tokens per arm as one run of 16 did, so a play

@@ -15,8 +15,7 @@ from engine.report.html import ReportError, Section, build_html, definitions_sec
 from engine.serve.records import sweeps
 from engine.report.sweep_views import level_frame
 from engine.serve.capacity import describe
-from engine.serve.command import sweep_command
-from engine.run.reproduce import ReproduceError
+from engine.serve.command import ReproduceError, sweep_command
 
 
 def sweep_runs(store, sweep_id: str) -> list[dict]:

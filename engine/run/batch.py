@@ -13,7 +13,7 @@ steps; a cancelled one frees its slot and its cache at the next step. A request 
 is refused before it is queued.
 
 Every sequence is its own recorded run with its own journal. Its rows share each step it took part in: its
-memory estimate carries 1/batch of the weights' trip (engine.run.rows), its own KV bytes and FLOPs stay its own,
+memory estimate carries 1/batch of the weights' trip (engine.store.rows), its own KV bytes and FLOPs stay its own,
 and the rest of the step, like the time it waited to be admitted or while another sequence's prefill ran, is
 the time distance; its steps tile its timeline, so its buckets sum to its measured time. A preempted sequence's
 recompute is a step of its run (kind recompute), and the time from its preemption to its recompute's forward is
@@ -37,9 +37,9 @@ from engine.measure.distances import BUCKETS, Roofline, sum_buckets
 from engine.measure.metrics import run_metrics
 from engine.model.lean import LeanLlama
 from engine.run.generate import TokenEvent, collector_spared
-from engine.run.record import Recorder
-from engine.run.rows import Attribution, Outcome, account, columns
-from engine.run.spec import LIMITS, MAX_BATCH, GenConfig, check_batchable
+from engine.store.record import Recorder
+from engine.store.rows import Attribution, Outcome, account, columns
+from engine.spec import LIMITS, MAX_BATCH, GenConfig, check_batchable
 from engine.run.step import select_token
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids

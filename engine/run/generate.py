@@ -1,7 +1,7 @@
 """The instrumented decode loop: prefill, then one timed step per token, each attributed and recorded.
 
 Generation coordinates three parts that each do one thing: engine.run.step runs a step (propose,
-forward, accept, crop), engine.run.rows turns its timing into typed rows and buckets, engine.run.record
+forward, accept, crop), engine.store.rows turns its timing into typed rows and buckets, engine.store.record
 keeps the rows safe and writes the database. Steps tile the run's timeline: a step begins where
 the previous one handed its tokens to the consumer of the stream, so the time the consumer takes
 between tokens lands in the next step's host phase and the per-token buckets add up to the run's
@@ -25,11 +25,11 @@ from engine.dtypes import name_of, torch_dtype
 from engine.model.lean import LeanLlama
 from engine.measure.metrics import run_metrics
 from engine.model.loader import LoadedModel, load_model
-from engine.run.record import Recorder
-from engine.run.rows import Attribution, account, columns
+from engine.store.record import Recorder
+from engine.store.rows import Attribution, account, columns
 from engine.switches.sparsity import sparse_layers
 from engine.switches.drafters import MAX_K, SpeculativeError
-from engine.run.spec import GenConfig, GenerationError, RunSpec
+from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.run.step import DecodeState, decode_step
 from engine.store.db import Store
 from engine.run.text import Output, prompt_ids

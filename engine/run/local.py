@@ -26,7 +26,7 @@ from engine.measure import hardware
 from engine.measure.distances import BUCKETS
 from engine.run.batch import BatchEngine, Sequence, batch_prompts, batch_summary
 from engine.run.generate import TokenEvent, collector_spared
-from engine.run.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec
 
 
 class Handle:

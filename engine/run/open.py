@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine.run.generate import Generation
 from engine.run.local import BatchRun
 from engine.run.prepare import prepare
-from engine.run.spec import RunSpec
+from engine.spec import RunSpec
 from engine.serve.client import ServedRun
 from engine.store.db import Store
 

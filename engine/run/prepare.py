@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine.switches import quant
 from engine.switches import sparsity
 from engine.model.loader import LoadedModel, load_model
-from engine.run.spec import RunSpec
+from engine.spec import RunSpec
 
 _base: dict = {}  # {(model, device): LoadedModel}, at most one entry
 

@@ -9,8 +9,8 @@ import json
 import shlex
 from dataclasses import fields
 
-from engine.errors import UserError
-from engine.run.spec import GenConfig, RunSpec
+from engine.serve.command import ReproduceError
+from engine.spec import GenConfig, RunSpec
 
 # RunSpec and GenConfig fields that `generate` takes as flags; each is written only where it differs
 # from its default (a boolean as its bare flag). Flags of speculative settings only apply with --spec.
@@ -23,11 +23,6 @@ GEN_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature
 SPECULATIVE_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
                      "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
 SERVED_KEYS = ("endpoint", "served_model", "api_key_env", "gpu")  # a served run's config keys that are RunSpec fields
-SWEEP_RENAMED = {"rates": "--rate"}  # a load sweep's config keys whose option is not their own name
-
-
-class ReproduceError(UserError):
-    """A run whose command cannot be made."""
 
 
 def stored_spec(store, run_id: int) -> RunSpec:
@@ -87,33 +82,3 @@ def arguments(spec: RunSpec) -> list[str]:
 def command(spec: RunSpec, db: str | None = None) -> str:
     """The shell command that runs this specification again, copyable as it is."""
     return shlex.join(["python", "-m", "engine", "generate", *arguments(spec), *(["--db", str(db)] if db else [])])
-
-
-def sweep_arguments(config: dict, options: set[str]) -> list[str]:
-    """`load`'s arguments for a stored load sweep's config: each stored parameter whose name is one of the
-    command's options (`timeout_s` is --timeout), lists joined by commas, booleans as bare flags."""
-    from engine.paths import workloads
-
-    if config.get("trace_name"):
-        raise ReproduceError("This sweep replayed a trace file, which the store does not keep: run `load` again with "
-                             "that file as --trace.")
-    args = []
-    for key, value in config.items():
-        flag = SWEEP_RENAMED.get(key) or next((f for f in ("--" + key.replace("_", "-"),
-                                                           "--" + key.removesuffix("_s").replace("_", "-"))
-                                               if f in options), None)
-        if flag is None or value is None or value is False or value in ([], {}):
-            continue  # left out: the option's default (no SLO, synthetic prompts or a trace)
-        if key == "slo":
-            value = ",".join(f"{metric}={target:g}" for metric, target in value.items())
-        if key == "prompts":
-            shipped = list(workloads())
-            if value == shipped:
-                continue  # every shipped workload: the default
-            if len(value) != 1 or value[0] not in shipped:
-                raise ReproduceError("This sweep's prompts came from a file, which the store does not keep: run "
-                                     "`load` again with that file as --prompts.")
-            value = value[0]
-        args += [flag] if value is True else [flag, ",".join(map(str, value)) if isinstance(value, list) else
-                                              f"{value:g}" if isinstance(value, float) else str(value)]
-    return args

@@ -13,8 +13,8 @@ from engine.measure import hardware
 from engine.switches import speculative
 from engine.model.cpu_kernels import optional_kernel
 from engine.switches.drafters import Drafter, Tree, crop_cache
-from engine.run.rows import Outcome
-from engine.run.spec import GenConfig
+from engine.store.rows import Outcome
+from engine.spec import GenConfig
 
 
 @dataclass

@@ -35,8 +35,8 @@ from engine.model.loader import pick_device
 from engine.run.local import load_figures
 from engine.run.open import open_run
 from engine.run.prepare import prepare
-from engine.run.record import RecordDeferred
-from engine.run.spec import RunSpec
+from engine.store.record import RecordDeferred
+from engine.spec import RunSpec
 from engine.store.db import Store
 
 

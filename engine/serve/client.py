@@ -14,14 +14,14 @@ from pathlib import Path
 import httpx2
 import openai
 
-from engine.serve.address import ServedError, api_root
+from engine.address import ServedError, api_root
 from engine.serve import network
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.measure.metrics import percentile
 from engine.paths import DEFAULT_MODEL_NAME
-from engine.run.spec import STALL_TIMEOUT_S, RunSpec
+from engine.spec import STALL_TIMEOUT_S, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.store.db import Store
@@ -378,7 +378,7 @@ class ServedRun:
         self.prompt = g.prompt
         self.counter = TokenCounter(None if self.server_kind == "vllm" else tokenizer_for(self.served_model))
         if store is not None:
-            from engine.run.record import Recorder  # the rows' module loads torch: only when a run is recorded
+            from engine.store.record import Recorder  # the rows' module loads torch: only when a run is recorded
 
             self.recorder = Recorder(store)
         else:
@@ -459,7 +459,7 @@ class ServedRun:
 
     def _take(self, chunk: Chunk, t0: int) -> ChunkEvent:
         """One chunk into the run: its provisional rows go to the journal at once."""
-        from engine.run.rows import ServedStepRow, ServedTokenRow
+        from engine.store.rows import ServedStepRow, ServedTokenRow
 
         ids = self.counter.count(chunk)
         t_ms = (chunk.t_ns - t0) / 1e6
@@ -526,7 +526,7 @@ class ServedRun:
 
     def _rows(self, rows: list[dict], prompt_tokens: int) -> None:
         """A step row per chunk and a token row per token, the chunk's buckets divided over its tokens."""
-        from engine.run.rows import ServedStepRow, ServedTokenRow, columns
+        from engine.store.rows import ServedStepRow, ServedTokenRow, columns
 
         context = prompt_tokens
         for step, ((t_ms, ids, text), row) in enumerate(zip(self.chunks, rows)):

@@ -25,7 +25,7 @@ from engine.serve import network
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
 from engine.paths import workloads
-from engine.run.spec import DEADLINE_PER_TOKEN_S, GenConfig, RunSpec
+from engine.spec import DEADLINE_PER_TOKEN_S, GenConfig, RunSpec
 from engine.serve.client import (BUDGET_GRACE_S, STALL_TIMEOUT_S, ServedError, StreamResult, TokenCounter, Watchdog,
                                  _models, api_root, explain, make_client, open_stream, read_stream, request_body,
                                  round_trip_ms, tokenizer_for)
@@ -175,7 +175,7 @@ class Reply:
 class ServerTarget:
     """Where a sweep's requests go: an OpenAI-compatible server. send() streams one request; cut()
     closes every stream in flight; snapshot() and gauges() read its /metrics. The in-process engine
-    (engine.serve.local.LocalTarget) has the same methods."""
+    (engine.run.load_target.LocalTarget) has the same methods."""
 
     def __init__(self, cfg: SweepConfig, connections: int):
         self.cfg = cfg

@@ -15,7 +15,7 @@ import torch
 
 from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
-from engine.run.rows import columns
+from engine.store.rows import columns
 from engine.store.db import Store, StoreError
 
 

@@ -146,7 +146,7 @@ class RunSpec:
         if self.backend == "served":
             if not self.endpoint:
                 raise GenerationError("A served run needs the server's URL (--endpoint).")
-            from engine.serve.address import api_root  # the address is refused before anything is opened
+            from engine.address import api_root  # the address is refused before anything is opened
 
             try:
                 api_root(self.endpoint)
