@@ -305,24 +305,33 @@ def generation_worker() -> GenerationWorker:
 def warm_up() -> dict:
     """Once per server, on the first page anyone opens: start the generation process and load the
     default model in it, in a thread through the queue, so the first Generate click finds both ready
-    (a run clicked sooner waits its turn). The dict says how far it got: loading, ready, failed, or off
-    where TOKENPATH_WARM=0 (tests of pages that run nothing)."""
+    (a run clicked sooner waits its turn). The model comes first; a calibration is measured after it
+    only where none of this device is stored or reusable from the machine's calibration cache. The
+    dict says how far it got (warm_up_words): loading, calibrating, ready, failed, or off where
+    TOKENPATH_WARM=0 (tests of pages that run nothing)."""
     if os.environ.get("TOKENPATH_WARM") == "0":
         return {"state": "off"}
     state = {"state": "loading", "started": time.monotonic()}
     queue, worker = generation_queue(), generation_worker()
     try:
-        request = {"db": str(Store().path), "warm": True,
-                   "spec": RunSpec(gen=GenConfig("warm"), model=default_model_id()).to_dict()}
+        db = str(Store().path)
     except StoreError as exc:
         return {**state, "state": "failed", "message": str(exc)}
+    request = {"db": db, "warm": True, "spec": RunSpec(gen=GenConfig("warm"), model=default_model_id()).to_dict()}
+
+    def ending(request: dict) -> dict:
+        return next(payload for kind, payload in worker.generate(request, every_s=60.0) if kind == "done")
 
     def load():
         try:
             with queue.turn(lambda position: None):
-                for kind, payload in worker.generate(request, every_s=60.0):
-                    if kind == "done":
-                        state.update(state="ready", seconds=payload["seconds"])
+                loaded = ending(request)
+                calibration = loaded["calibration"]
+                if calibration is None:
+                    state.update(state="calibrating", started=time.monotonic())
+                    calibration = ending({"db": db, "device": loaded["device"], "calibrate": True,
+                                          "missing_only": True})["calibration"]
+                state.update(state="ready", seconds=loaded["seconds"], calibration=calibration)
         except (WorkerRefused, WorkerFailed) as exc:
             state.update(state="failed", message=str(exc))
 
@@ -330,13 +339,43 @@ def warm_up() -> dict:
     return state
 
 
-def show_warm_up() -> None:
-    """What the generation process is doing while the default model loads, if it still is."""
-    state = warm_up()
+def warm_up_words(state: dict) -> str | None:
+    """What the generation process is doing, in one sentence, or None where there is nothing to say."""
+    since = f"{time.monotonic() - state.get('started', time.monotonic()):.0f} s"
     if state["state"] == "loading":
-        st.info(f"Loading the default model in the generation process (since "
-                f"{time.monotonic() - state['started']:.0f} s, once per server start): a run started now begins "
-                "as soon as it is ready.", icon=":material/hourglass_top:")
+        return (f"Loading the default model in the generation process ({since} so far, once per server start): "
+                "a run started now begins as soon as it is loaded.")
+    if state["state"] == "calibrating":
+        return (f"Calibrating this device ({since} so far): measuring its memory bandwidth and compute peaks, "
+                "once per machine, since no recent calibration of it is stored or cached. The model is loaded; "
+                "a run started now begins when the calibration ends.")
+    if state["state"] == "ready":
+        calibration = state.get("calibration") or {}
+        reused = f" Its calibration: {hardware.provenance(calibration)}" if calibration.get("reused_from") else ""
+        return f"Ready: the default model is loaded in the generation process (in {state['seconds']:.1f} s).{reused}"
+    if state["state"] == "failed":
+        return f"The generation process could not load the default model: {state['message']}"
+    return None
+
+
+def show_warm_up() -> None:
+    """What the generation process is doing, redrawn every second while it loads or calibrates."""
+    busy = warm_up()["state"] in ("loading", "calibrating")
+
+    @st.fragment(run_every=1.0 if busy else None)
+    def status():
+        state = warm_up()
+        words = warm_up_words(state)
+        if words is None:
+            return
+        if state["state"] in ("loading", "calibrating"):
+            st.info(md_escape(words), icon=":material/hourglass_top:")
+        elif state["state"] == "failed":
+            st.warning(md_escape(words))
+        else:
+            st.caption(md_escape(words))
+
+    status()
 
 
 def open_store() -> Store | None:

@@ -13,9 +13,12 @@ previous page's JavaScript heap while the first tokens are generated, which the 
 
 With --first-click it measures instead what a person opening a freshly started app meets: the time
 from the click on Generate of the first Live run to its first token (the run's start plus its TTFT),
-clicked --read-s seconds after the page appears (the default model loads meanwhile).
+clicked --read-s seconds after the page appears (the default model loads meanwhile), on a fresh
+database: the warm start reuses a recent calibration of this device from the machine's calibration
+cache, or with --empty-cache finds none and measures one after loading the model.
 """
 import argparse
+import os
 import random
 import re
 import statistics
@@ -33,6 +36,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 from browser import browser_page, serve_app
 from common import recorded
+from engine.measure import hardware
+from engine.model.loader import pick_device
 from engine.store.db import Store
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -145,11 +150,16 @@ def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, 
     return medians[resamples // 20], medians[-resamples // 20 - 1]
 
 
-def first_click(tokens: int, read_s: float) -> None:
-    """Click-to-first-token of the first Live run after the app starts, printed."""
+def first_click(tokens: int, read_s: float, empty_cache: bool) -> None:
+    """Click-to-first-token of the first Live run after the app starts on a fresh database, printed with
+    whether the machine's calibration cache held a calibration of this device the warm start could reuse."""
     db = Path(tempfile.mkdtemp()) / "first-click.duckdb"
     store = Store(db)
-    with serve_app(db) as url, browser_page() as page:
+    env = {hardware.CACHE_ENV: tempfile.mkdtemp()} if empty_cache else {}
+    cached = not empty_cache and bool(hardware.cached_calibrations(pick_device("auto")))
+    print(f"load average at the start: {os.getloadavg()[0]:.1f}; the machine's calibration cache "
+          + ("holds a recent calibration of this device" if cached else "holds none of this device (it calibrates)"))
+    with serve_app(db, env=env) as url, browser_page() as page:
         page.set_default_timeout(300_000)  # the server's first page imports torch on a busy machine
         opened = time.time()
         page.goto(url + "/live")
@@ -163,7 +173,8 @@ def first_click(tokens: int, read_s: float) -> None:
     run = store.runs(1).iloc[0]
     first_token = run["started_at"].replace(tzinfo=timezone.utc).timestamp() + run["ttft_ms"] / 1e3
     print(f"first Live run after the app started, clicked {clicked - opened:.1f} s after the page was opened: "
-          f"{first_token - clicked:.2f} s from the click to the first token (TTFT {run['ttft_ms']:.0f} ms of it)")
+          f"{first_token - clicked:.2f} s from the click to the first token (TTFT {run['ttft_ms']:.0f} ms of it); "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 def main():
@@ -178,9 +189,12 @@ def main():
                         help="time the first Live run's click to first token on a freshly started app")
     parser.add_argument("--read-s", type=float, default=10.0,
                         help="with --first-click: seconds from opening the page to the click")
+    parser.add_argument("--empty-cache", action="store_true",
+                        help="with --first-click: start from an empty calibration cache, as on a machine never "
+                             "calibrated (the warm start then measures one after loading the model)")
     args = parser.parse_args()
     if args.first_click:
-        return first_click(args.tokens, args.read_s)
+        return first_click(args.tokens, args.read_s, args.empty_cache)
     redraws = args.redraw or ["every 2 seconds", NOT_DRAWN]
     db = Path(tempfile.mkdtemp()) / "ui.duckdb"
     store = Store(db)

@@ -19,8 +19,8 @@ from engine.spec import LIMITS, GenConfig, GenerationError, RunSpec
 from engine.switches.speculative import METHODS
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import (bucket_chart, default_model_id, generation_queue, generation_worker, level_table, live_bars,
-                md_escape, open_store, page_setup, setting_input, show_calibration_verdict, show_warm_up,
-                worker_request, whole_number_input)
+                md_escape, open_store, page_setup, setting_input, show_calibration_verdict, show_warm_up, warm_up,
+                warm_up_words, worker_request, whole_number_input)
 
 page_setup("Live generation")
 # On a rerun (Generate) Streamlit fades the last run's elements out over 1.5 s, an animation the browser
@@ -252,6 +252,14 @@ def show_prediction(result: dict) -> None:
 
 # Streamlit's running-man icon redraws several times a second, browser CPU time that the model, on the
 # same cores, loses; while a run streams, the page shows its own progress.
+def waiting_words(position: int) -> str:
+    """Why a run waits for its turn: the generation process loading or calibrating, or runs ahead of it."""
+    state = warm_up()
+    if state["state"] in ("loading", "calibrating"):
+        return warm_up_words(state)
+    return f"Waiting for the device: {position} generation(s) ahead."
+
+
 HIDE_RUNNING_ICON = "<style>[data-testid=stStatusWidgetRunningIcon]{display:none}</style>"
 STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at most {limit} tokens so far{rest}</div>'
 QUIET_NOTE = " (text and charts appear when the run ends)"
@@ -378,7 +386,7 @@ if submitted and store is not None:
     request = worker_request(run_spec, store)
     waiting = st.empty()
     run_area = st.empty()  # the Stop button and the run's heading go with it when the run is refused
-    with generation_queue().turn(lambda pos: waiting.info(f"Waiting for the device: {pos} generation(s) ahead.")):
+    with generation_queue().turn(lambda pos: waiting.info(waiting_words(pos))):
         waiting.empty()
         done = None
         try:

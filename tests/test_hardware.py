@@ -2,8 +2,10 @@
 import json
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.measure import hardware
@@ -155,3 +157,55 @@ def test_a_run_faster_than_the_given_peak_is_flagged_in_its_stored_metrics(tiny_
     assert low["beyond_peak"] and low["gbps"] > 0 and low["peak_fraction"] > 1
     high = run(1e9)
     assert high["beyond_peak"] is None and 0 < high["peak_fraction"] < 1
+
+
+@pytest.fixture
+def machine_cache(tmp_path, monkeypatch):
+    """An empty calibration cache of the machine's own, and no fixed calibration: the process then
+    attributes runs as a user's dashboard does."""
+    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV, raising=False)
+    monkeypatch.setattr(hardware, "_session_calibrations", {})
+    return tmp_path / "cache"
+
+
+def measured(calibration, days_ago=0.0):
+    when = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(days=days_ago)
+    return {**calibration, "measured_at": when.isoformat(timespec="seconds")}
+
+
+def test_a_fresh_database_reuses_a_recent_calibration_of_this_machine_and_the_verdict_says_so(machine_cache, store,
+                                                                                               calibration):
+    device = torch.device("cpu")
+    hardware.remember_calibration(device, measured(calibration, days_ago=2))
+    used = hardware.calibration_for(device, store, measure=False)
+    assert used["memory_gbps"] == calibration["memory_gbps"]
+    assert used["reused_from"] == str(machine_cache / "calibrations.json")
+    stored = hardware.recent_calibrations(store, hardware.device_key(device))
+    assert len(stored) == 1 and stored[0]["reused_from"] == used["reused_from"]  # the database keeps its origin
+    verdict = hardware.calibration_verdict(store, hardware.device_key(device))
+    assert verdict.trustworthy and "(2 days ago) on this machine for another database, reused from its " \
+        "calibration cache" in verdict.why
+    assert hardware.calibration_for(device, store)["memory_gbps"] == calibration["memory_gbps"]  # nothing measured
+
+
+def test_a_cached_calibration_of_another_machine_a_stale_one_or_a_flagged_one_is_not_reused(machine_cache, store,
+                                                                                          calibration):
+    device = torch.device("cpu")
+    other = {"cpu:Another CPU:64threads|128 logical cores|torch 2.0|v3": [measured(calibration)],
+             hardware.machine_key(device).replace("torch ", "torch 0."): [measured(calibration)]}
+    machine_cache.mkdir()
+    (machine_cache / "calibrations.json").write_text(json.dumps(other))
+    assert hardware.calibration_for(device, store, measure=False) is None
+    hardware.remember_calibration(device, measured(calibration, days_ago=31))
+    assert hardware.calibration_for(device, store, measure=False) is None
+    hardware.remember_calibration(device, {**measured(calibration), "suspect": "Its memory bandwidth ..."})
+    assert hardware.calibration_for(device, store, measure=False) is None
+    assert hardware.recent_calibrations(store, hardware.device_key(device)) == []  # nothing stored either
+
+
+def test_a_calibration_older_than_its_age_limit_is_not_trusted(store, calibration):
+    store.save_calibration(calibration["device_key"], measured(calibration, days_ago=45))
+    verdict = hardware.calibration_verdict(store, calibration["device_key"])
+    assert not verdict.trustworthy and "is 45 days old" in verdict.headline and verdict.action
+

@@ -1,4 +1,6 @@
 """The generation process the Live page runs its generations in (engine.run.worker), with the real model."""
+import json
+
 import pytest
 
 from engine.run.generate import Generation, GenConfig
@@ -157,3 +159,49 @@ def test_closing_a_batch_stream_stops_every_sequence_and_keeps_each_as_cancelled
     runs = Store(tmp_path / "w.duckdb").runs(10)
     assert len(runs) == 3 and set(runs["status"]) == {"cancelled"} and (runs["n_new_tokens"] < 400).all()
     assert {r["run_id"] for r in rows} <= set(runs["run_id"])
+
+
+def ending(worker, request: dict) -> dict:
+    return next(payload for kind, payload in worker.generate(request, every_s=60.0) if kind == "done")
+
+
+def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where_none_is(tiny_folder, tmp_path,
+                                                                                       monkeypatch):
+    """The dashboard's warm start: the model, then the calibration a cache of this machine holds; a
+    calibration is measured (and cached) only where the cache has none for this device."""
+    import torch
+
+    from engine.measure import hardware
+
+    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV)  # the worker's process measures as a user's does
+    worker = GenerationWorker()  # started now, with this environment
+    warm = {"warm": True, "spec": RunSpec(gen=GenConfig("warm"), model=str(tiny_folder), device="cpu").to_dict()}
+    key = hardware.device_key(torch.device("cpu"))
+
+    loaded = ending(worker, {**warm, "db": str(tmp_path / "first.duckdb")})
+    assert loaded["calibration"] is None and loaded["device"] == "cpu"  # nothing cached: the warm start measures nothing
+    assert hardware.recent_calibrations(Store(tmp_path / "first.duckdb"), key) == []
+    measured = ending(worker, {"db": str(tmp_path / "first.duckdb"), "device": "cpu", "calibrate": True,
+                               "missing_only": True})["calibration"]
+    assert measured["memory_gbps"] > 0 and "reused_from" not in measured
+
+    loaded = ending(worker, {**warm, "db": str(tmp_path / "second.duckdb")})
+    reused = loaded["calibration"]
+    assert reused["memory_gbps"] == measured["memory_gbps"] and reused["measured_at"] == measured["measured_at"]
+    assert reused["reused_from"] == str(tmp_path / "cache" / "calibrations.json")
+    stored = hardware.recent_calibrations(Store(tmp_path / "second.duckdb"), key)
+    assert [c["memory_gbps"] for c in stored] == [measured["memory_gbps"]] and stored[0]["reused_from"]
+    # the run after it is attributed with the reused calibration, and measures none of its own
+    run = {"db": str(tmp_path / "second.duckdb"),
+           "spec": RunSpec(gen=GenConfig("Hi", raw=True, max_new_tokens=3), model=str(tiny_folder),
+                           device="cpu").to_dict()}
+    done = ending(worker, run)
+    metrics = Store(tmp_path / "second.duckdb").run(done["run_id"])["metrics"]
+    assert '"reused_from"' in metrics and len(hardware.recent_calibrations(Store(tmp_path / "second.duckdb"), key)) == 1
+
+    # a cache of another device is not used (by a new process, which has measured nothing itself)
+    cache = json.loads((tmp_path / "cache" / "calibrations.json").read_text())
+    (tmp_path / "cache" / "calibrations.json").write_text(json.dumps(
+        {name.replace(key, "cpu:Another CPU:64threads"): entries for name, entries in cache.items()}))
+    assert ending(GenerationWorker(), {**warm, "db": str(tmp_path / "third.duckdb")})["calibration"] is None

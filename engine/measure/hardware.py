@@ -10,6 +10,8 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import psutil
 import torch
@@ -359,7 +361,12 @@ def calibrate(device: torch.device) -> dict:
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)
     results["seconds"] = time.perf_counter() - start
+    results["measured_at"] = _utc_now().isoformat(timespec="seconds")
     return results
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 # Two timings of the same work on this machine differ by a few percent; a run this far above the
@@ -391,8 +398,9 @@ def decode_checks(forwards: list[tuple[float, float, float]], calibration: dict)
             "peak_check": peak_check(moved, forward_ms / 1e3, calibration)}
 
 
+# what a run keeps of the calibration it used
 RUN_CALIBRATION = ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
-                   "dispatch_us", "matvec_call_us", "created_at")  # what a run keeps of the calibration it used
+                   "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
 
 
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
@@ -470,29 +478,99 @@ def fixed_calibration(device: torch.device) -> dict | None:
         return {**json.load(f), "device_key": device_key(device)}
 
 
-def calibration_for(device: torch.device, store=None, fresh: bool = False) -> dict:
-    """The calibration to attribute a run with: the stored one choose_calibration picks, else one
-    this process already made (or the fixed one $TOKENPATH_CALIBRATION names), else a new one
-    (stored, flagged when it disagrees, when a store is given). fresh=True always measures."""
+def calibration_for(device: torch.device, store=None, fresh: bool = False, measure: bool = True) -> dict | None:
+    """The calibration to attribute a run with: the stored one choose_calibration picks, else the fixed
+    one $TOKENPATH_CALIBRATION names, else a recent one of this machine from the calibration cache
+    (reused_calibration), else one this process already made (where the cache cannot be written), else
+    a new one (stored, flagged when it disagrees, when a store is given, and kept in the cache). fresh=True always measures;
+    measure=False never does, and gives None where nothing can be reused."""
     key = device_key(device)
     if not fresh:
-        if key not in _session_calibrations and (fixed := fixed_calibration(device)):
-            _session_calibrations[key] = fixed
         chosen = choose_calibration(recent_calibrations(store, key)) if store is not None else None
         if chosen:
             return chosen
-        if key in _session_calibrations:
-            results = _session_calibrations[key]
+        results = fixed_calibration(device) or reused_calibration(device) or _session_calibrations.get(key)
+        if results:
             if store is not None:
                 store.save_calibration(key, results)
             return results
+        if not measure:
+            return None
     results = _session_calibrations[key] = calibrate(device)
+    peers = (recent_calibrations(store, key) if store is not None else []) + cached_calibrations(device)
+    flag = disagreement(results, peers)
+    if flag:
+        results["suspect"] = flag
     if store is not None:
-        flag = disagreement(results, recent_calibrations(store, key))
-        if flag:
-            results["suspect"] = flag
         store.save_calibration(key, results)
+    remember_calibration(device, results)
     return results
+
+
+# --- the machine's calibration cache ---------------------------------------------------------
+# A calibration measures the machine, not a database: each measured one is also kept in the user's
+# cache folder, so a new database on the same machine reuses a recent one instead of spending
+# seconds of the first run on measuring again. Older than MAX_AGE, a calibration is neither reused
+# nor trusted: the machine, its memory or the torch that ran the kernels may have changed since.
+CACHE_ENV = "TOKENPATH_CACHE"
+MAX_AGE = timedelta(days=30)
+
+
+def calibration_cache_path() -> Path:
+    """$TOKENPATH_CACHE/calibrations.json, default in $XDG_CACHE_HOME/tokenpath (~/.cache/tokenpath)."""
+    folder = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenpath"
+    return Path(folder) / "calibrations.json"
+
+
+def machine_key(device: torch.device) -> str:
+    """What a cached calibration must match to be reused: the device (CPU model and threads, or the
+    GPU's name), the machine's cores, the torch that ran the kernels and the calibration's version."""
+    return f"{device_key(device)}|{psutil.cpu_count(logical=True)} logical cores|torch {torch.__version__}|" \
+           f"v{CALIBRATION_VERSION}"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(calibration_cache_path().read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: nothing to reuse
+        return {}
+
+
+def age(calibration: dict) -> timedelta:
+    """How long ago the calibration was measured (its store row's time where it has no measured_at)."""
+    when = calibration.get("measured_at") or calibration["created_at"]
+    return _utc_now() - datetime.fromisoformat(when)
+
+
+def cached_calibrations(device: torch.device) -> list[dict]:
+    """This machine's cached calibrations younger than MAX_AGE, newest first."""
+    entries = _read_cache().get(machine_key(device), [])
+    return [e for e in entries if isinstance(e, dict) and "measured_at" in e and age(e) <= MAX_AGE]
+
+
+def remember_calibration(device: torch.device, results: dict) -> None:
+    """Keep a measured calibration (with its flag, if any) among the machine's RECENT newest in the cache;
+    a cache folder that cannot be written only means the next database measures again."""
+    cache = _read_cache()
+    key = machine_key(device)
+    cache[key] = [results] + [e for e in cache.get(key, []) if isinstance(e, dict)][:RECENT - 1]
+    path = calibration_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(cache, indent=1))
+        os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
+    except OSError:
+        pass
+
+
+def reused_calibration(device: torch.device) -> dict | None:
+    """The cached calibration of this machine choose_calibration picks, marked with where it came from,
+    or None when there is none recent or the one picked was taken on a busy machine."""
+    chosen = choose_calibration(cached_calibrations(device))
+    if chosen is None or chosen.get("suspect"):
+        return None
+    return {**chosen, "reused_from": str(calibration_cache_path())}
 
 
 @dataclass(frozen=True)
@@ -520,8 +598,13 @@ def calibration_verdict(store, key: str) -> CalibrationVerdict:
     if chosen is None:
         return CalibrationVerdict(False, "Not calibrated on this device yet: memory and compute buckets wait for it.",
                                   "The buckets divide each forward's bytes and FLOPs by this machine's measured peaks; "
-                                  "the first generation also calibrates.", calibrate, None)
+                                  "the dashboard calibrates once the model is loaded, and the first generation does "
+                                  "where nothing has yet.", calibrate, None)
     figures = f"{chosen['memory_gbps']:.1f} GB/s, {chosen['matmul_gflops']['float32']:,.0f} GFLOP/s fp32"
+    if age(chosen) > MAX_AGE:
+        return CalibrationVerdict(False, f"The calibration in use ({figures}) is {age(chosen).days} days old.",
+                                  f"{provenance(chosen)} Since then the machine, its memory or the torch that ran the "
+                                  "kernels may have changed.", calibrate, chosen)
     if chosen.get("suspect"):
         return CalibrationVerdict(False, f"The calibration in use ({figures}) was taken on a busy machine: its "
                                   "peaks read low, so memory and compute estimates read high.", chosen["suspect"],
@@ -535,11 +618,28 @@ def calibration_verdict(store, key: str) -> CalibrationVerdict:
                                   "while other work shared the machine; ratios to it above 100% come from that, and "
                                   "the memory bucket reads high.", calibrate, chosen)
     flagged_newer = recent[0] is not chosen and recent[0].get("suspect")
-    why = (f"Measured {chosen['created_at']} UTC; no recent run beat its peaks."
+    why = (f"{provenance(chosen)} No recent run beat its peaks."
            + (f" A newer calibration ({recent[0]['created_at']} UTC) was taken on a busy machine and is not used."
               if flagged_newer else ""))
     return CalibrationVerdict(True, f"The calibration in use ({figures}) agrees with the recent runs.", why, None,
                               chosen)
+
+
+def _ago(delta: timedelta) -> str:
+    hours = delta.total_seconds() / 3600
+    if hours < 1:
+        return f"{max(1, round(hours * 60))} min"
+    return f"{hours:.0f} h" if hours < 48 else f"{delta.days} days"
+
+
+def provenance(calibration: dict) -> str:
+    """Where the calibration came from and how old it is, in one sentence."""
+    when = calibration.get("measured_at") or calibration["created_at"]
+    said = f"Measured {when} UTC ({_ago(age(calibration))} ago)"
+    if calibration.get("reused_from"):
+        return f"{said} on this machine for another database, reused from its calibration cache " \
+               f"({calibration['reused_from']})."
+    return f"{said}."
 
 
 def _peak_checks(store, calibration: dict) -> list[dict]:

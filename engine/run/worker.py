@@ -7,8 +7,9 @@ each message wakes the page's process, which then takes a core from the model (b
 what that costs). A stop message cancels the run, which the engine records as cancelled.
 
 Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every_s"} for a
-generation, {"db", "device", "calibrate": True} for a calibration, {"db", "spec", "warm": True} to load a
-model ahead of its first run), "stop", or None (quit). From it:
+generation, {"db", "device", "calibrate": True} for a fresh calibration (with "missing_only": True, one
+only where none can be found or reused), {"db", "spec", "warm": True} to load a model ahead of its first
+run), "stop", or None (quit). From it:
 ("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
 request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
 sentence) for an engine failure. A spec with users > 1 runs as one batch (engine.run.local.BatchRun):
@@ -168,10 +169,12 @@ def serve(conn) -> None:
 
 
 def calibrate(conn, request: dict) -> None:
-    """A fresh calibration of the device, stored; answered with ("done", {"calibration": ...})."""
+    """A fresh calibration of the device, stored (with missing_only, the one a run would be attributed
+    with, measured only where none is stored or reusable); answered with ("done", {"calibration": ...})."""
     try:
         store = Store(request["db"])
-        results = hardware.calibration_for(pick_device(request["device"]), store, fresh=True)
+        results = hardware.calibration_for(pick_device(request["device"]), store,
+                                           fresh=not request.get("missing_only"))
     except UserError as exc:
         conn.send(("refused", str(exc)))
         return
@@ -180,19 +183,22 @@ def calibrate(conn, request: dict) -> None:
 
 
 def warm(conn, request: dict) -> None:
-    """Load the model a spec names (kept for the runs that follow) and the calibration its runs are
-    attributed with (stored, or measured now when none is), so the first run starts at once;
-    answered ("ready", ...) and ("done", {"seconds": ...})."""
+    """Load the model a spec names (kept for the runs that follow) and find the calibration its runs are
+    attributed with (stored, or a recent one of this machine reused from the calibration cache) without
+    measuring one, so the first run starts at once; answered ("ready", ...) and ("done", {"seconds",
+    "device", "calibration"}), calibration None where one has yet to be measured (a calibrate request
+    with missing_only does that)."""
     started = time.perf_counter()
     try:
         store = Store(request["db"])
         lm = prepare(RunSpec.from_dict(request["spec"]), store)
-        hardware.calibration_for(lm.device, store)
+        calibration = hardware.calibration_for(lm.device, store, measure=False)
     except Exception as exc:  # the run that needs the model says why, in one sentence
         conn.send(("failed", f"The model could not be prepared: {type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", {"run_id": None, "special_ids": []}))
-    conn.send(("done", {"seconds": time.perf_counter() - started}))
+    conn.send(("done", {"seconds": time.perf_counter() - started, "device": str(lm.device),
+                        "calibration": calibration}))
 
 
 def start(spec: RunSpec, store: Store):
