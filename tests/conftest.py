@@ -1,6 +1,7 @@
 import engine  # noqa: F401  (first: it chooses how OpenMP threads wait, before torch loads OpenMP)
 import os
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from engine.paths import DATA
 # Runs in tests, and in the commands and pages they start, are attributed with one fixed calibration
 # instead of each process measuring the machine for minutes; the calibration's own tests measure.
 os.environ.setdefault("TOKENPATH_CALIBRATION", str(DATA / "test_calibration.json"))
+# What the calibration's own tests measure on a loaded machine stays out of the user's calibration cache.
+os.environ.setdefault("TOKENPATH_CACHE", tempfile.mkdtemp(prefix="tokenpath-test-cache-"))
 
 from engine.measure import hardware
 from engine.model.loader import load_model, tiny_model
