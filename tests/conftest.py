@@ -85,7 +85,16 @@ def pytest_configure(config):
     tiers.register(config)
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked by what it costs (tiers.py), so `-m "not slow"` is the fast tier."""
+    """Each test is marked by what it costs (tiers.py), so `-m "not slow"` is the fast tier; the marks
+    and groups go on before any plugin reads them in this hook (pytest-xdist reads the groups)."""
     for item in items:
         tiers.classify(item)
+    result = yield
+    tiers.check_groups(config, items)
+    return result
+
+
+def pytest_runtest_setup(item):
+    tiers.refuse_ungrouped(item)

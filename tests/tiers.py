@@ -30,6 +30,7 @@ MARKERS = {
     "kernel_build": "builds the C++ kernels",
 }
 _sources: dict = {}
+UNGROUPED = pytest.StashKey[bool]()
 
 
 def _names(source: str) -> set[str]:
@@ -110,6 +111,21 @@ def classify(item) -> None:
         item.add_marker(pytest.mark.xdist_group("vllm"))
     elif any(d.scope in ("module", "class", "package") for d in _module_fixtures(item)):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def check_groups(config, items) -> None:
+    """pytest-xdist's loadgroup sends a group to one worker by writing the group into each test's id;
+    where it cannot (pytest-xdist 3.8 under pytest 9.2), a group's tests spread over the workers and
+    each starts its own vLLM server or module fixture: such a test fails instead of running."""
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            item.stash[UNGROUPED] = bool(item.get_closest_marker("xdist_group")) and "@" not in item.nodeid
+
+
+def refuse_ungrouped(item) -> None:
+    if item.stash.get(UNGROUPED, False):
+        pytest.fail("pytest-xdist did not keep this test with its group: install the pytest and pytest-xdist "
+                    "that requirements-test.txt pins.", pytrace=False)
 
 
 def register(config) -> None:
