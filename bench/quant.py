@@ -39,7 +39,7 @@ def main():
         roofline = calibration["memory_gbps"] * 1e9 / weight_bytes
         q = quality.evaluate(base, lm)
         info = level_info(lv, base.device)
-        print(f"{lm.quant:<10} {weight_bytes / 1e6:>16.1f} {rate:>12.2f} "
+        print(f"{lm.weights:<10} {weight_bytes / 1e6:>16.1f} {rate:>12.2f} "
               f"{rate / roofline:>8.0%} {memory_ms[lv]:>13.2f} {q['perplexity']:>10.3f} "
               f"{q['top1_agreement']:>6.1%} {q['kl_mean']:>8.5f}  {info.kernel}"
               f"{'' if info.accelerated else ' (emulated)'}; {ratio(rates['fp32'], rates[lv]) if 'fp32' in rates else '-'}")

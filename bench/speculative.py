@@ -16,16 +16,16 @@ from common import lockstep, ratio, recorded
 
 METHODS = {
     "greedy": dict(),
-    "prompt-lookup K=4": dict(spec="prompt-lookup", spec_k=4),
-    "prompt-lookup K=8": dict(spec="prompt-lookup", spec_k=8),
-    "prompt-lookup adaptive": dict(spec="prompt-lookup", spec_k=4, adaptive=True),
-    "draft self-int8 K=3": dict(spec="draft", draft_model="self-int8", spec_k=3),
-    "draft self-int8 adaptive": dict(spec="draft", draft_model="self-int8", spec_k=3, adaptive=True),
-    "draft self-exit:20 adaptive": dict(spec="draft", draft_model="self-exit:20", spec_k=2, adaptive=True),
-    "lookahead W=4 N=3 G=4": dict(spec="lookahead", window=4, max_ngram=3, guesses=4),
-    "lookahead adaptive": dict(spec="lookahead", window=4, max_ngram=3, guesses=4, adaptive=True),
-    "jacobi K=4": dict(spec="jacobi", spec_k=4),
-    "jacobi adaptive": dict(spec="jacobi", spec_k=4, adaptive=True),
+    "prompt-lookup K=4": dict(speculative="prompt-lookup", speculative_k=4),
+    "prompt-lookup K=8": dict(speculative="prompt-lookup", speculative_k=8),
+    "prompt-lookup adaptive": dict(speculative="prompt-lookup", speculative_k=4, adaptive=True),
+    "draft self-int8 K=3": dict(speculative="draft", draft_model="self-int8", speculative_k=3),
+    "draft self-int8 adaptive": dict(speculative="draft", draft_model="self-int8", speculative_k=3, adaptive=True),
+    "draft self-exit:20 adaptive": dict(speculative="draft", draft_model="self-exit:20", speculative_k=2, adaptive=True),
+    "lookahead W=4 N=3 G=4": dict(speculative="lookahead", window=4, max_ngram=3, guesses=4),
+    "lookahead adaptive": dict(speculative="lookahead", window=4, max_ngram=3, guesses=4, adaptive=True),
+    "jacobi K=4": dict(speculative="jacobi", speculative_k=4),
+    "jacobi adaptive": dict(speculative="jacobi", speculative_k=4, adaptive=True),
 }
 
 

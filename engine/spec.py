@@ -24,7 +24,7 @@ MAX_BATCH = 16
 # (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.
 SERVED_CANNOT = {
     "kv_cache": ("turning the KV cache off", True), "top_k": ("top-k sampling", 0),
-    "ignore_eos": ("ignoring the end of text", False), "spec": ("speculative decoding", "none"),
+    "ignore_eos": ("ignoring the end of text", False), "speculative": ("speculative decoding", "none"),
     "kv_dtype": ("a KV-cache precision", "auto"), "weights": ("a weight level", "fp32"),
     "sparsity": ("activation sparsity", 0.0), "model": ("a local model", "default"),
     "users": ("several users in one batch", 1),
@@ -81,13 +81,13 @@ class GenConfig:
     raw: bool = False
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # for benchmarks: always produce max_new_tokens
-    spec: str = "none"  # speculative method (engine.switches.speculative.METHODS)
-    spec_k: int = 4  # tokens drafted per step (the starting length when adaptive)
+    speculative: str = "none"  # speculative method (engine.switches.speculative.METHODS)
+    speculative_k: int = 4  # tokens drafted per step (the starting length when adaptive)
     adaptive: bool = False
-    draft_model: str | None = None  # for spec="draft": self-int8, self-exit:K, or a model id or folder
+    draft_model: str | None = None  # for speculative="draft": self-int8, self-exit:K, or a model id or folder
     max_ngram: int = 3  # prompt lookup: the longest n-gram matched; lookahead: the n-gram size N
-    window: int = 4  # for spec="lookahead": W, the columns of the lookahead branch
-    guesses: int = 4  # for spec="lookahead": G, the most n-grams verified per step
+    window: int = 4  # for speculative="lookahead": W, the columns of the lookahead branch
+    guesses: int = 4  # for speculative="lookahead": G, the most n-grams verified per step
     kv_dtype: str = "auto"  # KV-cache precision: auto (the weights' compute dtype), fp32, bf16 or fp16
 
     def check(self) -> None:
@@ -103,12 +103,12 @@ class GenConfig:
             LIMITS[name].check(getattr(self, name))
         if self.seed is not None:
             LIMITS["seed"].check(self.seed)
-        if self.spec not in METHODS:
-            raise GenerationError(f"Unknown speculative method '{self.spec}': use one of {', '.join(METHODS)}.")
-        _check_int("The draft length K", self.spec_k, 1, MAX_K)
+        if self.speculative not in METHODS:
+            raise GenerationError(f"Unknown speculative method '{self.speculative}': use one of {', '.join(METHODS)}.")
+        _check_int("The draft length K", self.speculative_k, 1, MAX_K)
         if self.kv_dtype not in KV_CHOICES:
             raise GenerationError(f"Unknown KV-cache precision '{self.kv_dtype}': use one of {', '.join(KV_CHOICES)}.")
-        if not METHODS[self.spec].samples and self.spec != "none" and self.temperature != 0:
+        if not METHODS[self.speculative].samples and self.speculative != "none" and self.temperature != 0:
             raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
                                   "to 0, or sample with a draft model.")
 
@@ -181,7 +181,7 @@ class RunSpec:
     @classmethod
     def from_dict(cls, data: dict) -> RunSpec:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known and k != "gen"}, gen=GenConfig(**data["gen"]))
+        return cls(**{k: v for k, v in data.items() if k in known and k != "gen"}, gen=GenConfig(**gen_settings(data["gen"])))
 
 
 def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
@@ -189,12 +189,23 @@ def check_batchable(cfg: GenConfig, sparsity: float = 0.0) -> None:
     if not cfg.kv_cache:
         raise GenerationError("A batch decodes each sequence from its own KV cache: turn the KV cache on, or use one "
                               "user.")
-    if cfg.spec != "none":
+    if cfg.speculative != "none":
         raise GenerationError("Speculative decoding verifies one sequence's guesses per forward here, so it does not "
                               "batch: set the speculative method to none, or use one user.")
     if sparsity:
         raise GenerationError("Activation sparsity skips the weight rows one token leaves idle, and a batch's tokens "
                               "leave different rows idle, so it does not batch: set sparsity to 0, or use one user.")
+
+
+# GenConfig fields that runs recorded before their rename store under their earlier name
+RENAMED = {"spec": "speculative", "spec_k": "speculative_k"}
+
+
+def gen_settings(data: dict) -> dict:
+    """The GenConfig fields among data's keys, those stored under an earlier name (RENAMED) under today's."""
+    known = {f.name for f in fields(GenConfig)}
+    named = {RENAMED.get(key, key): value for key, value in data.items()}
+    return {key: value for key, value in named.items() if key in known}
 
 
 # GenConfig's and RunSpec's defaults by field name, for the command line's and the Live page's fields

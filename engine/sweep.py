@@ -37,7 +37,7 @@ def speculative_methods() -> dict[str, dict]:
     """The speculative methods a sweep can set, by name, with the GenConfig settings it runs each with."""
     from engine.switches.speculative import METHODS
 
-    return {name: dict(spec=name, **m.sweep) if name != "none" else {} for name, m in METHODS.items()}
+    return {name: dict(speculative=name, **m.sweep) if name != "none" else {} for name, m in METHODS.items()}
 
 
 @dataclass(frozen=True)
@@ -191,5 +191,5 @@ def arm_of(run: dict) -> Arm:
     config = run["config"] if isinstance(run["config"], dict) else json.loads(run["config"] or "{}")
     sparsity = next((name for name, (level, mode) in SPARSITY.items()
                      if level == spec.sparsity and (mode == spec.sparsity_mode or not level)), f"{spec.sparsity:g}")
-    return Arm(spec.weights, "on" if spec.gen.kv_cache else "off", sparsity, spec.gen.spec,
+    return Arm(spec.weights, "on" if spec.gen.kv_cache else "off", sparsity, spec.gen.speculative,
                int(config.get("max_batch") or spec.users))

@@ -53,7 +53,7 @@ shipped = workloads()
 DEFAULTS = {"model": default_model_id(), "device": SPEC["device"], "max_new": SPEC["max_new_tokens"],
             "group": SPEC["group_size"], "mode": SPEC["sparsity_mode"], "temperature": SPEC["temperature"],
             "top_p": SPEC["top_p"], "top_k": SPEC["top_k"], "seed": int(LIMITS["seed"].low), "draft_model": "self-int8",
-            "spec_k": SPEC["spec_k"], "adaptive": SPEC["adaptive"], "max_ngram": SPEC["max_ngram"],
+            "speculative_k": SPEC["speculative_k"], "adaptive": SPEC["adaptive"], "max_ngram": SPEC["max_ngram"],
             "window": SPEC["window"], "guesses": SPEC["guesses"], "kv_dtype": SPEC["kv_dtype"],
             "redraw": "every 2 seconds"}
 where = st.radio("Where the model runs", ["this machine", "a server"], horizontal=True,
@@ -76,13 +76,13 @@ with st.form("live"):
                                       "dashboard's process that holds the key; the key itself is never stored.")
         st.caption("KV cache, weight precision, speculative decoding and sparsity are the server's own settings.")
     # the four switches the product is about; everything else is one click away
-    kv_cache, level, spec, target, users = True, "fp32", "none", 0.0, 1  # a server has its own
+    kv_cache, level, speculative, target, users = True, "fp32", "none", 0.0, 1  # a server has its own
     if not served:
         c = st.columns(5)
         kv_cache = c[0].toggle("KV cache", True, help="Off: every step recomputes the whole sequence.")
         level = c[1].selectbox("Weight precision", list(LEVELS), help="; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
-        spec = c[2].selectbox("Speculative decoding", list(METHODS),
-                              help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
+        speculative = c[2].selectbox("Speculative decoding", list(METHODS),
+                                     help="; ".join(f"{n}: {m.help}" for n, m in METHODS.items()))
         target = c[3].slider("Activation sparsity", LIMITS["sparsity"].low, LIMITS["sparsity"].high, SPEC["sparsity"], 0.05, help="The share of each layer's inputs set "
                              "to zero; the mode (under More settings) decides whether their weights are still read.")
         users = c[4].selectbox("Users", USERS, help=USERS_HELP)
@@ -105,7 +105,7 @@ with st.form("live"):
         seed = setting_input(c[1], "Random seed (when sampling)", "seed", value=DEFAULTS["seed"])
         draft_model = c[2].text_input("Draft model (for draft)", DEFAULTS["draft_model"],
                                       help="self-int8, self-exit:K (the first K layers), or a model id or folder")
-        spec_k = whole_number_input(c[3], "Draft length K", 1, MAX_K, DEFAULTS["spec_k"])
+        speculative_k = whole_number_input(c[3], "Draft length K", 1, MAX_K, DEFAULTS["speculative_k"])
         c = st.columns(4)
         adaptive = c[0].toggle("Adaptive", DEFAULTS["adaptive"], help="Grow K after full acceptance, shrink it after "
                                "a rejection; pause guessing while it costs more per token than plain steps.")
@@ -121,7 +121,7 @@ with st.form("live"):
     submitted = st.form_submit_button("Generate", type="primary")
 chosen = {"model": model_id, "device": device, "max_new": max_new, "group": group, "mode": mode,
           "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "draft_model": draft_model,
-          "spec_k": spec_k, "adaptive": adaptive, "max_ngram": max_ngram, "window": window, "guesses": guesses,
+          "speculative_k": speculative_k, "adaptive": adaptive, "max_ngram": max_ngram, "window": window, "guesses": guesses,
           "kv_dtype": kv_dtype, "redraw": redraw_label}
 changed = [f"{name.replace('_', ' ')} {value}" for name, value in chosen.items() if value != DEFAULTS[name]]
 st.caption("More settings: " + (md_escape(", ".join(changed)) if changed else "all at their defaults")
@@ -185,10 +185,11 @@ def summary(result: dict, steps: list[dict]) -> dict:
             "KV cache": f"{result['kv_cache_bytes'] / 2**20:.2f} MiB",
             "Bytes per token (accounted)": f"{per_token_bytes / 1e6:.0f} MB" if per_token_bytes else "n/a",
             "Roofline estimate / measured forward": f"{result['roofline_ratio_decode']:.0%}" if result["roofline_ratio_decode"] else "n/a"}
-    spec = result.get("speculative")
-    if spec:
-        figures["Acceptance"] = f"{spec['acceptance_rate']:.0%}" if spec["acceptance_rate"] is not None else "n/a"
-        figures["Tokens per target forward"] = f"{spec['tokens_per_target_forward']:.2f}"
+    speculative = result.get("speculative")
+    if speculative:
+        acceptance = speculative["acceptance_rate"]
+        figures["Acceptance"] = f"{acceptance:.0%}" if acceptance is not None else "n/a"
+        figures["Tokens per target forward"] = f"{speculative['tokens_per_target_forward']:.2f}"
     return figures
 
 
@@ -370,8 +371,8 @@ if last is not None and not submitted and store is not None:
 
 if submitted and store is not None:
     cfg = GenConfig(prompt=prompt, max_new_tokens=int(max_new), kv_cache=kv_cache, temperature=float(temperature),
-                    top_p=float(top_p), top_k=int(top_k), seed=int(seed), spec=spec, spec_k=int(spec_k),
-                    adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
+                    top_p=float(top_p), top_k=int(top_k), seed=int(seed), speculative=speculative,
+                    speculative_k=int(speculative_k), adaptive=adaptive, draft_model=draft_model.strip() or None, max_ngram=int(max_ngram),
                     window=int(window), guesses=int(guesses), kv_dtype=kv_dtype)
     run_spec = RunSpec(gen=cfg, model=model_id.strip() or "default", device=device, weights=level,
                        group_size=int(group), sparsity=float(target), sparsity_mode=mode, users=int(users))

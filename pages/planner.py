@@ -204,7 +204,7 @@ def planned_vs_measured(store) -> pd.DataFrame:
             predicted = plan.plan_for_run(run, calibration)
         except ShapeError:
             continue
-        rows.append({"run": run["run_id"], "model": run["model"], "weights": run["quant"] or run["dtype"],
+        rows.append({"run": run["run_id"], "model": run["model"], "weights": run["weights"] or run["dtype"],
                      "measured TPOT ms": round(run["tpot_ms"], 2),
                      "planned ms (estimate)": round(predicted["decode_ms_per_token"], 2),
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),

@@ -44,8 +44,8 @@ if runs.empty:
 
 c = st.columns(5)
 models = c[0].multiselect("Model", sorted(runs["model"].dropna().unique()))
-levels = c[1].multiselect("Weights", sorted(runs["quant"].dropna().unique()))
-specs = c[2].multiselect("Speculative", sorted(runs["spec"].dropna().unique()))
+levels = c[1].multiselect("Weights", sorted(runs["weights"].dropna().unique()))
+methods = c[2].multiselect("Speculative", sorted(runs["speculative"].dropna().unique()))
 statuses = c[3].multiselect("Status", sorted(runs["status"].dropna().unique()))
 kv = c[4].selectbox("KV cache", ["any", "on", "off"])
 flagged = store.flagged_calibration_figures()
@@ -56,9 +56,9 @@ view = runs
 if models:
     view = view[view["model"].isin(models)]
 if levels:
-    view = view[view["quant"].isin(levels)]
-if specs:
-    view = view[view["spec"].isin(specs)]
+    view = view[view["weights"].isin(levels)]
+if methods:
+    view = view[view["speculative"].isin(methods)]
 if statuses:
     view = view[view["status"].isin(statuses)]
 if kv != "any":
@@ -67,8 +67,8 @@ if isinstance(dates, tuple) and len(dates) == 2:
     day = view["started_at"].dt.date
     view = view[(day >= dates[0]) & (day <= dates[1])]
 
-columns = ["run_id", "started_at", "status", "model", "device", "quant", "kv_cache", "sparsity", "sparsity_mode",
-           "spec", "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
+columns = ["run_id", "started_at", "status", "model", "device", "weights", "kv_cache", "sparsity", "sparsity_mode",
+           "speculative", "temperature", "n_prompt_tokens", "n_new_tokens", "ttft_ms", "tpot_ms", "tokens_per_s",
            "physical_ms", "memory_ms", "compute_ms", "time_ms", "decision_ms", "calibration", "prompt", "error"]
 all_columns = st.toggle("All columns", False, help="Every stored field, as stored (times in ms).")
 st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Figures rounded to three "

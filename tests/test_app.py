@@ -40,8 +40,8 @@ def test_the_runs_tables_carry_three_significant_digits_and_say_what_differs():
     from ui import readable_runs
 
     runs = pd.DataFrame([{"run_id": 7, "started_at": pd.Timestamp("2026-12-02 10:00"), "status": "ok", "model": "m",
-                          "quant": "int8-wo", "kv_cache": True, "sparsity": 0.5, "sparsity_mode": "skip",
-                          "spec": "prompt-lookup", "tag": "story:memory:int8", "n_new_tokens": 20,
+                          "weights": "int8-wo", "kv_cache": True, "sparsity": 0.5, "sparsity_mode": "skip",
+                          "speculative": "prompt-lookup", "tag": "story:memory:int8", "n_new_tokens": 20,
                           "ttft_ms": 30.048952999999994, "tpot_ms": 19.4444, "tokens_per_s": 1234.5678}])
     row = readable_runs(runs).iloc[0]
     assert row["time to first token (ms)"] == 30.0 and row["time per output token (ms)"] == 19.4
@@ -56,8 +56,8 @@ def test_a_served_run_beside_local_ones_has_a_label_without_nan():
 
     from engine.report.charts import run_label
 
-    served = SimpleNamespace(run_id=3, model="qwen", backend="served", quant=None, kv_cache=math.nan,
-                             sparsity=math.nan, sparsity_mode=None, spec=None, temperature=math.nan,
+    served = SimpleNamespace(run_id=3, model="qwen", backend="served", weights=None, kv_cache=math.nan,
+                             sparsity=math.nan, sparsity_mode=None, speculative=None, temperature=math.nan,
                              n_new_tokens=math.nan, status="ok")
     assert run_label(served) == "#3 qwen · served · 0 tokens · ok"
 

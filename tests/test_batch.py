@@ -107,10 +107,10 @@ def test_the_default_model_decodes_the_same_tokens_in_a_batch_as_alone(default_l
         pytest.skip("the C++ extension cannot be built here")
     for lm in (default_lm, quantize(default_lm, "int4-dyn")):
         worst, diverged = _lockstep_logits(lm, PROMPTS, 4)
-        assert worst == 0.0, f"{lm.quant}: logits differ by up to {worst:g}, tokens first at step {diverged}"
+        assert worst == 0.0, f"{lm.weights}: logits differ by up to {worst:g}, tokens first at step {diverged}"
         cfgs = [greedy(p, tokens=16) for p in PROMPTS]
         for cfg, seq in zip(cfgs, batched(lm, cfgs, calibration, prefill_chunk=4096)):  # all four prompts at once
-            assert seq.token_ids == alone(lm, cfg, calibration), (lm.quant, cfg.prompt)
+            assert seq.token_ids == alone(lm, cfg, calibration), (lm.weights, cfg.prompt)
 
 
 @torch.inference_mode()
@@ -349,7 +349,7 @@ def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path)
     (["--users", "2", "--kv-budget-mb", "0.0001"], "smaller than one sequence"),
     (["--users", "2", "--kv-budget-mb", "0.1", "--max-new-tokens", "300"], "smaller than one sequence"),
     (["--users", "2", "--max-new-tokens", "4000"], "context"),
-    (["--users", "2", "--spec", "prompt-lookup"], "Speculative decoding"),
+    (["--users", "2", "--speculative", "prompt-lookup"], "Speculative decoding"),
     (["--users", "2", "--sparsity", "0.5"], "sparsity"),
     (["--users", "2", "--no-kv-cache"], "KV cache"),
 ])

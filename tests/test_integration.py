@@ -146,7 +146,7 @@ def test_int8_moves_fewer_bytes_per_token_than_fp32(default_lm, calibration):
 
 
 def test_cli_quality_json_is_recorded(tmp_path):
-    out = cli("quality", "--quant", "int4-wo", "--json", db=tmp_path / "q.duckdb")
+    out = cli("quality", "--weights", "int4-wo", "--json", db=tmp_path / "q.duckdb")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["variant"] == "int4-wo g32" and result["n_tokens"] > 2000

@@ -83,7 +83,7 @@ def test_planned_against_measured_for_recorded_runs(page_db):
     calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
                    "dispatch_us": 5.0}
     run_id = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
-                             config={"quant": "fp32", "kv_cache": True}, hardware={}, prompt="x")
+                             config={"weights": "fp32", "kv_cache": True}, hardware={}, prompt="x")
     store.finish_run(run_id, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": 40.0,
                                                    "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
                                                    "calibration": calibration})

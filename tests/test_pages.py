@@ -51,7 +51,7 @@ def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
                                "Draw the tokens while they stream": "at the end only"})
     assert not at.exception and not at.error
     runs = Store(page_db).runs().sort_values("run_id")
-    assert list(runs["quant"]) == ["int4-wo g32", "fp32"]
+    assert list(runs["weights"]) == ["int4-wo g32", "fp32"]
     assert list(runs["kv_cache"]) == [False, True]
     assert any("Speedup" in m.label for m in at.metric)
 
@@ -80,7 +80,7 @@ def test_live_speculative_switch_and_its_distances(page_db):
                   **{"Speculative decoding": "prompt-lookup"})
     assert not at.exception and not at.error
     assert any(m.label == "Tokens per target forward" for m in at.metric)
-    assert Store(page_db).runs()["spec"].iloc[0] == "prompt-lookup"
+    assert Store(page_db).runs()["speculative"].iloc[0] == "prompt-lookup"
     at = open_page("pages/distances.py")
     assert not at.exception
 
@@ -113,7 +113,7 @@ def test_sweep_runs_the_grid_and_advises(page_db):
     assert not at.exception and not at.error
     runs = Store(page_db).runs().sort_values("run_id")
     assert len(runs) == 4 and runs["tag"].nunique() == 1 and runs["tag"].iloc[0].startswith("sweep:")
-    assert [q.split()[0] for q in runs["quant"]] == ["fp32", "int4-wo", "fp32", "int4-wo"]  # interleaved
+    assert [q.split()[0] for q in runs["weights"]] == ["fp32", "int4-wo", "fp32", "int4-wo"]  # interleaved
     assert any("95% interval" in str(df.value) for df in at.dataframe)
     assert any("bound by" in m.value for m in at.markdown)
 

@@ -196,7 +196,7 @@ def test_every_level_generates_and_shrinks_or_keeps_the_bytes(tiny_lm, calibrati
     if level not in available_levels(tiny_lm.device):
         pytest.skip(f"{level} does not run on this machine")
     q = quantize(tiny_lm, level)
-    assert q.model is not tiny_lm.model and q.quant.startswith(level)
+    assert q.model is not tiny_lm.model and q.weights.startswith(level)
     gen = Generation(q, GenConfig("Hello there", raw=True, max_new_tokens=6, ignore_eos=True), calibration=calibration,
                      telemetry=False)
     assert len(gen.run()["token_ids"]) == 6

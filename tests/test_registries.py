@@ -45,7 +45,7 @@ def parses(*argv) -> bool:
 
 
 def test_a_level_and_a_method_defined_here_reach_the_command_line_and_the_level_table(registered):
-    assert parses("--quant", HalfOfFp32.name) and parses("--spec", "test-repeat")
+    assert parses("--weights", HalfOfFp32.name) and parses("--speculative", "test-repeat")
     import ui
 
     assert HalfOfFp32.name in set(ui.level_table("cpu")["level"])
@@ -53,15 +53,15 @@ def test_a_level_and_a_method_defined_here_reach_the_command_line_and_the_level_
 
 
 def test_unregistered_names_are_refused():
-    assert not parses("--quant", HalfOfFp32.name) and not parses("--spec", "test-repeat")
+    assert not parses("--weights", HalfOfFp32.name) and not parses("--speculative", "test-repeat")
 
 
 def test_a_registered_level_and_method_run_and_greedy_output_is_unchanged(registered, tiny_lm, calibration):
     lm = quant.variant(tiny_lm, HalfOfFp32.name)
-    assert lm.quant == HalfOfFp32.name and lm.dtype == torch.float32
+    assert lm.weights == HalfOfFp32.name and lm.dtype == torch.float32
     plain = Generation(lm, GenConfig("Hello there", raw=True, max_new_tokens=8, ignore_eos=True),
                        calibration=calibration, telemetry=False).run()
-    guessed = Generation(lm, GenConfig("Hello there", raw=True, max_new_tokens=8, ignore_eos=True, spec="test-repeat"),
+    guessed = Generation(lm, GenConfig("Hello there", raw=True, max_new_tokens=8, ignore_eos=True, speculative="test-repeat"),
                          calibration=calibration, telemetry=False).run()
     assert guessed["token_ids"] == plain["token_ids"]
     assert guessed["speculative"]["drafted"] > 0

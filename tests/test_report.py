@@ -55,7 +55,7 @@ def test_the_report_holds_every_run_its_settings_and_figures(recorded):
         assert json.loads(run["config"])["max_new_tokens"] == 5
     assert "<td>max_new_tokens</td><td>5</td><td>5</td><td>5</td>" in page
     assert "<td>kv_cache</td><td>true</td><td><b>false</b></td><td>true</td>" in page  # differences in bold
-    assert "<td>quant</td><td>fp32</td><td>fp32</td><td><b>int8-dyn</b></td>" in page
+    assert "<td>weights</td><td>fp32</td><td>fp32</td><td><b>int8-dyn</b></td>" in page
     assert plotly_divs(page) == 1 + len(ids)  # the totals, then one per-token chart per run
     assert page.count("function(") > 1000 and page.count("<script src=") == 0  # plotly.js inlined, nothing linked
     for name, _ in METRICS:

@@ -18,7 +18,8 @@ from engine.store.db import Store
 from test_served import stream_server  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
-SETTINGS = ["model", "device", "dtype", "kv_cache", "temperature", "quant", "sparsity", "sparsity_mode", "spec"]
+SETTINGS = ["model", "device", "dtype", "kv_cache", "temperature", "weights", "sparsity", "sparsity_mode",
+            "speculative"]
 
 
 def cli(*args):
@@ -54,7 +55,7 @@ def test_the_command_shown_is_the_one_that_runs(tiny_folder, tmp_path, tiny_lm, 
     words = shlex.split(text)
     assert words[:4] == ["python", "-m", "engine", "generate"] and words[4:-2] == arguments(spec)
     assert words[words.index("--prompt") + 1] == spec.gen.prompt
-    assert "--sparsity-mode" in words and "--quant" not in words  # defaults are left out
+    assert "--sparsity-mode" in words and "--weights" not in words  # defaults are left out
     db = tmp_path / "x.duckdb"
     code, stdout, stderr = cli(*words[3:-2], "--db", db, "--json")
     assert code == 0, stderr
@@ -106,3 +107,22 @@ def test_a_load_sweep_is_made_again_from_its_stored_parameters(stream_server, tm
     assert len(Store(other).query("SELECT * FROM requests")) == 4
     code, _, stderr = cli("load", "--from-sweep", 9, "--db", other)
     assert code == 2 and "Load sweep 9 is not in" in stderr
+
+
+def test_the_earlier_flag_names_make_the_same_run_and_stay_out_of_the_help(capsys):
+    """Commands stored before --weights and --speculative said --quant, --spec and --spec-k: they still run."""
+    from engine.cli.main import build_parser, main, spec_from_args
+
+    parser = build_parser()
+    earlier = ["generate", "--prompt", "x", "--quant", "int8-wo", "--spec", "prompt-lookup", "--spec-k", "3"]
+    today = ["generate", "--prompt", "x", "--weights", "int8-wo", "--speculative", "prompt-lookup", "--speculative-k",
+             "3"]
+    spec = spec_from_args(parser.parse_args(today))
+    assert spec == spec_from_args(parser.parse_args(earlier))
+    assert (spec.weights, spec.gen.speculative, spec.gen.speculative_k) == ("int8-wo", "prompt-lookup", 3)
+    assert spec_from_args(parser.parse_args(["generate", "--prompt", "x"])).weights == "fp32"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = capsys.readouterr().out
+    assert "--weights" in shown and "--speculative-k" in shown
+    assert not {"--quant", "--spec", "--spec-k"} & set(shown.replace(",", " ").replace("[", " ").split())

@@ -101,7 +101,7 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi",
                           "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Nothing answers at" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--spec",
+    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--speculative",
                           "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert out.stderr == ("error: A served run cannot honour speculative decoding: leave it out, or run it on the "

@@ -82,21 +82,21 @@ def test_an_early_exit_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_was
     cache = DynamicCache(config=tiny_lm.config)
     tiny_lm.model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)  # the target has seen 4 tokens
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    shared = make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="self-exit:1"))
+    shared = make_drafter(tiny_lm, GenConfig("x", speculative="draft", draft_model="self-exit:1"))
     shared.attach(cache)
-    assert shared.propose(ids, 3) == make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="self-exit:1")).propose(ids, 3)
+    assert shared.propose(ids, 3) == make_drafter(tiny_lm, GenConfig("x", speculative="draft", draft_model="self-exit:1")).propose(ids, 3)
     assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
                for layer, (k, v) in zip(cache.layers, before))
 
 
 def test_lookahead_needs_the_lean_forward(calibration):
     with pytest.raises(GenerationError, match="lean forward"):
-        Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, spec="lookahead"),
+        Generation(tiny_model(lean_forward=False), GenConfig("hi", raw=True, speculative="lookahead"),
                    calibration=calibration)
 
 
-@pytest.mark.parametrize("setting", [dict(spec="lookahead"), dict(spec="lookahead", kv_cache=False),
-                                     dict(spec="lookahead", window=3, max_ngram=4, guesses=2, adaptive=True)])
+@pytest.mark.parametrize("setting", [dict(speculative="lookahead"), dict(speculative="lookahead", kv_cache=False),
+                                     dict(speculative="lookahead", window=3, max_ngram=4, guesses=2, adaptive=True)])
 def test_lookahead_on_the_tiny_model_gives_greedys_tokens(tiny_lm, calibration, setting):
     prompt = "a b c a b c a b c a b"
     run = lambda **kw: Generation(tiny_lm, GenConfig(prompt, raw=True, max_new_tokens=20, ignore_eos=True, **kw),  # noqa: E731
@@ -141,16 +141,16 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_lm):
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")))
     stranger = LoadedModel(name="stranger", model=tiny_lm.model, tokenizer=other, device=tiny_lm.device)
     with pytest.raises(SpeculativeError, match="tokenizer"):
-        make_drafter(tiny_lm, GenConfig("x", spec="draft", draft_model="some/model"), load=lambda _: stranger)
+        make_drafter(tiny_lm, GenConfig("x", speculative="draft", draft_model="some/model"), load=lambda _: stranger)
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(spec="medusa"), "Unknown speculative method"),
-    (dict(spec="prompt-lookup", temperature=0.7), "greedy"),
-    (dict(spec="prompt-lookup", spec_k=0), "between 1 and"),
-    (dict(spec="draft"), "draft-model"),
-    (dict(spec="lookahead", window=0), "window of 1-16"),
-    (dict(spec="lookahead", max_ngram=1), "n-gram size of 2-6"),
+    (dict(speculative="medusa"), "Unknown speculative method"),
+    (dict(speculative="prompt-lookup", temperature=0.7), "greedy"),
+    (dict(speculative="prompt-lookup", speculative_k=0), "between 1 and"),
+    (dict(speculative="draft"), "draft-model"),
+    (dict(speculative="lookahead", window=0), "window of 1-16"),
+    (dict(speculative="lookahead", max_ngram=1), "n-gram size of 2-6"),
 ])
 def test_bad_speculative_settings_get_one_sentence(tiny_lm, calibration, kwargs, words):
     with pytest.raises(GenerationError, match=words):
@@ -164,15 +164,15 @@ def greedy(lm, calibration, prompt, **kw):
 
 
 SETTINGS = [
-    dict(spec="prompt-lookup", spec_k=4),
-    dict(spec="prompt-lookup", spec_k=8, adaptive=True),
-    dict(spec="draft", draft_model="self-int8", spec_k=3),
-    dict(spec="draft", draft_model="self-exit:24", spec_k=2, adaptive=True),
-    dict(spec="prompt-lookup", spec_k=4, kv_cache=False),
-    dict(spec="jacobi", spec_k=4),
-    dict(spec="jacobi", spec_k=4, adaptive=True),
-    dict(spec="lookahead", window=4, max_ngram=3, guesses=4),
-    dict(spec="lookahead", window=2, max_ngram=4, guesses=2, kv_cache=False),
+    dict(speculative="prompt-lookup", speculative_k=4),
+    dict(speculative="prompt-lookup", speculative_k=8, adaptive=True),
+    dict(speculative="draft", draft_model="self-int8", speculative_k=3),
+    dict(speculative="draft", draft_model="self-exit:24", speculative_k=2, adaptive=True),
+    dict(speculative="prompt-lookup", speculative_k=4, kv_cache=False),
+    dict(speculative="jacobi", speculative_k=4),
+    dict(speculative="jacobi", speculative_k=4, adaptive=True),
+    dict(speculative="lookahead", window=4, max_ngram=3, guesses=4),
+    dict(speculative="lookahead", window=2, max_ngram=4, guesses=2, kv_cache=False),
 ]
 
 
@@ -216,7 +216,7 @@ def total_variation(a: dict, b: dict) -> float:
 def test_speculative_sampling_follows_the_target_distribution(tiny_lm, calibration):
     n = 600
     plain = second_tokens(tiny_lm, calibration, n)
-    speculative = second_tokens(tiny_lm, calibration, n, spec="draft", draft_model="self-exit:1", spec_k=2)
+    speculative = second_tokens(tiny_lm, calibration, n, speculative="draft", draft_model="self-exit:1", speculative_k=2)
     draft_alone = second_tokens(early_exit(tiny_lm, 1), calibration, n)
     # the draft's own distribution is far from the target's, so the test could see a wrong acceptance rule
     assert total_variation(plain, draft_alone) > 0.3

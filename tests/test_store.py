@@ -1,4 +1,5 @@
 """The DuckDB store: schema, crash recovery, concurrent writers, refusing files that are not ours."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -220,3 +221,39 @@ def test_no_recovery_takes_a_journal_its_writer_is_creating(tmp_path):
     taken = [int(out) for out, _ in results[len(writers):]]
     assert lost == [0] * len(writers) and taken == [0] * len(recoverers)
     assert list(folder.iterdir()) == []
+
+
+def test_a_database_of_the_earlier_schema_keeps_its_runs_under_the_new_column_names(tmp_path):
+    """Schema 12 named the weight level `quant` and the speculative method `spec`, as columns and in a run's
+    stored settings; opening the file renames the columns, and each run's command comes back in today's words."""
+    from datetime import datetime
+
+    from engine.run.reproduce import arguments, stored_spec
+    from engine.spec import GenConfig, RunSpec
+    from engine.store.schema import MIGRATIONS
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    for version in range(1, 13):
+        for statement in MIGRATIONS[version]:
+            con.execute(statement)
+    con.execute("INSERT INTO tokenpath_meta VALUES ('schema_version', '12')")
+    gen = {"prompt": "hi", "max_new_tokens": 5, "spec": "draft", "spec_k": 3, "draft_model": "self-int8"}
+    settings = {"model": "default", "quant": "int4-wo g64", **gen}
+    for config in ({**settings, "run_spec": {"gen": gen, "weights": "int4-wo", "group_size": 64}}, settings):
+        con.execute("INSERT INTO runs (started_at, status, model, quant, spec, config, prompt) VALUES "
+                    "(?, 'ok', 'default', 'int4-wo g64', 'draft', ?, 'hi')", [datetime(2026, 1, 2), json.dumps(config)])
+    con.close()
+
+    store = Store(path)
+    runs = store.runs()
+    assert {"weights", "speculative"} <= set(runs.columns) and not {"quant", "spec"} & set(runs.columns)
+    assert list(runs["weights"]) == ["int4-wo g64"] * 2 and list(runs["speculative"]) == ["draft"] * 2
+    made = RunSpec(gen=GenConfig("hi", max_new_tokens=5, speculative="draft", speculative_k=3, draft_model="self-int8"),
+                   weights="int4-wo", group_size=64)
+    for run_id in (1, 2):
+        spec = stored_spec(store, run_id)
+        assert spec == made
+        words = arguments(spec)
+        assert words[words.index("--weights") + 1] == "int4-wo" and words[words.index("--speculative") + 1] == "draft"
+        assert words[words.index("--speculative-k") + 1] == "3" and "--quant" not in words and "--spec" not in words

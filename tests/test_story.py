@@ -106,7 +106,7 @@ def test_each_chapters_button_stores_tagged_runs_and_draws_them(story_page, page
 def test_the_memory_chapter_shows_stored_quality_or_the_command(story_page, page_db):
     at = click(story_page(), "Play chapter 1")
     captions = " ".join(c.value for c in at.caption)
-    assert "python -m engine quality --quant int8-dyn" in captions and "--quant int4-wo" in captions
+    assert "python -m engine quality --weights int8-dyn" in captions and "--weights int4-wo" in captions
     table = next(d.value for d in at.dataframe if "perplexity" in d.value.columns)
     assert list(table["arm"]) == [a.label for a in story.BY_KEY["memory"].comparisons[0].arms]
     assert table["vs baseline"].iloc[0] == "the baseline"
@@ -178,7 +178,7 @@ def test_a_lever_is_called_a_difference_only_when_its_repeats_show_one(store):
     rates = {"fp32": [9.0, 20.0, 21.0, 19.5], "int8-dyn": [30.0, 31.0, 29.6], "int4-wo": [20.5, 19.0, 21.2]}
     for arm, values in rates.items():  # the first fp32 run is an older play's: only the newest three count
         for rate in values:
-            run_id = store.start_run(model="synthetic", device="cpu", dtype="float32", config={"quant": arm},
+            run_id = store.start_run(model="synthetic", device="cpu", dtype="float32", config={"weights": arm},
                                      hardware={}, prompt=story.SHORT_PROMPT, tag=story.tag(story.BY_KEY["memory"], arm))
             store.finish_run(run_id, status="ok", metrics={"decode_tokens_per_s": rate, "n_new_tokens": 6})
     runs = story.latest_runs(store, story.BY_KEY["memory"])
@@ -197,7 +197,7 @@ def test_a_batch_of_users_is_one_repeat_with_every_users_tokens_per_second(store
     assert [(a.key, a.users) for a in comparison.arms] == [("fp32", 1), ("users-8", 8)]
 
     def stored(arm: str, rate: float) -> None:
-        run_id = store.start_run(model="synthetic", device="cpu", dtype="float32", config={"quant": "fp32"},
+        run_id = store.start_run(model="synthetic", device="cpu", dtype="float32", config={"weights": "fp32"},
                                  hardware={}, prompt=story.SHORT_PROMPT, tag=story.tag(memory, arm))
         store.finish_run(run_id, status="ok", metrics={"decode_tokens_per_s": rate, "n_new_tokens": 6})
 

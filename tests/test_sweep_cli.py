@@ -95,8 +95,8 @@ def test_a_tiny_sweep_and_its_shown_command_store_the_same_specification(tiny_fo
     assert first == SweepSpec("summary", ["fp32", "int8-dyn"], new_tokens=4, repeat=2, model=str(tiny_folder),
                               device="cpu")
     assert made["command"] == first.command() and parsed(made["command"]) == first
-    runs = store.query("SELECT run_id, quant, tag, n_new_tokens FROM runs ORDER BY run_id")
-    assert [q.split()[0] for q in runs["quant"]] == ["fp32", "int8-dyn", "fp32", "int8-dyn"]  # interleaved
+    runs = store.query("SELECT run_id, weights, tag, n_new_tokens FROM runs ORDER BY run_id")
+    assert [q.split()[0] for q in runs["weights"]] == ["fp32", "int8-dyn", "fp32", "int8-dyn"]  # interleaved
     assert set(runs["tag"]) == {f"sweep:{made['sweep_id']}"} and set(runs["n_new_tokens"]) == {4}
     rows = made["settings"]
     assert [(r["label"], r["repeats"], r["run_ids"]) for r in rows] == [

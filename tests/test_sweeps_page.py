@@ -33,7 +33,7 @@ def test_a_sweep_made_on_the_page_shows_the_command_that_makes_it_again(page_db,
     assert shown == [spec.command()]
     assert spec_from_args(build_parser().parse_args(shlex.split(shown[0])[3:])) == spec
     runs = store.runs().sort_values("run_id")
-    assert [q.split()[0] for q in runs["quant"]] == ["fp32", "bf16", "fp32", "bf16"]  # interleaved
+    assert [q.split()[0] for q in runs["weights"]] == ["fp32", "bf16", "fp32", "bf16"]  # interleaved
     assert any("2 vs 2 repeats" in str(df.value) for df in at.dataframe)
 
 

@@ -139,7 +139,7 @@ def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_deco
 
 def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is_recorded(worker, tmp_path):
     db = tmp_path / "w.duckdb"
-    for gen, users, says in [(GenConfig("Hi", spec="prompt-lookup"), 2, "^Speculative decoding .* does not batch"),
+    for gen, users, says in [(GenConfig("Hi", speculative="prompt-lookup"), 2, "^Speculative decoding .* does not batch"),
                              (GenConfig("Hi"), 0, "^users must be a whole number between 1 and 16"),
                              (GenConfig("Hi"), 17, "^users must be a whole number between 1 and 16")]:
         with pytest.raises(WorkerRefused, match=says):

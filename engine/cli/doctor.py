@@ -73,13 +73,13 @@ def switch_checks(device, tokens: int, store, calibration) -> list[Check]:
     from engine.switches.sparsity import MODES
 
     def spec(**settings) -> RunSpec:
-        gen = {k: settings.pop(k) for k in ("kv_cache", "spec") if k in settings}
+        gen = {k: settings.pop(k) for k in ("kv_cache", "speculative") if k in settings}
         return RunSpec(gen=GenConfig(PROMPT, max_new_tokens=tokens, raw=True, **gen), device=str(device), **settings)
 
     runs = [(f"weights {name}", spec(weights=name)) for name in LEVELS]
     runs.append(("KV cache off", spec(kv_cache=False)))
     runs += [(f"sparsity {SPARSITY:g} {mode}", spec(sparsity=SPARSITY, sparsity_mode=mode)) for mode in (*MODES, "2:4")]
-    runs.append((f"speculative {SPECULATIVE}", spec(spec=SPECULATIVE)))
+    runs.append((f"speculative {SPECULATIVE}", spec(speculative=SPECULATIVE)))
     return [timed(lambda: _timed_run(name, s, store, calibration)) for name, s in runs]
 
 

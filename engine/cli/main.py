@@ -25,27 +25,27 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
 
-SPEC_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
-              "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
+SPECULATIVE_FLAGS = {"speculative_k": "--speculative-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
+                     "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
 
 
 def spec_from_args(args):
-    """The RunSpec the command line describes; speculative flags without --spec are refused."""
+    """The RunSpec the command line describes; speculative flags without --speculative are refused."""
     from engine.run.generate import GenerationError
     from engine.spec import GenConfig, RunSpec
 
-    given = [flag for dest, flag in SPEC_FLAGS.items()
+    given = [flag for dest, flag in SPECULATIVE_FLAGS.items()
              if getattr(args, dest, None) is not None and getattr(args, dest) is not False]
-    if args.spec == "none" and given:
-        raise GenerationError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to speculative decoding: add --spec METHOD, or leave {'it' if len(given) == 1 else 'them'} out.")
+    if args.speculative == "none" and given:
+        raise GenerationError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to speculative decoding: add --speculative METHOD, or leave {'it' if len(given) == 1 else 'them'} out.")
     defaults = GenConfig("")
-    spec_settings = {dest: getattr(defaults, dest) if getattr(args, dest) is None else getattr(args, dest)
-                     for dest in SPEC_FLAGS}
+    speculative_settings = {dest: getattr(defaults, dest) if getattr(args, dest) is None else getattr(args, dest)
+                            for dest in SPECULATIVE_FLAGS}
     gen = GenConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, kv_cache=not args.no_kv_cache,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                    raw=args.raw, stop=args.stop or [], ignore_eos=args.ignore_eos, spec=args.spec,
-                    kv_dtype=args.kv_dtype, **spec_settings)
-    return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.quant, group_size=args.group_size,
+                    raw=args.raw, stop=args.stop or [], ignore_eos=args.ignore_eos, speculative=args.speculative,
+                    kv_dtype=args.kv_dtype, **speculative_settings)
+    return RunSpec(gen=gen, model=args.model, device=args.device, weights=args.weights, group_size=args.group_size,
                    sparsity=args.sparsity, sparsity_mode=args.sparsity_mode,
                    users=args.users, **served_cli.served_fields(args))
 
@@ -198,14 +198,14 @@ def cmd_quality(args) -> int:
     from engine.spec import GenConfig, RunSpec
 
     store = Store(args.db)
-    spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.quant,
+    spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.weights,
                    group_size=args.group_size, sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
     spec.check()
     base, candidate = base_model(spec), prepare(spec, store)
     calibration = hardware.calibration_for(base.device, store)
-    name = candidate.quant + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
+    name = candidate.weights + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
     result = quality.measure(base, candidate, name, calibration, store=store,
-                             settings={"quant": args.quant, "group_size": args.group_size, "sparsity": args.sparsity,
+                             settings={"weights": args.weights, "group_size": args.group_size, "sparsity": args.sparsity,
                                        "sparsity_mode": args.sparsity_mode})
     if args.json:
         _print_json(result)
@@ -345,11 +345,13 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def add_quant_args(p) -> None:
+def add_weight_args(p) -> None:
     from engine.switches.quant import INT4_GROUPS, LEVELS
     from engine.switches.sparsity import ALL_MODES
 
-    p.add_argument("--quant", default="fp32", choices=list(LEVELS), help="weight precision level")
+    p.add_argument("--weights", default="fp32", choices=list(LEVELS), help="weight precision level")
+    p.add_argument("--quant", dest="weights", choices=list(LEVELS), default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the earlier name, which stored commands and scripts still use
     p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
     limited(p, "--sparsity", "sparsity", "target activation sparsity")
     p.add_argument("--sparsity-mode", default="mask", choices=ALL_MODES,
@@ -427,7 +429,7 @@ def add_generate_parser(sub) -> None:
                    help=f"run it this many times, one after another (1 to {MAX_REPEAT})")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
-    add_quant_args(g)
+    add_weight_args(g)
     limited(g, "--max-new-tokens", "max_new_tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     g.add_argument("--kv-dtype", default="auto", choices=KV_CHOICES,
@@ -439,15 +441,18 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
-    g.add_argument("--spec", default="none", choices=list(METHODS),
+    g.add_argument("--speculative", default="none", choices=list(METHODS),
                    help="speculative decoding: " + "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
-    g.add_argument("--spec-k", type=int, help="tokens drafted per step (default 4)")
+    g.add_argument("--spec", dest="speculative", choices=list(METHODS), default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the earlier name, which stored commands and scripts still use
+    g.add_argument("--speculative-k", type=int, help="tokens drafted per step (default 4)")
+    g.add_argument("--spec-k", dest="speculative_k", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g.add_argument("--adaptive", action="store_true", help="grow K on full acceptance, shrink it on rejection")
-    g.add_argument("--draft-model", help="for --spec draft: self-int8, self-exit:K, or a model id or folder")
+    g.add_argument("--draft-model", help="for --speculative draft: self-int8, self-exit:K, or a model id or folder")
     g.add_argument("--max-ngram", type=int,
                    help="prompt-lookup: the longest n-gram matched; lookahead: the n-gram size N (default 3)")
-    g.add_argument("--window", type=int, help="for --spec lookahead: W, columns of the lookahead branch (default 4)")
-    g.add_argument("--guesses", type=int, help="for --spec lookahead: G, n-grams verified per step (default 4)")
+    g.add_argument("--window", type=int, help="for --speculative lookahead: W, columns of the lookahead branch (default 4)")
+    g.add_argument("--guesses", type=int, help="for --speculative lookahead: G, n-grams verified per step (default 4)")
     limited(g, "--users", "users", "decode this many sequences together in one batch: the prompt and others from "
                                    "the workloads or --prompts")
     g.add_argument("--prompts", help="with --users: a text file of the other users' prompts, one per line")
@@ -489,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     q = sub.add_parser("quality", help="perplexity, KL and top-1 agreement against fp32 on data/eval.txt")
     q.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
-    add_quant_args(q)
+    add_weight_args(q)
     common(q)
     q.set_defaults(func=cmd_quality)
 

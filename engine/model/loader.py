@@ -32,7 +32,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     device: torch.device
-    quant: str = "fp32"  # weight precision level (engine.switches.quant.LEVELS)
+    weights: str = "fp32"  # weight precision level (engine.switches.quant.LEVELS)
     sparsity: float = 0.0  # target activation sparsity (engine.switches.sparsity)
     sparsity_mode: str | None = None
 
@@ -248,7 +248,7 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
         model = lean(model)
     if dev.type == "cpu":
         cpu_kernels.prepare()  # a compile is setup: done here, before any run starts its clock
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, quant=dtype)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev, weights=dtype)
 
 
 def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward: bool = True,

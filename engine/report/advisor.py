@@ -81,7 +81,7 @@ def settings(runs: list[dict]) -> list[dict]:
 
 
 # The stored columns that make two runs the same setting, so that their runs are repeats of one arm.
-SETTING = ("model", "quant", "kv_cache", "sparsity", "sparsity_mode", "spec", "backend")
+SETTING = ("model", "weights", "kv_cache", "sparsity", "sparsity_mode", "speculative", "backend")
 
 
 def arms(runs: list[dict]) -> list[dict]:

@@ -41,12 +41,12 @@ def run_switches(row) -> list[str]:
     if getattr(row, "backend", "local") == "served":
         switches = ["served"]
     else:
-        switches = [row.quant if _given(row.quant) else "fp32", "KV cache" if row.kv_cache else "no KV cache"]
+        switches = [row.weights if _given(row.weights) else "fp32", "KV cache" if row.kv_cache else "no KV cache"]
         if _given(row.sparsity) and row.sparsity:
             switches.append(f"sparsity {row.sparsity:.0%} {row.sparsity_mode}")
-        spec = getattr(row, "spec", None)
-        if _given(spec) and spec != "none":
-            switches.append(spec)
+        speculative = getattr(row, "speculative", None)
+        if _given(speculative) and speculative != "none":
+            switches.append(speculative)
     if _given(row.temperature) and row.temperature:
         switches.append(f"T={row.temperature:g}")
     return switches

@@ -97,8 +97,8 @@ def load_runs(store, run_ids: list[int]) -> list[dict]:
 
 def quality_variant(run: dict) -> str:
     """The variant name the quality table stores for a run's weights and sparsity."""
-    quant = run["quant"] or "fp32"
-    return quant + (f" sparsity {run['sparsity']:g} {run['sparsity_mode']}" if run["sparsity"] else "")
+    weights = run["weights"] or "fp32"
+    return weights + (f" sparsity {run['sparsity']:g} {run['sparsity_mode']}" if run["sparsity"] else "")
 
 
 def latest_quality(store, runs: list[dict]) -> dict[int, dict]:
@@ -147,13 +147,13 @@ def comparison_section(runs: list[dict], quality: dict[int, dict]) -> Section:
               "KL divergence (nats)", "top-1 agreement"]
     rows = []
     for run in runs:
-        m, spec, q = run["metrics"], run["metrics"].get("speculative", {}), quality.get(run["run_id"], {})
+        m, speculative, q = run["metrics"], run["metrics"].get("speculative", {}), quality.get(run["run_id"], {})
         rows.append([f"#{run['run_id']}", html.escape(switches(run)), html.escape(run["status"]),
                      fmt(run["n_new_tokens"], "d"), fmt(run["ttft_ms"]), fmt(run["tpot_ms"]),
                      fmt(run["decode_tokens_per_s"]), fmt(run["tokens_per_s"]),
                      fmt(_ratio(m.get("weight_bytes_per_forward"), 1e6)), fmt(m.get("kv_bytes_per_token"), ",d"),
-                     fmt(m.get("roofline_ratio_decode"), ".0%"), fmt(spec.get("acceptance_rate"), ".0%"),
-                     fmt(spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None), ".2f"),
+                     fmt(m.get("roofline_ratio_decode"), ".0%"), fmt(speculative.get("acceptance_rate"), ".0%"),
+                     fmt(speculative.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None), ".2f"),
                      fmt(q.get("perplexity"), ".3f"), fmt(q.get("kl_mean"), ".5f"), fmt(q.get("top1_agreement"), ".1%")])
     from engine.measure.hardware import above_peak_sentence  # torch comes with it: only when a report is made
 

@@ -69,7 +69,7 @@ class Chapter:
 
 
 FP32 = Arm("fp32", "fp32 (4 bytes a weight)")
-SPEC_DRAFT = dict(spec="draft", draft_model="self-int8", spec_k=3)
+SPECULATIVE_DRAFT = dict(speculative="draft", draft_model="self-int8", speculative_k=3)
 CHAPTERS = (
     Chapter("memory", "Memory distance: fewer bytes per token",
             "Generation is a logistics problem: the weights must be carried to the compute units for every token, "
@@ -96,7 +96,7 @@ CHAPTERS = (
              Comparison("plain greedy against prompt lookup, on a prompt the answer copies",
                         "tokens per target forward: serial steps saved by guesses the model confirms",
                         Arm("greedy", "greedy", prompt=COPY_PROMPT),
-                        (Arm("prompt-lookup", "prompt lookup", prompt=COPY_PROMPT, gen=dict(spec="prompt-lookup")),),
+                        (Arm("prompt-lookup", "prompt lookup", prompt=COPY_PROMPT, gen=dict(speculative="prompt-lookup")),),
                         ("decode tok/s", "vs baseline", "tokens per forward", "acceptance")))),
     Chapter("decision", "Decision distance: less wasted work",
             "Speculation pays only when guesses are accepted and verification is cheap; sparsity saves time only "
@@ -104,7 +104,7 @@ CHAPTERS = (
             "Less wasted work: count the rejected guesses, and skip the weights a zero would multiply.",
             (Comparison("plain greedy against a speculative draft (self-int8)",
                         "acceptance rate and the drafted tokens thrown away (the decision bucket)",
-                        Arm("greedy", "greedy"), (Arm("draft", "draft self-int8, K=3", gen=SPEC_DRAFT),),
+                        Arm("greedy", "greedy"), (Arm("draft", "draft self-int8, K=3", gen=SPECULATIVE_DRAFT),),
                         ("decode tok/s", "vs baseline", "acceptance", "thrown away", "decision share")),
              Comparison("sparsity 50%: mask (reads every weight) against skip (does not)",
                         "weights read per token and the time the zeros cost",
@@ -194,15 +194,15 @@ def weight_bytes_per_token(store, run_id: int) -> float | None:
 def figures(run: dict, baseline: dict | None, quality: dict | None, weight_bytes: float | None = None) -> dict:
     """Every figure a comparison may show for one run, by the names Comparison.figures uses."""
     m = run["metrics"]
-    spec = m.get("speculative") or {}
+    speculative = m.get("speculative") or {}
     rate, base = run["decode_tokens_per_s"], baseline and baseline["decode_tokens_per_s"]
     q = quality or {}
     return {"decode tok/s": rate, "speedup": rate / base if rate and base else None, "TPOT ms": run["tpot_ms"],
             "TTFT ms": run["ttft_ms"],
             "weights MB per token": (weight_bytes or m.get("weight_bytes_per_forward") or 0) / 1e6 or None,
-            "tokens per forward": spec.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None),
-            "acceptance": spec.get("acceptance_rate"),
-            "thrown away": spec["drafted"] - spec["accepted"] if "drafted" in spec else None,
+            "tokens per forward": speculative.get("tokens_per_target_forward", 1.0 if run["n_new_tokens"] else None),
+            "acceptance": speculative.get("acceptance_rate"),
+            "thrown away": speculative["drafted"] - speculative["accepted"] if "drafted" in speculative else None,
             "decision share": share(run, "decision"), "network share": share(run, "physical"),
             "perplexity": q.get("perplexity"), "KL": q.get("kl_mean"), "top-1": q.get("top1_agreement")}
 
@@ -249,7 +249,7 @@ def missing_quality(rows: list[dict], comparison: Comparison) -> list[str]:
 
 
 def quality_command(level: str, model: str = "default") -> str:
-    return f"python -m engine quality --quant {level}" + ("" if model == "default" else f" --model {model}")
+    return f"python -m engine quality --weights {level}" + ("" if model == "default" else f" --model {model}")
 
 
 def picture(comparison: Comparison, runs: dict[str, dict], rows: list[dict]):

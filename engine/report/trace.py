@@ -71,7 +71,7 @@ def run_events(store: Store, run_id: int) -> list[dict]:
     the run, each phase laid after the previous one), an instant and the five buckets per token, telemetry."""
     run, steps, tokens, telemetry = run_rows(store, run_id)
     pid = int(run_id)
-    label = f"run #{pid}: {run['model']} {run.get('quant') or ''} ({run['status']}, {run.get('backend') or 'local'})"
+    label = f"run #{pid}: {run['model']} {run.get('weights') or ''} ({run['status']}, {run.get('backend') or 'local'})"
     events = [_meta(pid, None, "process_name", label), _meta(pid, None, "process_sort_index", pid),
               _meta(pid, STEP_TID, "thread_name", "steps and tokens"), _meta(pid, STEP_TID, "thread_sort_index", 0)]
     for phase, tid in PHASE_TIDS.items():

@@ -410,7 +410,7 @@ class BatchEngine:
         return str(self.lm.dtype).removeprefix("torch.")
 
     def _config(self, cfg: GenConfig) -> dict:
-        return {"model": self.lm.name, "device": str(self.lm.device), "dtype": self._dtype(), "quant": self.lm.quant,
+        return {"model": self.lm.name, "device": str(self.lm.device), "dtype": self._dtype(), "weights": self.lm.weights,
                 "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode, **asdict(cfg),
                 "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes}
 

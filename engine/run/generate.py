@@ -137,7 +137,7 @@ class Generation:
 
     def config_record(self) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": str(self.lm.dtype).removeprefix("torch."),
-                "quant": self.lm.quant, "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode,
+                "weights": self.lm.weights, "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode,
                 **asdict(self.cfg), **({"run_spec": self.spec.to_dict()} if self.spec else {})}
 
     def __iter__(self):
@@ -177,7 +177,7 @@ class Generation:
             self.drafter.attach(cache, self.kv_dtype)
         self.state = state = DecodeState(ids=list(self.prompt_ids), pending=list(self.prompt_ids), cache=cache,
                                          kv_dtype=self.kv_dtype)
-        step_start, k, step = t_request, cfg.spec_k, 0
+        step_start, k, step = t_request, cfg.speculative_k, 0
         backoff = speculative.Backoff() if cfg.adaptive and self.drafter else None
         while True:
             room = cfg.max_new_tokens - len(self.token_ids) - 1  # drafts beyond the budget would be wasted

@@ -21,7 +21,7 @@ class LocalTarget:
         self.cfg, self.store = cfg, store
         self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes)
         self.model, self.tokenizer = lm.name, lm.tokenizer
-        self.settings = {"kind": self.kind, "model": lm.name, "quant": lm.quant, "max_batch": max_batch,
+        self.settings = {"kind": self.kind, "model": lm.name, "weights": lm.weights, "max_batch": max_batch,
                          "kv_budget_bytes": kv_budget_bytes}
         self.model_option = model  # as it was given (--model), so that --from-sweep loads the same model
         self._handles: set[Handle] = set()

@@ -10,17 +10,17 @@ import shlex
 from dataclasses import fields
 
 from engine.serve.command import ReproduceError
-from engine.spec import GenConfig, RunSpec
+from engine.spec import GenConfig, RunSpec, gen_settings
 
 # RunSpec and GenConfig fields that `generate` takes as flags; each is written only where it differs
-# from its default (a boolean as its bare flag). Flags of speculative settings only apply with --spec.
-SPEC_FLAGS = {"model": "--model", "device": "--device", "weights": "--quant", "group_size": "--group-size",
+# from its default (a boolean as its bare flag). Flags of speculative settings only apply with --speculative.
+SPEC_FLAGS = {"model": "--model", "device": "--device", "weights": "--weights", "group_size": "--group-size",
               "sparsity": "--sparsity", "sparsity_mode": "--sparsity-mode", "endpoint": "--endpoint",
               "served_model": "--served-model", "api_key_env": "--api-key-env", "gpu": "--gpu"}
 GEN_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
              "top_k": "--top-k", "seed": "--seed", "raw": "--raw", "stop": "--stop", "ignore_eos": "--ignore-eos",
-             "spec": "--spec", "kv_dtype": "--kv-dtype"}
-SPECULATIVE_FLAGS = {"spec_k": "--spec-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
+             "speculative": "--speculative", "kv_dtype": "--kv-dtype"}
+SPECULATIVE_FLAGS = {"speculative_k": "--speculative-k", "adaptive": "--adaptive", "draft_model": "--draft-model",
                      "max_ngram": "--max-ngram", "window": "--window", "guesses": "--guesses"}
 SERVED_KEYS = ("endpoint", "served_model", "api_key_env", "gpu")  # a served run's config keys that are RunSpec fields
 
@@ -38,11 +38,11 @@ def spec_of(run: dict) -> RunSpec:
     config = run["config"] if isinstance(run["config"], dict) else json.loads(run["config"] or "{}")
     if "run_spec" in config:
         return RunSpec.from_dict(config["run_spec"])
-    gen_fields = {f.name for f in fields(GenConfig)}
-    gen = GenConfig(**{k: v for k, v in config.items() if k in gen_fields and k != "prompt"}, prompt=run["prompt"])
+    gen = GenConfig(**{k: v for k, v in gen_settings(config).items() if k != "prompt"}, prompt=run["prompt"])
     if run.get("backend") == "served":
         return RunSpec(gen=gen, backend="served", **{k: config.get(k) for k in SERVED_KEYS})
-    level, *group = (config.get("quant") or "fp32").split()  # a grouped level is stored as "int4-wo g32"
+    # a grouped level is stored as "int4-wo g32"; runs recorded before the key was "weights" say "quant"
+    level, *group = (config.get("weights") or config.get("quant") or "fp32").split()
     return RunSpec(gen=gen, model=config.get("model", run["model"]), weights=level,
                    group_size=int(group[0].removeprefix("g")) if group else 32,
                    sparsity=float(config.get("sparsity") or 0.0), sparsity_mode=config.get("sparsity_mode") or "mask")
@@ -71,7 +71,7 @@ def arguments(spec: RunSpec) -> list[str]:
     if not gen.kv_cache:
         args.append("--no-kv-cache")
     args += _flags(gen, GEN_FLAGS, plain)
-    if gen.spec != "none":
+    if gen.speculative != "none":
         args += _flags(gen, SPECULATIVE_FLAGS, plain)
     if spec.sparsity == 0 and "--sparsity-mode" in args:  # the mode only matters with some sparsity
         i = args.index("--sparsity-mode")

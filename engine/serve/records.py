@@ -20,7 +20,7 @@ def start_run(store: Store, *, endpoint: str, server_model: str, config: dict, p
     """The run row, written as the request leaves, so a crash leaves a visible interrupted run."""
     row = {"started_at": utcnow(), "status": "running", "backend": "served", "endpoint": endpoint,
            "server_model": server_model, "model": server_model, "device": "server", "dtype": None,
-           "kv_cache": True, "temperature": float(config.get("temperature", 0.0)), "quant": None, "spec": "none",
+           "kv_cache": True, "temperature": float(config.get("temperature", 0.0)), "weights": None, "speculative": "none",
            "config": json.dumps(config), "hardware": json.dumps({"gpu": config.get("gpu")}), "prompt": prompt,
            "tag": config.get("tag"), **_owner()}
     names = ", ".join(row)

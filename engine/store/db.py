@@ -129,12 +129,12 @@ class Store:
         me = psutil.Process()
         with self.connect() as con:
             return con.execute(
-                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, quant, sparsity,
-                   sparsity_mode, spec, config, hardware, prompt, tag, host, pid, pid_started)
+                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, weights, sparsity,
+                   sparsity_mode, speculative, config, hardware, prompt, tag, host, pid, pid_started)
                    VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
                 [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
-                 float(config.get("temperature", 0.0)), config.get("quant", "fp32"), float(config.get("sparsity", 0.0)),
-                 config.get("sparsity_mode"), config.get("spec", "none"), json.dumps(config),
+                 float(config.get("temperature", 0.0)), config.get("weights", "fp32"), float(config.get("sparsity", 0.0)),
+                 config.get("sparsity_mode"), config.get("speculative", "none"), json.dumps(config),
                  json.dumps(hardware), prompt, tag,
                  socket.gethostname(), me.pid, me.create_time()],
             ).fetchone()[0]
@@ -184,7 +184,7 @@ class Store:
     def plain_decode_runs(self, limit: int):
         """The newest finished runs that decoded with a KV cache and no speculation (what the planner plans)."""
         return self.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
-                          "coalesce(spec, 'none') = 'none' ORDER BY run_id DESC LIMIT ?", [limit])
+                          "coalesce(speculative, 'none') = 'none' ORDER BY run_id DESC LIMIT ?", [limit])
 
     def recent_run_metrics(self, limit: int) -> list[str]:
         """The metrics JSON of the newest finished local runs, newest first."""

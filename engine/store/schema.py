@@ -109,5 +109,9 @@ MIGRATIONS = {
         "ALTER TABLE runs ADD COLUMN energy_source VARCHAR",  # the counters read
         "ALTER TABLE runs ADD COLUMN energy_note VARCHAR",  # why energy_j is NULL
     ],
+    13: [  # one word for each idea: the weight level is "weights", the speculative method "speculative"
+        "ALTER TABLE runs RENAME COLUMN quant TO weights",
+        "ALTER TABLE runs RENAME COLUMN spec TO speculative",
+    ],
 }
 SCHEMA_VERSION = max(MIGRATIONS)

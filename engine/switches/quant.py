@@ -265,7 +265,7 @@ def quantize(lm: LoadedModel, name: str, group_size: int = 32) -> LoadedModel:
     lv.convert(lm, model, group_size)
     model.eval()
     suffix = f" g{group_size}" if lv.uses_group_size else ""
-    return replace(lm, model=model, quant=name + suffix)
+    return replace(lm, model=model, weights=name + suffix)
 
 
 _variants: OrderedDict = OrderedDict()
@@ -286,7 +286,7 @@ def remember(key, make):
 
 def variant(lm: LoadedModel, name: str, group_size: int = 32) -> LoadedModel:
     """The model at this level, quantized once per (model, device, level)."""
-    if name == "fp32" and lm.dtype == torch.float32 and lm.quant == "fp32":
+    if name == "fp32" and lm.dtype == torch.float32 and lm.weights == "fp32":
         return lm
     key = (id(lm.model), str(lm.device), name, group_size if level(name).uses_group_size else None)
     return remember(key, lambda: quantize(lm, name, group_size))

@@ -166,9 +166,9 @@ def check(lm: LoadedModel, sparsity: float, mode: str) -> None:
         return
     if mode not in MODES:
         raise SparsityError(f"Unknown sparsity mode '{mode}': use mask or skip.")
-    if lm.quant not in ("fp32", "bf16", "fp16"):
-        raise SparsityError(f"Activation sparsity runs on float weights (fp32, bf16, fp16), not {lm.quant}.")
-    if mode == "skip" and (lm.device.type != "cpu" or lm.quant != "fp32"):
+    if lm.weights not in ("fp32", "bf16", "fp16"):
+        raise SparsityError(f"Activation sparsity runs on float weights (fp32, bf16, fp16), not {lm.weights}.")
+    if mode == "skip" and (lm.device.type != "cpu" or lm.weights != "fp32"):
         raise SparsityError("The skip kernel runs on the CPU in fp32; use mask mode for other devices and levels.")
 
 

@@ -72,14 +72,14 @@ def _draft_model(target: LoadedModel, cfg, load) -> Drafter:
 register(Method("none", "plain decoding: one target forward per token", lambda target, cfg, load: None))
 register(Method("prompt-lookup", "drafts the continuation of the latest earlier match of the last n tokens; "
                 "no second model", lambda target, cfg, load: PromptLookup(cfg.max_ngram),
-                sweep=dict(spec_k=4, adaptive=True)))
+                sweep=dict(speculative_k=4, adaptive=True)))
 register(Method("draft", "a smaller draft model (self-int8, self-exit:K, or a model sharing the tokenizer) "
                 "guesses K tokens", _draft_model, samples=True,
-                sweep=dict(draft_model="self-int8", spec_k=3, adaptive=True)))
+                sweep=dict(draft_model="self-int8", speculative_k=3, adaptive=True)))
 register(Method("lookahead", "lookahead decoding: Jacobi trajectories collect n-grams that are verified in "
                 "the same forward", _lookahead, sweep=dict(window=4, max_ngram=3, guesses=4, adaptive=True)))
 register(Method("jacobi", "the target's own predictions from the last verification are the next guesses",
-                lambda target, cfg, load: Jacobi(), sweep=dict(spec_k=4, adaptive=True)))
+                lambda target, cfg, load: Jacobi(), sweep=dict(speculative_k=4, adaptive=True)))
 
 
 def method(name: str) -> Method:
@@ -89,8 +89,8 @@ def method(name: str) -> Method:
 
 
 def make_drafter(target: LoadedModel, cfg, load=None) -> Drafter | None:
-    """The drafter cfg.spec asks for (None for plain decoding); `load` loads a draft model by id."""
-    return method(cfg.spec).make(target, cfg, load)
+    """The drafter cfg.speculative asks for (None for plain decoding); `load` loads a draft model by id."""
+    return method(cfg.speculative).make(target, cfg, load)
 
 
 def greedy_accept(predicted: list[int], drafts: list[int]) -> list[int]:
