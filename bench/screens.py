@@ -46,6 +46,7 @@ def served_runs(db: Path, tokens: int) -> None:
 def page_runs(url: str, tokens: int) -> None:
     """The story and a sweep, played through their pages as a presenter would."""
     with browser_page(1400, 1200) as page:
+        page.set_default_timeout(600_000)  # a busy machine draws a page slowly
         page.goto(url + "/sweeps")
         page.get_by_label("New tokens per run").fill(str(tokens))
         page.get_by_role("button", name="Run the sweep").click()

@@ -167,6 +167,8 @@ def first_click(tokens: int, read_s: float, empty_cache: bool) -> None:
         time.sleep(max(0.0, read_s - (time.time() - opened)))
         page.get_by_text("More settings", exact=True).click()
         page.get_by_label("Max new tokens").fill(str(tokens))
+        status = page.get_by_text(re.compile(r"^(Loading the default model|Calibrating this device|Ready)"))
+        said = status.first.inner_text() if status.count() else "nothing about the generation process"
         clicked = time.time()
         page.get_by_role("button", name="Generate").click()
         page.get_by_text(re.compile(r"^Run #\d+, stopped by")).wait_for(timeout=600_000)
@@ -175,6 +177,7 @@ def first_click(tokens: int, read_s: float, empty_cache: bool) -> None:
     print(f"first Live run after the app started, clicked {clicked - opened:.1f} s after the page was opened: "
           f"{first_token - clicked:.2f} s from the click to the first token (TTFT {run['ttft_ms']:.0f} ms of it); "
           f"load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"at the click the page said: {said}")
 
 
 def main():

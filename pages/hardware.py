@@ -48,14 +48,16 @@ with c[1]:
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),
                      ("device to host", f"{link['d2h_gbps']:.1f} GB/s, {link['d2h_latency_us']:.0f} µs")]
         st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch")
-        st.caption(f"In use: measured {stored['created_at']} UTC on {md_escape(key)}. The attribution divides each "
+        st.caption(f"In use, on {md_escape(key)}: {md_escape(hardware.provenance(stored))} The attribution divides each "
                    "forward's bytes and FLOPs by the peaks; the planner's estimate for this machine reads weights at "
                    "the small-rows kernel's figure (the one fp32 decode steps run) and adds the product cost. Runs use the newest calibration that is within "
                    f"{1 - hardware.DISAGREEMENT:.0%} of the best recent figures; one taken while other work shared "
                    "the machine reads low and is flagged.")
         with st.expander(f"The last {len(recent)} calibration(s) of this device"):
             st.dataframe(pd.DataFrame([{
-                "measured (UTC)": r["created_at"], "memory GB/s": round(r["memory_gbps"], 1),
+                "measured (UTC)": r.get("measured_at") or r["created_at"],
+                "from": "this machine's calibration cache" if r.get("reused_from") else "measured for this database",
+                "memory GB/s": round(r["memory_gbps"], 1),
                 "fp32 GFLOP/s": round(r["matmul_gflops"]["float32"]), "in use": r["created_at"] == stored["created_at"],
                 "flag": r.get("suspect") or ""} for r in recent]), hide_index=True, width="stretch")
 
