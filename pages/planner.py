@@ -77,8 +77,8 @@ def workload_form() -> dict:
            "kv_dtype": c[3].selectbox("KV precision", ["bf16", "fp16", "fp32", "fp8", "int8", "int4"])}
     acceptance = c[4].number_input("Speculative acceptance (0 = off)", value=0.0, step=0.05, min_value=0.0,
                                    max_value=1.0)
-    out["spec_acceptance"] = acceptance or None
-    out["spec_draft_length"] = whole_number_input(c[5], "Draft length", value=4, step=1, disabled=not acceptance)
+    out["speculative_acceptance"] = acceptance or None
+    out["speculative_draft_length"] = whole_number_input(c[5], "Draft length", value=4, step=1, disabled=not acceptance)
     return out
 
 

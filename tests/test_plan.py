@@ -54,7 +54,7 @@ def test_a_switch_takes_two_hops_whatever_the_gpu_count():
         assert plan.all_reduce_us(s, 1000) == pytest.approx(10.0 + 2 * hop + 2 * (n - 1) / n * 1000 / 1e3)
 
 
-@pytest.mark.parametrize("kw", [{}, {"gpus": 2, "batch": 4}, {"spec_acceptance": 0.7, "spec_draft_length": 3},
+@pytest.mark.parametrize("kw", [{}, {"gpus": 2, "batch": 4}, {"speculative_acceptance": 0.7, "speculative_draft_length": 3},
                                 {"gpus": 2, "pp": 2, "tp": 1}])
 def test_buckets_sum_to_the_step_time(kw):
     r = plan.plan(toy(**kw))
@@ -65,9 +65,9 @@ def test_buckets_sum_to_the_step_time(kw):
 
 
 def test_speculative_decoding_counts_tokens_per_step_and_waste():
-    full = plan.plan(toy(spec_acceptance=1.0, spec_draft_length=3))
+    full = plan.plan(toy(speculative_acceptance=1.0, speculative_draft_length=3))
     assert full["tokens_per_step"] == 4 and full["distances_ms"]["decision"] == pytest.approx(0)
-    half = plan.plan(toy(spec_acceptance=0.5, spec_draft_length=3))
+    half = plan.plan(toy(speculative_acceptance=0.5, speculative_draft_length=3))
     assert half["tokens_per_step"] == pytest.approx((1 - 0.5**4) / 0.5)
     assert half["distances_ms"]["decision"] > 0
 
@@ -190,7 +190,7 @@ BAD_PLAN = {
     "no gpu link": ["--model", "llama-2-7b", "--gpu", "l4", "--gpus", "2", "--interconnect", "nvlink"],
     "bridge beyond two": ["--model", "llama-2-70b", "--gpu", "a100-80gb-pcie", "--gpus", "4", "--interconnect", "nvlink"],
     "tp not dividing heads": ["--model", "smollm2-135m", "--gpu", "l4", "--gpus", "2"],
-    "acceptance above 1": ["--model", "llama-2-7b", "--gpu", "l4", "--spec-acceptance", "1.5"],
+    "acceptance above 1": ["--model", "llama-2-7b", "--gpu", "l4", "--speculative-acceptance", "1.5"],
     "gpus 10**400": ["--model", "llama-2-7b", "--gpu", "l4", "--gpus", "1" + "0" * 400],
 }
 

@@ -4,6 +4,7 @@ One configuration in, its five buckets, speeds, prefill and memory fit out; with
 the continuous-batching simulation at a load, an SLO's goodput and capacity, GPUs, $ and J per token (text or JSON)."""
 from __future__ import annotations
 
+import argparse
 import json
 
 from engine.measure import slo as slos
@@ -25,8 +26,9 @@ def setup_from_args(args) -> plan.Setup:
                       interconnect=args.interconnect or default_interconnect(gpu), weights=args.weights,
                       bits_per_weight=args.bits_per_weight, kv_dtype=args.kv_dtype, batch=args.batch,
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                      spec_acceptance=args.spec_acceptance, spec_draft_length=args.spec_draft_length,
-                      spec_draft_cost=args.spec_draft_cost, ep=args.ep)
+                      speculative_acceptance=args.speculative_acceptance,
+                      speculative_draft_length=args.speculative_draft_length,
+                      speculative_draft_cost=args.speculative_draft_cost, ep=args.ep)
 
 
 def default_interconnect(gpu: dict) -> str:
@@ -234,10 +236,15 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--spec-acceptance", type=float, help="speculative decoding: per-token acceptance rate, 0 to 1")
-    p.add_argument("--spec-draft-length", type=int, default=4, help="speculative decoding: tokens drafted per step")
-    p.add_argument("--spec-draft-cost", type=float, default=0.05,
+    p.add_argument("--speculative-acceptance", type=float,
+                   help="speculative decoding: per-token acceptance rate, 0 to 1")
+    p.add_argument("--speculative-draft-length", type=int, default=4,
+                   help="speculative decoding: tokens drafted per step")
+    p.add_argument("--speculative-draft-cost", type=float, default=0.05,
                    help="speculative decoding: one draft token's cost as a fraction of a target step")
+    for name, kind in (("acceptance", float), ("draft-length", int), ("draft-cost", float)):
+        p.add_argument(f"--spec-{name}", dest=f"speculative_{name.replace('-', '_')}", type=kind,
+                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the earlier names, which scripts still use
     load = p.add_argument_group("under load (the continuous-batching simulation)")
     load.add_argument("--offline", action="store_true", help="every request waiting at the start: maximum throughput")
     load.add_argument("--rate", type=float, help="requests per second arriving (gamma gaps, see --burstiness)")

@@ -121,9 +121,9 @@ class Setup:
     batch: int = 1
     prompt_tokens: int = 128
     new_tokens: int = 256
-    spec_acceptance: float | None = None
-    spec_draft_length: int = 4
-    spec_draft_cost: float = 0.05
+    speculative_acceptance: float | None = None
+    speculative_draft_length: int = 4
+    speculative_draft_cost: float = 0.05
     ep: int = 1  # expert parallelism: a mixture of experts' routed experts spread over this many of the GPUs
     efficiency: Efficiency = Efficiency()
 
@@ -438,13 +438,13 @@ def dequant_ms(setup: Setup, weights: float) -> float:
 def speculative(setup: Setup, context: int) -> dict:
     """Buckets per emitted token with speculative decoding: k drafts at draft_cost x a plain step each, one
     verification of k + 1 tokens, and (1 - a^(k+1)) / (1 - a) tokens emitted per step on average."""
-    a, k = setup.spec_acceptance, setup.spec_draft_length
+    a, k = setup.speculative_acceptance, setup.speculative_draft_length
     emitted = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
     plain = step_buckets(setup, 1, context)
     verify = step_buckets(setup, k + 1, context)
     useful = step_buckets(setup, max(1, round(emitted)), context)
     waste = 1 - useful["_roofline_ms"] / verify["_roofline_ms"] if verify["_roofline_ms"] else 0.0
-    draft = k * setup.spec_draft_cost * sum(plain[b] for b in BUCKETS)
+    draft = k * setup.speculative_draft_cost * sum(plain[b] for b in BUCKETS)
     rejected_share = (k - (emitted - 1)) / k
     buckets = {b: verify[b] for b in BUCKETS}
     for b in ("memory", "compute"):
@@ -483,10 +483,10 @@ def check_setup(setup: Setup) -> Setup:
     weight_bits(setup)
     for name in ("batch", "prompt_tokens", "new_tokens"):
         whole(name, getattr(setup, name))
-    if setup.spec_acceptance is not None:
-        shapes.fraction("spec_acceptance", setup.spec_acceptance)
-        whole("draft_length", setup.spec_draft_length)
-        shapes.fraction("spec_draft_cost", setup.spec_draft_cost, 0.0, 10.0)
+    if setup.speculative_acceptance is not None:
+        shapes.fraction("speculative_acceptance", setup.speculative_acceptance)
+        whole("draft_length", setup.speculative_draft_length)
+        shapes.fraction("speculative_draft_cost", setup.speculative_draft_cost, 0.0, 10.0)
     t = tp or gpus // pp
     ep = whole("ep", setup.ep)
     if ep > 1 and not setup.model.experts:
@@ -522,7 +522,7 @@ def plan(setup: Setup, require_fit: bool = False) -> dict:
     """Everything `python -m engine plan --json` prints, for one configuration."""
     check_setup(setup)
     context = setup.prompt_tokens + setup.new_tokens // 2  # the mean context over the generation
-    if setup.spec_acceptance is not None:
+    if setup.speculative_acceptance is not None:
         result = speculative(setup, context)
         buckets, per_step = result["buckets"], result["tokens_per_step"]
     else:
@@ -613,11 +613,11 @@ def formulas(setup: Setup) -> dict:
 
 def speculative_formula(setup: Setup, context: int) -> dict:
     """With speculative decoding the buckets above are of a plain step; this says how a token's are made."""
-    if setup.spec_acceptance is None:
+    if setup.speculative_acceptance is None:
         return {}
-    a, k = setup.spec_acceptance, setup.spec_draft_length
+    a, k = setup.speculative_acceptance, setup.speculative_draft_length
     emitted = speculative(setup, context)["tokens_per_step"]
-    return {"speculative": f"a step drafts {k} tokens at {setup.spec_draft_cost:g} x a plain step each and verifies "
+    return {"speculative": f"a step drafts {k} tokens at {setup.speculative_draft_cost:g} x a plain step each and verifies "
                            f"{k + 1} at once; it emits (1 - {a:g}^{k + 1}) / (1 - {a:g}) = {emitted:.2f} tokens, so "
                            f"each bucket per token = the verification step's bucket / {emitted:.2f}, with the "
                            "rejected drafts' share moved to decision"}
