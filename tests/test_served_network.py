@@ -3,6 +3,7 @@ around a run and a load level, and the load sweep's shared-prefix workload, agai
 (tests/load_server.py, whose prefix cache and prefill time are known, and tests/stream_server.py, which
 has no /metrics)."""
 import json
+import socket
 import subprocess
 
 import pandas as pd
@@ -18,19 +19,34 @@ from test_load import known_server  # noqa: F401 (the fixture)
 from test_served import served_run, stream_server  # noqa: F401 (the fixture)
 
 PARTS = list(network.PARTS)
+PHYSICAL = list(network.PHYSICAL)  # the parts without dns_ms, which lies inside connect_ms
 PROMPT = " ".join(f"word{i}" for i in range(40))  # 40 tokens to the known server: two whole blocks and a half
 
 
-def test_a_served_run_stores_its_network_parts_in_order_and_they_make_its_physical_bucket(known_server, store):  # noqa: F811
+def test_a_served_run_stores_its_network_parts_in_order_and_they_make_its_physical_bucket(known_server, store,  # noqa: F811
+                                                                                          monkeypatch):
     url = known_server(slots=1, step_s=0.01)
+    lookups = []
+    resolve = socket.getaddrinfo
+
+    def counted(host, *args, **kwargs):  # the system's resolver, its calls counted while a request is traced
+        if getattr(network._current, "trace", None) is not None:
+            lookups.append(host)
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
     for root, lookup in ((url, False), (url.replace("127.0.0.1", "localhost"), True)):
+        lookups.clear()
         run = served_run(root, store, prompt=PROMPT, max_new_tokens=4)
         list(run)
         row = store.run(run.run_id)
-        parts = {p: row[p] for p in PARTS}
+        parts = {p: row[p] for p in PHYSICAL}
         # the run's request has a connection of its own: it pays the connect, and a name its lookup
         assert row["connection"] == "new" and row["connect_ms"] > 0 and row["tls_ms"] == 0  # plain http: no TLS
         assert (row["dns_ms"] > 0) == lookup
+        # the request's connection looks its name up once, inside its connect, and counts it there once
+        assert lookups.count("localhost") == (1 if lookup else 0)
+        assert 0 <= row["dns_ms"] < row["connect_ms"]
         assert all(v >= 0 for v in parts.values()) and row["send_ms"] > 0 and row["first_byte_ms"] > 0
         # one clock: the parts come before the response headers, which come before the first token
         assert sum(parts.values()) <= row["headers_ms"] <= row["ttft_ms"]
@@ -54,8 +70,8 @@ def test_an_https_run_records_its_tls_handshake(known_server, store, tmp_path, m
     run = served_run(url.replace("http://127.0.0.1", "https://localhost"), store, prompt=PROMPT, max_new_tokens=3)
     list(run)
     row = store.run(run.run_id)
-    assert row["connection"] == "new" and row["tls_ms"] > 0 and row["dns_ms"] > 0 and row["connect_ms"] > 0
-    assert row["physical_ms"] == pytest.approx(sum(row[p] for p in PARTS)) and row["physical_ms"] <= row["headers_ms"]
+    assert row["connection"] == "new" and row["tls_ms"] > 0 and 0 < row["dns_ms"] < row["connect_ms"]
+    assert row["physical_ms"] == pytest.approx(sum(row[p] for p in PHYSICAL)) and row["physical_ms"] <= row["headers_ms"]
     assert row["prefix_cache_hit_rate"] == 0.0  # its /metrics, read over HTTPS too
 
 
@@ -98,7 +114,7 @@ def test_a_request_on_a_kept_alive_connection_is_recorded_as_reused(known_server
         sum(r["physical_ms"] for r in rows) / 3)
     for r in rows:
         assert r["send_ms"] > 0 and r["first_byte_ms"] > 0
-        assert r["physical_ms"] == pytest.approx(sum(r[p] for p in PARTS))
+        assert r["physical_ms"] == pytest.approx(sum(r[p] for p in PHYSICAL))
         assert r["physical_ms"] <= r["headers_ms"] <= r["ttft_ms"]
 
 
@@ -152,7 +168,7 @@ def test_a_bad_shared_prefix_is_one_sentence_exit_2_and_nothing_stored(known_ser
 
 
 def test_trace_parts_are_none_before_the_response_headers():
-    trace = network.RequestTrace("http://127.0.0.1:9", 0)
+    trace = network.RequestTrace(0)
     trace("connection.connect_tcp.started", {})
     assert trace.parts() is None and network.physical_ms(None) is None
     assert network.columns(None) == dict.fromkeys(network.COLUMNS)

@@ -54,7 +54,7 @@ def make_client(endpoint: str, api_key_env: str | None = None, timeout_s: float 
     timeout = httpx2.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
     return openai.OpenAI(base_url=f"{api_root(endpoint)}/v1", api_key=api_key(api_key_env), max_retries=0,
-                         timeout=timeout, http_client=httpx2.Client(timeout=timeout, limits=limits,
+                         timeout=timeout, http_client=httpx2.Client(timeout=timeout, transport=network.transport(limits),
                                                                      event_hooks={"request": [network.attach]}))
 
 
@@ -418,7 +418,7 @@ class ServedRun:
                                            config=self.config, prompt=self.prompt), None)
             t0 = time.perf_counter_ns()
             watchdog = Watchdog(self.timeout_s, self.spec.deadline)
-            with network.RequestTrace(self.root, t0) as trace:
+            with network.RequestTrace(t0) as trace:
                 stream = open_stream(self.stream_client, self.body)
             self.network = trace.parts()
             watchdog.watch(stream)

@@ -249,7 +249,7 @@ class ServerTarget:
 
         t0 = time.perf_counter_ns()
         try:
-            with network.RequestTrace(self.root, t0) as trace:
+            with network.RequestTrace(t0) as trace:
                 stream = open_stream(self.client, body)
             reply.network = trace.parts()
             with self._lock:
