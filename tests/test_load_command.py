@@ -46,3 +46,13 @@ def test_the_options_a_sweep_can_store_are_the_load_command_s_own():
     parsed = {flag for action in commands.choices["load"]._actions for flag in action.option_strings}
     not_stored = {"-h", "--help", "--db", "--from-db", "--from-sweep", "--json", "--progress", "--trace"}
     assert LOAD_OPTIONS == parsed - not_stored
+
+
+def test_load_from_sweep_refuses_a_capacity_search_in_one_sentence_exit_2_and_runs_nothing(store, capsys):
+    from engine.cli.main import main
+
+    sweep_id = stored(store, CONFIG, "capacity")
+    code = main(["load", "--from-sweep", str(sweep_id), "--db", str(store.path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "is a capacity search" in err and "python -m engine capacity" in err
+    assert len(served_store.sweeps(store)) == 1  # nothing run, nothing stored

@@ -211,16 +211,13 @@ def cmd_capacity(args) -> int:
 
 def load_again(args) -> int:
     """load --from-sweep ID: the stored sweep's parameters as `load`'s options, run against --db."""
-    from engine.serve.command import ReproduceError, sweep_arguments
+    from engine.serve.command import ReproduceError, stored_sweep_config, sweep_arguments
     from engine.store.db import Store, StoreError
 
     try:
         store = Store(args.from_db or args.db)
-        found = store.query("SELECT config FROM load_sweeps WHERE sweep_id = ?", [args.from_sweep])
-        if found.empty:
-            raise ReproduceError(f"Load sweep {args.from_sweep} is not in {store.path}; the Serving page lists them.")
         options = {flag for action in args.parser._actions for flag in action.option_strings}
-        argv = sweep_arguments(json.loads(found["config"].iloc[0]), options)
+        argv = sweep_arguments(stored_sweep_config(store, args.from_sweep), options)
     except (ReproduceError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR

@@ -21,15 +21,21 @@ class ReproduceError(UserError):
     """A run or a load sweep whose command cannot be made."""
 
 
-def sweep_command(store, sweep_id: int, db: str | None = None) -> str:
-    """The shell command that makes load sweep `sweep_id` of `store` again (into `db` where given)."""
+def stored_sweep_config(store, sweep_id: int) -> dict:
+    """The stored config of load sweep `sweep_id`, which `load` can make again; a capacity search is refused,
+    since its rates follow from its own results."""
     found = store.query("SELECT config, kind FROM load_sweeps WHERE sweep_id = ?", [int(sweep_id)])
     if found.empty:
         raise ReproduceError(f"Load sweep {sweep_id} is not in {store.path}; the Serving page lists them.")
     if found["kind"].iloc[0] == "capacity":
         raise ReproduceError(f"Sweep {sweep_id} is a capacity search, whose rates follow from its own results: run "
                              "`python -m engine capacity` again with its target to search again.")
-    argv = sweep_arguments(json.loads(found["config"].iloc[0]), set(LOAD_OPTIONS))
+    return json.loads(found["config"].iloc[0])
+
+
+def sweep_command(store, sweep_id: int, db: str | None = None) -> str:
+    """The shell command that makes load sweep `sweep_id` of `store` again (into `db` where given)."""
+    argv = sweep_arguments(stored_sweep_config(store, sweep_id), set(LOAD_OPTIONS))
     return shlex.join(["python", "-m", "engine", "load", *argv, *(["--db", str(db)] if db else [])])
 
 
