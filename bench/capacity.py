@@ -1,93 +1,171 @@
-"""vLLM's CPU build on this machine under open-loop arrivals: a short profiling probe (a few requests at
-two batch sizes), a measured sweep over request rates with goodput at an SLO, and a capacity search;
-writes bench/results/capacity.md.
+"""Capacity on this machine, predicted then measured. For the local engine (fp32, continuous batching) the
+planner's queueing simulation first predicts, on this machine's calibration (the planner's local step, as every
+run's prediction uses it), the TTFT and TPOT p50/p90, goodput and attainment at each request rate and the
+capacity at the SLO; then the load tools measure the same rates (Poisson arrivals, requests sent straight into
+the engine) and search the capacity (bracket from the predicted capacity, then bisect). Each figure is printed
+planned beside measured with the planned one's error. Nothing of the measurement goes into the prediction.
 
-python bench/capacity.py [--rates 0.25,0.5,1,2] [--requests 8] [--input-tokens 64] [--output-tokens 32]
-                         [--slo ttft_ms=3000,tpot_ms=300] [--duration 16] [--dtype float32] [--threads 1]"""
+With --vllm, vLLM's CPU build (started once) is measured the same way; the planner has no model of its step
+(its CPU kernels, scheduler and threads are not calibrated here), so only its measurement is printed.
+Writes bench/results/capacity.md.
+
+    .venv/bin/python bench/capacity.py [--rates 0.5,1,2,4] [--requests 16] [--input-tokens 64] [--output-tokens 32]
+        [--slo ttft_ms=1000,tpot_ms=100] [--attainment 0.9] [--duration 16] [--steps 2] [--max-batch 8]
+        [--vllm] [--dtype bfloat16] [--threads 2]
+"""
 import argparse
-import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from common import error_pct, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
 from engine.measure import hardware
 from engine.measure.slo import format_slo, parse_slo
-from engine.paths import REPO_ROOT
+from engine.plan import capacity as cap
+from engine.plan import planner
+from engine.plan import simulate as sim
+from engine.run.batch import PREFILL_CHUNK
 from engine.serve import capacity
 from engine.serve.arrivals import parse_rates
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMServer
 from engine.store.db import Store
 
-
-def config(args, url: str, **levels) -> SweepConfig:
-    return SweepConfig(url, requests=args.requests, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-                       slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
+FIGURES = (("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p90 ms", "ttft_ms", "p90"),
+           ("TPOT p50 ms", "tpot_ms", "p50"), ("TPOT p90 ms", "tpot_ms", "p90"))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rates", default="0.25,0.5,1,2")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--input-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--slo", default="ttft_ms=3000,tpot_ms=300")
-    p.add_argument("--duration", type=float, default=16.0, help="seconds of arrivals per capacity level")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
-    store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "capacity.duckdb")
+def config(args, endpoint, **levels) -> SweepConfig:
+    return SweepConfig(endpoint, requests=args.requests, input_tokens=args.input_tokens,
+                       output_tokens=args.output_tokens, slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
+
+
+def local_setup(args, calibration: dict) -> tuple[planner.Setup, sim.Scheduler]:
+    """This machine as the planner's device, fp32, and the local engine's scheduler: max_batch sequences, a
+    step prefills up to PREFILL_CHUNK prompt tokens beside the running decodes."""
+    setup = planner.Setup(model=planner.resolve_model("default"), gpu=planner.local_device(calibration),
+                          weights="fp32", kv_dtype="fp32", prompt_tokens=args.input_tokens,
+                          new_tokens=args.output_tokens,
+                          efficiency=planner.local_efficiency(calibration, "fp32", "fp32"))
+    return setup, sim.Scheduler(max_num_seqs=args.max_batch, max_batched_tokens=PREFILL_CHUNK + args.max_batch)
+
+
+def workload(args, rate: float = float("inf")) -> sim.Workload:
+    return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=args.input_tokens,
+                        new_tokens=args.output_tokens, seed=1)
+
+
+def predict(args, calibration: dict) -> tuple[list[dict], dict]:
+    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer."""
+    setup, scheduler = local_setup(args, calibration)
+    slo = parse_slo(args.slo)
+    levels = [cap.at_rate(setup, workload(args, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
+    try:
+        rate, best, top, metric, bucket = cap.highest_rate(setup, workload(args), scheduler, slo, q=None,
+                                                           attainment=args.attainment)
+    except cap.Unreachable as exc:
+        return levels, {"capacity_requests_per_s": None, "text": f"none: {exc}"}
+    batch = best["summary"]["mean_batch"]
+    return levels, {"capacity_requests_per_s": rate, "text": f"{rate:.3g} req/s ({metric} fails first, {bucket} the "
+                    f"largest bucket there; mean batch {batch:.1f}; saturated at {top:.3g} req/s)"}
+
+
+def calibration_line(calibration: dict) -> str:
+    """The calibration figures the local step is built from, so a prediction far off can be traced to them."""
+    memory = ", ".join(f"{k} {v:.1f}" for k, v in (calibration.get("memory_methods_gbps") or {}).items())
+    return (f"calibration {calibration.get('device_key')} measured {calibration.get('measured_at')}: decode read "
+            f"{planner.decode_bandwidth_gbps(calibration):.1f} GB/s ({memory}), dispatch {calibration['dispatch_us']:.1f} "
+            f"us, one matrix-vector call {calibration.get('matvec_call_us', 0):.0f} us")
+
+
+def measure(args, store: Store, endpoint: str | None, target, start_rate: float) -> tuple[dict, dict]:
+    """The rate sweep and the capacity search from start_rate, both through the load tools, sent to `target`
+    (the local engine) or, where it is None, to the server at `endpoint`."""
+    sweep = Sweep(config(args, endpoint, rates=parse_rates(args.rates)), store, target=target).run()
+    cfg = config(args, endpoint, rates=[start_rate], duration_s=args.duration)
+    found = capacity.search(Sweep(cfg, store, target=target), attainment=args.attainment, start_rate=start_rate,
+                            steps=args.steps)
+    return sweep, found
+
+
+def side_by_side(planned: list[dict], measured: list[dict]) -> str:
+    """One line per rate and figure: planned, measured ('-' before the measurement), the planned one's error."""
+    lines = [f"{'rate':>6} {'figure':<14} {'planned':>9} {'measured':>9} {'error':>7}"]
+    for p, m in zip(planned, measured):
+        rows = [(name, p[f"{key}_{q}"], m.get(key, {}).get(q)) for name, key, q in FIGURES]
+        rows += [("goodput req/s", p["goodput_requests_per_s"], m.get("goodput_requests_per_s")),
+                 ("attainment", p["attainment"], m.get("attainment"))]
+        for name, plan_value, measured_value in rows:
+            shown = f"{measured_value:>9.2f}" if measured_value is not None else f"{'-':>9}"
+            lines.append(f"{p['rate_requests_per_s']:>6g} {name:<14} {plan_value:>9.2f} {shown} "
+                         f"{error_pct(plan_value, measured_value):>7}")
+    return "\n".join(lines)
+
+
+def local_part(args, store: Store) -> None:
+    target = local_target(config(args, None, rates=parse_rates(args.rates)), store, args.max_batch)
+    try:
+        calibration = hardware.calibration_for(target.engine.engine.lm.device, store)
+        t0 = time.monotonic()
+        planned, planned_cap = predict(args, calibration)
+        print(f"## The local engine, fp32, at most {args.max_batch} sequences a step\n\n{calibration_line(calibration)}"
+              f"\n\nPredicted capacity (the planner's simulation on that calibration, {time.monotonic() - t0:.1f} s): "
+              f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
+              f"{side_by_side(planned, [{} for _ in planned])}\n```")
+        t0 = time.monotonic()
+        sweep, found = measure(args, store, None, target,
+                               planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
+    finally:
+        target.close()
+    print(f"\nMeasured ({time.monotonic() - t0:.0f} s): Poisson arrivals, {args.requests} requests per rate\n\n```\n"
+          f"{level_table(sweep['levels'])}\n```\n\nCapacity search, {args.duration:g} s of arrivals per level:\n\n```\n"
+          f"{level_table(found['levels'])}\n```\n\n{capacity.describe(found)}\n")
+    print(f"Planned beside measured (error = (planned - measured) / measured):\n\n```\n"
+          f"{side_by_side(planned, sweep['levels'])}\n```\n\ncapacity: planned {planned_cap['text']}; measured "
+          f"{found['capacity_requests_per_s'] or 0:.3g} req/s; error "
+          f"{error_pct(planned_cap['capacity_requests_per_s'], found['capacity_requests_per_s'])}")
+
+
+def vllm_part(args, store: Store) -> None:
+    print(f"\n## vLLM's CPU build, {args.dtype}, {args.threads} OpenMP thread(s)\n\nNo prediction: the planner has no "
+          "model of vLLM's CPU step (its kernels, scheduler and threads are not calibrated here), so only the "
+          "measurement is printed.")
     server = VLLMServer(dtype=args.dtype, threads=args.threads)
     t0 = time.monotonic()
     try:
         url = server.start()
-        start_s = time.monotonic() - t0
-        probe = Sweep(config(args, url, concurrency=[1, 4], warmup=1), store).run()
-        t1 = time.monotonic()
-        sweep = Sweep(config(args, url, rates=parse_rates(args.rates)), store).run()
-        sweep_s = time.monotonic() - t1
-        t2 = time.monotonic()
-        cfg = config(args, url, rates=[parse_rates(args.rates)[1]], duration_s=args.duration)
-        found = capacity.search(Sweep(cfg, store), attainment=0.9, start_rate=cfg.rates[0], steps=2)
-        search_s = time.monotonic() - t2
+        started = time.monotonic() - t0
+        sweep, found = measure(args, store, url, None, parse_rates(args.rates)[0])
     finally:
         server.stop()
-    text = report(args, start_s, probe, sweep, sweep_s, found, search_s)
-    out = REPO_ROOT / "bench" / "results" / "capacity.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text)
-    print(text)
+    print(f"\nstarted in {started:.0f} s; measured sweep:\n\n```\n{level_table(sweep['levels'])}\n```\n\nCapacity "
+          f"search:\n\n```\n{level_table(found['levels'])}\n```\n\n{capacity.describe(found)}")
 
 
-def report(args, start_s, probe, sweep, sweep_s, found, search_s) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO_ROOT).stdout.strip()
-    cpu = hardware.cpu_facts()
-    lines = [
-        "# Capacity: vLLM's CPU build under open-loop arrivals", "",
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-        f"- machine: {cpu['model']}, {cpu['logical_cores']} logical cores, {cpu['ram_bytes'] / 2**30:.0f} GiB RAM, "
-        f"{platform.system()} {platform.release()}; load average {os.getloadavg()[0]:.1f} as the report was written; "
-        "the cores are shared with other work, so every figure is slower and noisier than on a quiet machine",
-        f"- command: `python bench/capacity.py {' '.join(sys.argv[1:])}`",
-        f"- vLLM {args.dtype}, {args.threads} OpenMP thread(s), started in {start_s:.0f} s; synthetic prompts of "
-        f"{args.input_tokens} tokens, {args.output_tokens} output tokens (ignore_eos); SLO {format_slo(parse_slo(args.slo))}",
-        "", "## Profiling probe: 1 and 4 requests in flight", "", "```", level_table(probe["levels"]), "```", "",
-        f"## Measured sweep: Poisson arrivals, {args.requests} requests per rate ({sweep_s:.0f} s)", "",
-        "```", level_table(sweep["levels"]), "```", "",
-        f"## Capacity search: bracket, then 2 bisections, {args.duration:g} s of arrivals per level ({search_s:.0f} s)",
-        "", "```", level_table(found["levels"]), "```", "", capacity.describe(found), "",
-        "## Planned beside measured", "",
-        "Not here yet: the planner's queueing simulation is not part of this copy, so its prediction for these rates "
-        "is not printed beside the measured sweep.",
-    ]
-    return "\n".join(lines) + "\n"
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="0.5,1,2,4")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--input-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--duration", type=float, default=16.0, help="seconds of arrivals per capacity level")
+    p.add_argument("--steps", type=int, default=2, help="bisections of the measured capacity search")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU build (needs .venv-vllm)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "capacity.duckdb")
+    print(f"Synthetic prompts of {args.input_tokens} tokens, {args.output_tokens} output tokens (ignore_eos); "
+          f"SLO {format_slo(parse_slo(args.slo))} for {args.attainment:.0%} of requests\n")
+    local_part(args, store)
+    if args.vllm:
+        vllm_part(args, store)
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("capacity"):
+        main()

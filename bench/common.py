@@ -3,11 +3,13 @@ settings with its 95% interval over the rounds, and the result file each benchma
 import contextlib
 import io
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from engine.measure.compare import compare
 from engine.run.generate import Generation, GenConfig
@@ -103,3 +105,65 @@ def recorded(name: str):
              f"- commit: {_commit()}", "", "```"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text("\n".join(stamp) + "\n" + buffer.getvalue().rstrip() + "\n```\n")
+
+
+def local_target(cfg, store, max_batch: int = 8):
+    """The local continuous-batching engine (the default model, fp32) as a load sweep's target, as
+    `python -m engine load --local` makes it: every request a recorded run in `store`."""
+    from engine.run.load_target import LocalTarget
+    from engine.run.prepare import prepare
+    from engine.spec import GenConfig, RunSpec
+
+    return LocalTarget(cfg, prepare(RunSpec(GenConfig(""), model="default"), store), store, max_batch=max_batch)
+
+
+def highest_holding(levels: list, holds) -> object | None:
+    """The last of `levels` (in rising load) before the first that does not hold; None when the first fails."""
+    best = None
+    for level in levels:
+        if not holds(level):
+            break
+        best = level
+    return best
+
+
+def error_pct(planned: float | None, measured: float | None) -> str:
+    """The planned figure's error against the measured one, in percent of the measured ('-' where either is missing)."""
+    if planned is None or not measured:
+        return "-"
+    return f"{(planned - measured) / measured:+.0%}"
+
+
+@contextlib.contextmanager
+def llama_cpp_server(gguf, threads: int, timeout_s: float = 300.0):
+    """llama-cpp-python's OpenAI-compatible server on the GGUF, in its own process on 127.0.0.1: its URL while
+    the block runs (a new request does not cancel the running one), stopped after it."""
+    from engine.serve.vllm import HOST, free_port
+
+    port = free_port()
+    url, log = f"http://{HOST}:{port}", Path(f"/tmp/tokenpath-llama-cpp-{port}.log")
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST,
+                                    "--port", str(port), "--n_threads", str(threads), "--n_threads_batch",
+                                    str(threads), "--interrupt_requests", "False"],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not _lists_models(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama.cpp's server did not start (log {log}): {log.read_text()[-300:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def _lists_models(url: str) -> bool:
+    import httpx2
+
+    try:
+        return httpx2.get(f"{url}/v1/models", timeout=2.0).status_code == 200
+    except httpx2.HTTPError:
+        return False

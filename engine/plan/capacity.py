@@ -98,12 +98,10 @@ def limiting(level: dict, slo: dict, q: float | None) -> tuple[str, str]:
     return metric, max(buckets, key=buckets.get)
 
 
-def capacity(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo: dict, q: float | None = 99,
-             attainment: float | None = None, instances: int = 1, target_rate: float | None = None,
-             price: float | None = None) -> dict:
-    """The highest request rate at which the SLO holds, with GPUs for the target, $ and J per output token."""
-    if target_rate is not None:
-        sim.check_rate(target_rate, "target rate")
+def highest_rate(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo: dict, q: float | None = 99,
+                 attainment: float | None = None) -> tuple[float, dict, float, str, str]:
+    """The search alone, for one replica: (the highest rate that holds, its simulated level, the saturated rate,
+    the metric that fails first, the largest bucket of a token there)."""
     if q is not None and not 0 < q <= 100:
         raise PlanError(f"The percentile must be above 0 and at most 100, not {q:g}.")
     if attainment is not None and not 0 < attainment <= 1:
@@ -143,6 +141,16 @@ def capacity(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo
     else:
         steps = saturated["summary"]["step_distances_ms_per_token"]
         metric, bucket = "throughput", max(steps, key=steps.get)
+    return lo_rate, best, top, metric, bucket
+
+
+def capacity(setup: Setup, workload: sim.Workload, scheduler: sim.Scheduler, slo: dict, q: float | None = 99,
+             attainment: float | None = None, instances: int = 1, target_rate: float | None = None,
+             price: float | None = None) -> dict:
+    """The highest request rate at which the SLO holds, with GPUs for the target, $ and J per output token."""
+    if target_rate is not None:
+        sim.check_rate(target_rate, "target rate")
+    lo_rate, best, top, metric, bucket = highest_rate(setup, workload, scheduler, slo, q, attainment)
     s = best["summary"]
     replica_gpus = setup.gpus
     per_hour = price_per_gpu_hour(setup.gpu, price) * replica_gpus
