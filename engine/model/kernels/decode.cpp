@@ -126,6 +126,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   // the last layer, all together: a longer view made per layer between the products cost several
   // microseconds each, and a step that fails part-way leaves every cache's size as it was.
   std::vector<char> longer(2 * keys.size());
+  std::vector<CacheView> views;  // each sequence's caches of the layer, attended all together
   const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
   int64_t cache_read = 0, cache_written = 0;
   auto appended = [&](at::Tensor& cache, const float* row) {
@@ -150,6 +151,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     const int64_t width = linear_outputs(qkv);
     fused.resize(static_cast<size_t>(B * width));
     apply_linear(qkv, normed.data(), B, H, fused.data());
+    views.clear();
     for (int64_t b = 0; b < B; ++b) {
       const int64_t c = b * L + i;
       TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
@@ -160,9 +162,10 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       const int64_t T = keys[c].size(2);
       longer[2 * c] = appended(keys[c], rot + heads * D);
       longer[2 * c + 1] = appended(values[c], row + rotated_heads * D);
-      attend(rot, keys[c].data_ptr<float>(), values[c].data_ptr<float>(), 1, heads, KV, T + 1, D, keys[c].stride(1),
-             values[c].stride(1), static_cast<float>(scaling), attended.data() + b * heads * D);
+      views.push_back({keys[c].data_ptr<float>(), values[c].data_ptr<float>(), T + 1, keys[c].stride(1),
+                       values[c].stride(1)});
     }
+    attend(rotated.data(), rotated_heads * D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), B, heads * D, delta.data());
     add_residual();
     rms_norm_rows(residual, norm2.data_ptr<float>(), eps, B, H, normed.data());

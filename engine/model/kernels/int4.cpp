@@ -8,62 +8,64 @@
 
 namespace tokenpath {
 
-constexpr int64_t kRowsAtOnce = 4;  // activation rows that share one unpacking of a weight block
-
-// One row of packed weights (wr, with its blocks' d and m) against R <= kRowsAtOnce rows of activations
-// quantized per block (row r: xq + r * K, dx and dsum + r * KB): for each, the sum over blocks of
+// One row of packed weights (wr, with its blocks' d and m) against R rows of activations quantized per
+// block (row r: xq + r * K, dx and dsum + r * KB): for each, the sum over blocks of
 // d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride]. Each block is unpacked once for
-// all R rows; every row's own operations and their order are those of a lone row, so a row's result
-// does not depend on how many share the weights.
+// all R rows, whose accumulators stay in registers (R is known when compiling); every row's own
+// operations and their order are those of a lone row, so a row's result does not depend on how many
+// share the weights.
+template <int R>
 static inline void int4_rows_dot(const uint8_t* wr, const at::Half* d, const at::Half* m, const int8_t* xq,
-                                 const float* dx, const float* dsum, int64_t blocks, int64_t R, int64_t K,
-                                 float* y, int64_t y_stride) {
+                                 const float* dx, const float* dsum, int64_t blocks, int64_t K, float* y,
+                                 int64_t y_stride) {
   const int64_t KB = blocks;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   // A block's 16 bytes go to both halves of a register, the upper half shifted down by four bits:
-  // masked, that is q[0..15] then q[16..31], in the order of the activations. maddubs multiplies
-  // those unsigned bytes by the signed activations (a pair sums to at most 2 * 15 * 127, so nothing
-  // saturates); the scales of eight blocks are multiplied in one go, two accumulators alternate.
+  // masked, that is q[0..15] then q[16..31], in the order of the activations. sum_u8s8 multiplies
+  // those unsigned bytes by the signed activations; the scales of eight blocks are multiplied in one
+  // go, two accumulators alternate, and the minimums' part comes after, eight blocks at a time.
   const __m256i low = _mm256_set1_epi8(0xF);
   const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc0[kRowsAtOnce], acc1[kRowsAtOnce], mins[kRowsAtOnce];
-  for (int64_t r = 0; r < R; ++r) acc0[r] = acc1[r] = mins[r] = _mm256_setzero_ps();
-  alignas(32) float scale[kRowsAtOnce][8];
-  int64_t b = 0;
-  for (; b < blocks; b += 8) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];
+  auto block = [&](int64_t b, int64_t j, __m256* acc) {
+    const auto* raw = reinterpret_cast<const __m128i*>(wr + (b + j) * kBlock / 2);
+    const __m256i q = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (b + j) * kBlock));
+      const __m256 sums = _mm256_cvtepi32_ps(sum_u8s8(q, xv));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale[r] + j), acc[r]);
+    }
+  };
+  for (int64_t b = 0; b < blocks; b += 8) {
     const int64_t n = std::min<int64_t>(8, blocks - b);
     if (n == 8) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b)));
-      for (int64_t r = 0; r < R; ++r) {
-        _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + b)));
-        mins[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(dsum + r * KB + b), mins[r]);
-      }
+      for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + b)));
     } else {
-      for (int64_t r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * KB + b + j];
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const auto* raw = reinterpret_cast<const __m128i*>(wr + (b + j) * kBlock / 2);
-      const __m256i q = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (b + j) * kBlock));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
-        if (j & 1)
-          acc1[r] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale[r] + j), acc1[r]);
-        else
-          acc0[r] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale[r] + j), acc0[r]);
-      }
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      block(b, j, acc0);
+      block(b, j + 1, acc1);
     }
+    if (j < n) block(b, j, acc0);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float total = hsum8(mins[r]);
-    for (b = blocks - blocks % 8; b < blocks; ++b) total += _cvtsh_ss(m[b].x) * dsum[r * KB + b];
+  for (int r = 0; r < R; ++r) {
+    __m256 mins = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8)
+      mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b))),
+                             _mm256_loadu_ps(dsum + r * KB + b), mins);
+    float total = hsum8(mins);
+    for (; b < blocks; ++b) total += _cvtsh_ss(m[b].x) * dsum[r * KB + b];
     y[r * y_stride] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + total;
   }
 #else
-  for (int64_t r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int8_t* xr = xq + r * K;
     float acc = 0.f, total = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -81,16 +83,17 @@ static inline void int4_rows_dot(const uint8_t* wr, const at::Half* d, const at:
 }
 
 // y = x w^T for x [M, K] float32 and the packed weights w [N, K / 2] uint8 with d and m [N, K / 32]
-// fp16. Threads take shares of the weight rows; the activation rows go kRowsAtOnce at a time past each.
+// fp16. Threads take shares of the weight rows; the activation rows go in groups past each.
 void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
                           int64_t N, int64_t K, float* yp) {
   const int64_t KB = K / kBlock;
   const BlockActivations a(xp, M, K);
   shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t r = 0; r < M; r += kRowsAtOnce)
-        int4_rows_dot(wp + n * (K / 2), dp + n * KB, mp + n * KB, a.q.data() + r * K, a.d.data() + r * KB,
-                      a.dsum.data() + r * KB, KB, std::min(kRowsAtOnce, M - r), K, yp + r * N + n, N);
+      in_row_groups(M, [&](auto rows, int64_t r) {
+        int4_rows_dot<decltype(rows)::value>(wp + n * (K / 2), dp + n * KB, mp + n * KB, a.q.data() + r * K,
+                                             a.d.data() + r * KB, a.dsum.data() + r * KB, KB, K, yp + r * N + n, N);
+      });
   });
 }
 

@@ -166,41 +166,66 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 
 // int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in
 // [-127, 127]: the layout of llama.cpp's Q8_0), times activations quantized per block as above:
-// sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers.
-static inline float int8_block_row_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
-                                       int64_t blocks) {
+// sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers. One weight row against
+// R rows of activations (row r: xq + r * K, dx + r * KB), written to y[r * y_stride]: each weight block
+// is read once for all R rows, and every row's operations and their order are those of a lone row.
+template <int R>
+static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
+                                       int64_t blocks, int64_t K, float* y, int64_t y_stride) {
+  const int64_t KB = blocks;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-  alignas(32) float scale[8];
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];
+  auto block = [&](int64_t b, int64_t j, __m256* acc) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (b + j) * kBlock));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // the activations made unsigned (xq + 128) for VNNI, and the 128 * sum(w) that adds taken back out
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, w));
+#else
+    // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
+    const __m256i magnitude = _mm256_abs_epi8(w);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (b + j) * kBlock));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i ints = _mm256_dpbusd_epi32(start, _mm256_xor_si256(x, flip), w);
+#else
+      const __m256i ints = sum_u8s8(magnitude, _mm256_sign_epi8(x, w));
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_broadcast_ss(scale[r] + j), acc[r]);
+    }
+  };
   for (int64_t b = 0; b < blocks; b += 8) {
     const int64_t n = std::min<int64_t>(8, blocks - b);
-    if (n == 8)
-      _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))),
-                                           _mm256_loadu_ps(dx + b)));
-    else
-      for (int64_t j = 0; j < n; ++j) scale[j] = _cvtsh_ss(d[b + j].x) * dx[b + j];
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (b + j) * kBlock));
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b + j) * kBlock));
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      if (j & 1)
-        acc1 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc1);
-      else
-        acc0 = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale + j), acc0);
+    if (n == 8) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + b)));
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * KB + b + j];
     }
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      block(b, j, acc0);
+      block(b, j + 1, acc1);
+    }
+    if (j < n) block(b, j, acc0);
   }
-  return hsum8(_mm256_add_ps(acc0, acc1));
+  for (int r = 0; r < R; ++r) y[r * y_stride] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 #else
-  float acc = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(wr[b * kBlock + k]) * xq[b * kBlock + k];
-    acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[b]);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xr = xq + r * K;
+    float acc = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(wr[b * kBlock + k]) * xr[b * kBlock + k];
+      acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[r * KB + b]);
+    }
+    y[r * y_stride] = acc;
   }
-  return acc;
 #endif
 }
 
@@ -210,8 +235,10 @@ void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Hal
   const BlockActivations a(xp, M, K);
   shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = int8_block_row_dot(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB);
+      in_row_groups(M, [&](auto rows, int64_t r) {
+        int8_block_rows_dot<decltype(rows)::value>(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB,
+                                                   KB, K, yp + r * N + n, N);
+      });
   });
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -241,6 +242,39 @@ struct BlockActivations {
   }
 };
 
+// Activation rows a block kernel takes past each weight row at once, each weight block read and unpacked
+// once for all of them: as many as keep their accumulators in registers (AVX-512's 32 or AVX2's 16).
+#if defined(__AVX512VL__)
+constexpr int kRowsAtOnce = 8;
+#else
+constexpr int kRowsAtOnce = 4;
+#endif
+
+// g(std::integral_constant<int, R>{}, r) for rows [r, r + R) of M rows, R in kRowsAtOnce and the smaller
+// powers of two: as many of the widest groups as fit, then one each of the narrower ones the rest needs.
+template <typename G>
+static inline void in_row_groups(int64_t M, const G& g) {
+  int64_t r = 0;
+  for (; r + kRowsAtOnce <= M; r += kRowsAtOnce) g(std::integral_constant<int, kRowsAtOnce>{}, r);
+  if constexpr (kRowsAtOnce > 4)
+    if (r + 4 <= M) g(std::integral_constant<int, 4>{}, r), r += 4;
+  if (r + 2 <= M) g(std::integral_constant<int, 2>{}, r), r += 2;
+  if (r < M) g(std::integral_constant<int, 1>{}, r);
+}
+
+#if defined(__AVX2__)
+// Lane i: the sum of the four products of bytes 4i..4i+3 of unsigned a and signed b, exact in int32 for
+// a <= 127 and |b| <= 127 (no pair's sum saturates 16 bits on the way): with AVX-512 VNNI one instruction,
+// else two. Either gives the same integers, so the float sums made of them are the same too.
+static inline __m256i sum_u8s8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
 // One linear layer as decode_layers takes it from Python (each layer class's decode_form()):
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
@@ -278,8 +312,14 @@ void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);
 void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out, int64_t stride);
 void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op);
-void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T, int64_t D,
-            int64_t k_stride, int64_t v_stride, float s, float* op);
+// One sequence's cache: key head g's T positions at keys + g * k_stride (values + g * v_stride), D floats each.
+struct CacheView {
+  const float* keys;
+  const float* values;
+  int64_t T, k_stride, v_stride;
+};
+void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& caches, int64_t H, int64_t KV, int64_t D,
+            float s, float* op);
 
 // What bindings.cpp gives Python, each defined in the source named.
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp

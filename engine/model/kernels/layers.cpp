@@ -145,18 +145,24 @@ at::Tensor silu_mul(at::Tensor x) {
   return out;
 }
 
-// k_stride, v_stride: floats from one key (value) head to the next, T * D when they are contiguous.
-void attend(const float* qp, const float* kp, const float* vp, int64_t B, int64_t H, int64_t KV, int64_t T,
-                   int64_t D, int64_t k_stride, int64_t v_stride, float s, float* op) {
-  const int64_t group = H / KV;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (T * D));
+// One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
+// cache, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
+// for the threads as many times); each head's arithmetic is the same whatever runs beside it.
+void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& caches, int64_t H, int64_t KV,
+            int64_t D, float s, float* op) {
+  const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
+  int64_t longest = 1;
+  for (const auto& c : caches) longest = std::max(longest, c.T);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(static_cast<size_t>(T));
+    std::vector<float> w(static_cast<size_t>(longest));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const float* qh = qp + bh * D;
-      const float* kh = kp + (b * KV + h / group) * k_stride;
-      const float* vh = vp + (b * KV + h / group) * v_stride;
+      const CacheView& c = caches[b];
+      const int64_t T = c.T;
+      const float* qh = qp + b * q_stride + h * D;
+      const float* kh = c.keys + h / group * c.k_stride;
+      const float* vh = c.values + h / group * c.v_stride;
       float top = -INFINITY;
       for (int64_t t = 0; t < T; ++t) {
         w[t] = dot(qh, kh + t * D, D) * s;
@@ -193,8 +199,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
   auto out = at::empty({B, 1, H * D}, q.options());
-  attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, H, KV, T, D, T * D, T * D,
-         static_cast<float>(scale), out.data_ptr<float>());
+  std::vector<CacheView> caches;
+  for (int64_t b = 0; b < B; ++b)
+    caches.push_back({k.data_ptr<float>() + b * KV * T * D, v.data_ptr<float>() + b * KV * T * D, T, T * D, T * D});
+  attend(q.data_ptr<float>(), H * D, caches, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
