@@ -76,14 +76,16 @@ $(VLLM_STAMP):
 bench: setup
 	$(PY) bench/decode.py
 
-# Tokenpath against llama.cpp on the same GGUF (bench/peers.py). llama-cpp-python is this benchmark's
-# own dependency, never part of `make test`: it builds from source (about 20 minutes on 2 cores, once;
-# pip caches the wheel). Its native build dies in the first decode on CPUs with AMX (its AMX path), so
-# there it is built for AVX-512 without AMX, which runs at the same speed.
+# Tokenpath against llama.cpp on the same GGUF (bench/peers.py; its server beside the local engine under
+# load in bench/batching.py). llama-cpp-python with its server is these benchmarks' own dependency, never
+# part of `make test`: it builds from source (about 20 minutes on 2 cores, once; pip caches the wheel).
+# Its native build dies in the first decode on CPUs with AMX (its AMX path), so there it is built for
+# AVX-512 without AMX, which runs at the same speed, and never from a wheel cached with other flags.
 LLAMA_AMX_OFF := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
 	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF
 peers: setup
-	$(PY) -c "import llama_cpp" 2>/dev/null || { \
-		if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then export CMAKE_ARGS="$(LLAMA_AMX_OFF)"; fi; \
-		$(PY) -m pip install --quiet llama-cpp-python==0.3.36; }
+	$(PY) -c "import llama_cpp.server.app" 2>/dev/null || { \
+		if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then \
+			export CMAKE_ARGS="$(LLAMA_AMX_OFF)" PIP_NO_CACHE_DIR=1; fi; \
+		$(PY) -m pip install --quiet "llama-cpp-python[server]==0.3.36"; }
 	$(PY) bench/peers.py

@@ -1,24 +1,28 @@
 """Tokenpath at each weight level against llama.cpp (llama-cpp-python) on the same GGUF the default
-model is converted from: same prompt tokens, thread count and token count, greedy, advanced in lockstep.
+model is converted from: same prompt tokens, thread count and token count, greedy.
 
-Every round runs all of them one token each in turn (bench/common.py's in_turn), so a burst of load on
-a shared machine slows them alike. Prefill tokens/s is the prompt's length over the first token's time
-(the prompt's forward and the first pick), decode tokens/s the inverse of the median later token; both
-are measured the same way on both sides. Tokenpath's loop is the instrumented one (timing and
-attribution on, the telemetry sampler off). Where vLLM's CPU build is installed (`make vllm`), it is
-a second peer: after the lockstep rounds, with the others idle (a server cannot be advanced one token
-at a time, and its threads would take the cores from the others), the same prompt, token count and
-thread count go to a vLLM server as the same number of streamed requests, one after another, timed
-the same way from the client (the first token's time includes the request's round trip). Writes
-bench/results/peers.md.
+Each peer runs in its own process (this script again, with --one PEER), one whole run each in turn, the
+order rotating from round to round (A B A B), so no two thread pools share the cores inside one process
+and a peer that crashes (llama.cpp's AMX path did on a Xeon) costs its row, recorded with how it ended,
+not the table. A run loads its model, warms up, then times a greedy generation token by token. Prefill
+tokens/s is the prompt's length over the first token's time (the prompt's forward and the first pick),
+decode tokens/s the inverse of the median later token; both are measured the same way on both sides.
+Tokenpath's loop is the instrumented one (timing and attribution on, the telemetry sampler off). Where
+vLLM's CPU build is installed (`make vllm`), it is a further peer: after the rounds, with the others
+idle, the same prompt, token count and thread count go to a vLLM server as the same number of streamed
+requests, one after another, timed the same way from the client (the first token's time includes the
+request's round trip). Writes bench/results/peers.md.
 
-    .venv/bin/python bench/peers.py [--tokens 64] [--rounds 3] [--levels fp32,int8-dyn,...]
+    .venv/bin/python bench/peers.py [--tokens 64] [--rounds 3] [--levels fp32,int8-dyn,...] [--no-vllm]
 
 llama-cpp-python is this benchmark's own dependency (`make peers` installs it into .venv).
 """
 import argparse
 import importlib.util
+import json
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,6 +35,7 @@ import openai
 import torch
 from engine.run.generate import Generation, GenConfig
 from engine.model.loader import default_gguf_path, load_model
+from engine.run.text import prompt_ids as chat_ids
 from engine.switches.quant import available_levels, quantize
 from engine.serve.client import StreamResult, explain, make_client, open_stream, read_stream, request_body
 from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
@@ -39,6 +44,7 @@ LLAMA_CPP_PIN = "llama-cpp-python==0.3.36"
 PEER = "llama.cpp Q4_1"
 VLLM_DTYPE = "bfloat16"  # the dtype vLLM's CPU build is fastest at here
 SERVED = "vLLM bf16"
+RUN_TIMEOUT_S = 600.0  # one peer's whole run, its model's loading included
 
 
 def load_llama_cpp(gguf, threads: int, context: int):
@@ -63,24 +69,60 @@ def llama_greedy(llm, prompt_ids: list[int], n: int):
             llm.eval([token])
 
 
-def one_round(variants: dict, llm, n: int, calibration: dict, first: int) -> dict:
-    """{name: (token ids, per-token ms)} of one lockstep round, starting from the `first`-th runner."""
-    cfg = lambda: GenConfig(PROMPT, max_new_tokens=n, ignore_eos=True)  # noqa: E731
-    gens = {lv: Generation(lm, cfg(), calibration=calibration, telemetry=False) for lv, lm in variants.items()}
-    prompt_ids = next(iter(gens.values())).prompt_ids
-    tokens = {PEER: []}
+def timed(tokens) -> tuple[list[int], list[float]]:
+    """(the tokens of an iterator of token ids, the milliseconds each took)."""
+    ids = []
 
-    def peer():
-        for token in llama_greedy(llm, prompt_ids, n):
-            tokens[PEER].append(token)
+    def kept():
+        for token in tokens:
+            ids.append(token)
             yield token
+    return ids, in_turn({"run": kept()})["run"]
 
-    runners = {**{lv: iter(g) for lv, g in gens.items()}, PEER: peer()}
-    keys = list(runners)
-    order = keys[first % len(keys):] + keys[: first % len(keys)]
-    token_ms = in_turn({k: runners[k] for k in order})
-    tokens.update({lv: g.token_ids for lv, g in gens.items()})
-    return {k: (tokens[k], token_ms[k], len(prompt_ids)) for k in keys}
+
+def run_one(runner: str, prompt_ids: list[int], n: int) -> tuple[list[int], list[float], int]:
+    """One peer's run in this process: (token ids, per-token ms, prompt tokens), after a short warm-up."""
+    threads = torch.get_num_threads()
+    if runner == PEER:
+        llm = load_llama_cpp(default_gguf_path(), threads, context=512)
+        timed(llama_greedy(llm, prompt_ids, 4))
+        ids, token_ms = timed(llama_greedy(llm, prompt_ids, n))
+        return ids, token_ms, len(prompt_ids)
+    base = load_model()
+    lm = base if runner == "fp32" else quantize(base, runner)
+    calibration = hardware.calibration_for(base.device)
+    run = lambda k: Generation(lm, GenConfig(PROMPT, max_new_tokens=k, ignore_eos=True),  # noqa: E731
+                               calibration=calibration, telemetry=False)
+    timed(run(4))
+    gen = run(n)
+    ids, token_ms = timed(t.token_id for t in gen)
+    return ids, token_ms, len(gen.prompt_ids)
+
+
+def in_process(runner: str, prompt_ids: list[int], n: int) -> tuple | str:
+    """run_one in a process of its own: its result, or how the process ended where it gave none."""
+    command = [sys.executable, __file__, "--one", runner, "--tokens", str(n),
+               "--prompt-ids", ",".join(map(str, prompt_ids))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"no result within {RUN_TIMEOUT_S:.0f} s"
+    if done.returncode:
+        how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit {done.returncode}")
+        last = done.stderr.strip().splitlines()[-1][-200:] if done.stderr.strip() else "no message"
+        return f"crashed ({how}): {last}"
+    ids, token_ms, prompt_len = json.loads(done.stdout.strip().splitlines()[-1])
+    return ids, token_ms, prompt_len
+
+
+def rounds_alternating(runners: list[str], prompt_ids: list[int], n: int, rounds: int) -> list[dict]:
+    """Every runner's whole run once a round, each in its own process, the order rotating from round to round."""
+    done = []
+    for r in range(rounds):
+        order = runners[r % len(runners):] + runners[:r % len(runners)]
+        done.append({k: in_process(k, prompt_ids, n) for k in order})
+    return done
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -106,7 +148,7 @@ def served_request(client, model: str, n: int) -> tuple[list[int], list[float], 
 
 
 def served_rounds(n: int, rounds: int, threads: int) -> list | None:
-    """vLLM's rounds, each like one_round's entries, or None (with a line saying why) where it is not
+    """vLLM's rounds, each like a run's result, or None (with a line saying why) where it is not
     installed or does not start."""
     if not vllm_python().exists():
         print("vLLM is not a peer in this run: its CPU build is not installed (`make vllm`).")
@@ -128,25 +170,42 @@ def served_rounds(n: int, rounds: int, threads: int) -> list | None:
         server.stop()
 
 
+def decode_rate(run: tuple) -> float:
+    """Tokens/s of a run's median decode token (the first token came with the prefill)."""
+    return 1e3 / statistics.median(run[1][1:])
+
+
 def report(rounds: list[dict], levels: list[str], threads: int, n: int) -> None:
-    prefill = {k: [p / ms[0] * 1e3 for _, ms, p in (r[k] for r in rounds)] for k in rounds[0]}
-    decode = {k: [1e3 / statistics.median(ms[1:]) for _, ms, _ in (r[k] for r in rounds)] for k in rounds[0]}
-    peer_decode, peer_prefill = statistics.median(decode[PEER]), statistics.median(prefill[PEER])
-    prompt_len = rounds[0][PEER][2]
-    served = (f"; {SERVED} served alone after them, {threads} threads, {rounds[0][SERVED][2]} prompt tokens, its "
-              "first token's time including the HTTP round trip") if SERVED in rounds[0] else ""
-    print(f"{len(rounds)} rounds in lockstep, {threads} threads on both sides, {prompt_len} prompt tokens, "
-          f"{n} new tokens, greedy{served}")
+    """One row per runner over the rounds it finished; a runner whose process gave no result says how it ended."""
+    keys = [*levels, *(k for k in (PEER, SERVED) if k in rounds[0])]
+    ran = {k: [r[k] for r in rounds if not isinstance(r[k], str)] for k in keys}
+    prefill = {k: [p / ms[0] * 1e3 for _, ms, p in ran[k]] for k in keys}
+    decode = {k: [decode_rate(run) for run in ran[k]] for k in keys}
+    peer = ran.get(PEER) or []
+    prompt_len = next(p for k in keys for _, _, p in ran[k]) if any(ran.values()) else None
+    served = (f"; {SERVED} served alone after them, {threads} threads, its first token's time including the HTTP "
+              "round trip") if SERVED in rounds[0] else ""
+    print(f"{len(rounds)} rounds, each runner's whole run in its own process in turn, {threads} threads on every "
+          f"side, {prompt_len} prompt tokens, {n} new tokens, greedy{served}")
     print(f"{'runner':<16} {'decode tok/s':>12} {'vs llama.cpp':>12} {'prefill tok/s':>13} {'vs llama.cpp':>12} "
           f"{'tokens as llama.cpp':>19}  per-round decode ratio")
-    for k in [*levels, PEER, *([SERVED] if SERVED in rounds[0] else [])]:
-        d, p = statistics.median(decode[k]), statistics.median(prefill[k])
-        same = agreement(rounds[-1][k][0], rounds[-1][PEER][0])
-        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(decode[k], decode[PEER]))
-        print(f"{k:<16} {d:>12.1f} {d / peer_decode:>11.2f}x {p:>13.1f} {p / peer_prefill:>11.2f}x "
-              f"{same:>14}/{n:<4}  {per_round}")
-    best = max(levels, key=lambda k: statistics.median(decode[k]))
-    print(f"best Tokenpath level: {best}, {statistics.median(decode[best]) / peer_decode:.2f}x llama.cpp's decode")
+    against = lambda value, k: (f"{value / statistics.median(k):>11.2f}x" if k else f"{'-':>12}")  # noqa: E731
+    for k in keys:
+        failed = [f"round {i + 1}: {r[k]}" for i, r in enumerate(rounds) if isinstance(r[k], str)]
+        if ran[k]:
+            d, p = statistics.median(decode[k]), statistics.median(prefill[k])
+            same = f"{agreement(ran[k][-1][0], peer[-1][0]):>14}/{n:<4}" if peer else f"{'-':>19}"
+            per_round = ", ".join(f"{decode_rate(r[k]) / decode_rate(r[PEER]):.2f}" for r in rounds
+                                  if PEER in r and not isinstance(r[k], str) and not isinstance(r[PEER], str))
+            print(f"{k:<16} {d:>12.1f} {against(d, decode.get(PEER))} {p:>13.1f} {against(p, prefill.get(PEER))} "
+                  f"{same}  {per_round}")
+        for line in failed:
+            print(f"{k:<16} no result in {line}")
+    finished = [k for k in levels if ran[k]]
+    if finished and peer:
+        best = max(finished, key=lambda k: statistics.median(decode[k]))
+        print(f"best Tokenpath level: {best}, {statistics.median(decode[best]) / statistics.median(decode[PEER]):.2f}x "
+              "llama.cpp's decode")
 
 
 def main() -> int:
@@ -154,10 +213,16 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--levels", help="comma-separated; default: every level this device runs")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out even where it is installed")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a runner's own process: its run as JSON on stdout
+    parser.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tokens < 2 or args.rounds < 1:
         print("--tokens must be at least 2 and --rounds at least 1.", file=sys.stderr)
         return 2
+    if args.one:
+        print(json.dumps(run_one(args.one, [int(t) for t in args.prompt_ids.split(",")], args.tokens)))
+        return 0
     base = load_model()
     levels = args.levels.split(",") if args.levels else available_levels(base.device)
     unknown = sorted(set(levels) - set(available_levels(base.device)))
@@ -165,25 +230,26 @@ def main() -> int:
         print(f"Unknown or unavailable level(s) here: {', '.join(unknown)}.", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
-    gguf = default_gguf_path()
-    llm = load_llama_cpp(gguf, threads, context=512)
-    variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in levels}
-    calibration = hardware.calibration_for(base.device)
-    print(f"{base.name} on {base.device}; llama.cpp on {gguf.name} (the GGUF Tokenpath's weights are converted from)")
-    one_round(variants, llm, 4, calibration, 0)  # warm up every path
-    rounds = [one_round(variants, llm, args.tokens, calibration, i) for i in range(args.rounds)]
-    served = served_rounds(args.tokens, args.rounds, threads)
-    for lockstep_round, served_round in zip(rounds, served or []):
-        lockstep_round[SERVED] = served_round
+    prompt_ids = chat_ids(base, PROMPT, raw=False)
+    del base  # the runs load their own models
+    runners = list(levels)
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"llama.cpp is not a peer in this run: llama-cpp-python is not installed (`make peers` installs "
+              f"{LLAMA_CPP_PIN}).")
+    else:
+        runners.append(PEER)
+        print(f"llama.cpp on {default_gguf_path().name} (the GGUF Tokenpath's weights are converted from)")
+    rounds = rounds_alternating(runners, prompt_ids, args.tokens, args.rounds)
+    served = None if args.no_vllm else served_rounds(args.tokens, args.rounds, threads)
+    for one_round, served_round in zip(rounds, served or []):
+        one_round[SERVED] = served_round
     report(rounds, levels, threads, args.tokens)
     return 0
 
 
 if __name__ == "__main__":
-    if importlib.util.find_spec("llama_cpp") is None:
-        print(f"llama-cpp-python is not installed in this environment: `make peers` installs {LLAMA_CPP_PIN}.",
-              file=sys.stderr)
-        sys.exit(2)
+    if "--one" in sys.argv:
+        sys.exit(main())
     with recorded("peers"):
         code = main()
         if code:  # leaves the block by the exception: nothing is written for a refused run
