@@ -36,7 +36,7 @@ with st.form("sweep"):
     sparsities = c[0].multiselect("Sparsity (fp32 only)", list(SPARSITY), default=["dense"],
                                   help="mask-50 zeroes half the activations; skip-50 also skips the weight rows "
                                        "they leave idle.")
-    specs = c[1].multiselect("Speculative", list(speculative_methods()), default=["none"])
+    methods = c[1].multiselect("Speculative", list(speculative_methods()), default=["none"])
     users = c[2].multiselect("Users", [1, 2, 4, 8], default=[1], help="Sequences decoded together in one batch: "
                              "the weights are read once a step for all of them. More than one user needs the KV "
                              "cache on, dense and no speculative method; a batch's tokens/s are every user's.")
@@ -50,7 +50,7 @@ with st.form("sweep"):
 store = open_store()
 
 if go_button and store is not None:
-    spec = SweepSpec(workload, levels, kv, sparsities, specs, users, new_tokens=int(tokens), repeat=int(repeats),
+    spec = SweepSpec(workload, levels, kv, sparsities, methods, users, new_tokens=int(tokens), repeat=int(repeats),
                      model=default_model_id(), device=device)
     try:
         sweep_id = start(store, spec)  # checked, then stored before its first run; its runs are tagged sweep:<id>
