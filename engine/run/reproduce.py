@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import fields
 
 from engine.serve.command import ReproduceError
 from engine.spec import GenConfig, RunSpec, gen_settings
