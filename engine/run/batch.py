@@ -202,14 +202,15 @@ class BatchEngine:
         return ids
 
     def submit(self, cfg: GenConfig, tag: str | None = None, t_request: int | None = None,
-               sink: queue.SimpleQueue | None = None) -> Sequence:
+               sink: queue.SimpleQueue | None = None, batch: dict | None = None) -> Sequence:
         """Queue a request and start its recorded run. Its clock starts at t_request (perf_counter_ns, default
-        now); sink, when given, receives its TokenEvents as they come, then None when it ends."""
+        now); sink, when given, receives its TokenEvents as they come, then None when it ends. batch, when given,
+        is stored in the run's config (what makes the batch again: engine.run.reproduce)."""
         seq = Sequence(self, cfg, self.check(cfg), tag, t_request or time.perf_counter_ns(), sink)
         if self.store is not None:
             seq.recorder = Recorder(self.store)
             seq.run_id = seq.recorder.start(
-                model=self.lm.name, device=str(self.lm.device), dtype=self._dtype(), config=self._config(cfg),
+                model=self.lm.name, device=str(self.lm.device), dtype=self._dtype(), config=self._config(cfg, batch),
                 hardware=hardware.hardware_summary(self.lm.device), prompt=cfg.prompt,
                 n_prompt_tokens=len(seq.prompt_ids), tag=tag)
         self.queued.append(seq)
@@ -409,10 +410,10 @@ class BatchEngine:
     def _dtype(self) -> str:
         return str(self.lm.dtype).removeprefix("torch.")
 
-    def _config(self, cfg: GenConfig) -> dict:
+    def _config(self, cfg: GenConfig, batch: dict | None = None) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": self._dtype(), "weights": self.lm.weights,
                 "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode, **asdict(cfg),
-                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes}
+                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes, **({"batch": batch} if batch else {})}
 
 
 def batch_summary(seqs: list[Sequence], wall_s: float) -> dict:
