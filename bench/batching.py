@@ -7,20 +7,41 @@ sequence is past its prefill; per user it is one token over that step. On a mach
 step's wall time is mostly waiting for a core, so each step's CPU time (the process's, both threads) is printed
 beside it: tokens per CPU second compare the work a token costs at each batch. The single-sequence check advances the
 plain loop (engine.run.generate) and a one-user batch engine one token each in turn (bench/common.py's in_turn)
-and compares their median decode tokens. Writes bench/results/batching.md.
+and compares their median decode tokens.
+
+Under load, the same identical request (the prompt, --tokens new tokens, greedy) goes out at each concurrency of
+--load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
+engine in process (fp32, --load's largest level as its batch cap), and, with --peers, to vLLM's CPU build
+(started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python, `make peers`) on the same
+model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time per output token
+within 100 ms (every request finished), over --load-rounds rounds that alternate the peers. Writes
+bench/results/batching.md.
 
     .venv/bin/python bench/batching.py [--tokens 48] [--rounds 3] [--batches 1,2,4,8] [--levels fp32,int4-dyn]
+        [--load 1,2,4,8,16] [--load-requests 16] [--load-rounds 1] [--peers vllm,llamacpp | --no-peers] [--threads 2]
 """
 import argparse
+import contextlib
+import importlib.util
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
-from common import PROMPT, in_turn, ratio, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from common import (PROMPT, highest_holding, idle_cpu_share, in_turn, llama_cpp_server,  # first: the engine sets
+                    local_target, ratio, recorded)  # OpenMP's wait policy before torch loads
+from engine.cli.serving import level_table
 from engine.measure import hardware
-from engine.model.loader import load_model
+from engine.model.loader import default_gguf_path, load_model
 from engine.run.batch import BatchEngine
 from engine.run.generate import GenConfig, Generation
+from engine.serve.load import Sweep, SweepConfig
+from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
+from engine.store.db import Store
 from engine.switches.quant import quantize
+
+TTFT_MS, TPOT_MS = 1000.0, 100.0  # the target under load, at the 90th percentile
+PEERS = ("vllm", "llamacpp")
 
 
 def request(n: int) -> GenConfig:
@@ -51,13 +72,102 @@ def engine_tokens(lm, n: int, calibration):
         yield True
 
 
+def holds(level: dict) -> bool:
+    """Every request of the level finished, p90 first token within TTFT_MS and p90 time per output token within
+    TPOT_MS."""
+    ttft, tpot = level["ttft_ms"]["p90"], level["tpot_ms"]["p90"]
+    return (level.get("status", "ok") == "ok" and not level["failed"] and ttft is not None and tpot is not None
+            and ttft <= TTFT_MS and tpot <= TPOT_MS)
+
+
+def highest_load(levels: list[dict]) -> int:
+    """The highest concurrency that holds the target, 0 where even the first level does not."""
+    best = highest_holding(levels, holds)
+    return best["concurrency"] if best else 0
+
+
+def load_config(args, endpoint: str | None) -> SweepConfig:
+    return SweepConfig(endpoint, concurrency=args.load, requests=args.load_requests, prompts=[("story", PROMPT)],
+                       max_new_tokens=args.tokens, output_tokens=args.tokens, seed=1, poll_s=0.5)
+
+
+def peer_urls(args, stack: contextlib.ExitStack) -> dict:
+    """{name: URL} of each requested peer that started (each started once, stopped when `stack` closes); a line
+    says why for each that is not measured."""
+    urls = {}
+    if "vllm" in args.peers:
+        try:
+            vllm_python()
+            server = VLLMServer(dtype="bfloat16", threads=args.threads)
+            t0 = time.monotonic()
+            urls["vLLM bf16"] = server.start()
+            stack.callback(server.stop)
+            print(f"vLLM's CPU build (bf16, {args.threads} OpenMP threads) started in {time.monotonic() - t0:.0f} s; "
+                  f"idle, it takes {idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
+        except VLLMError as exc:
+            print(f"vLLM is not measured under load: {exc}")
+    if "llamacpp" in args.peers:
+        if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
+            print("llama.cpp's server is not measured under load: llama-cpp-python with its server is not installed "
+                  "here (`make peers` installs it).")
+        else:
+            try:
+                urls["llama.cpp Q4_1"] = stack.enter_context(llama_cpp_server(default_gguf_path(), args.threads))
+            except RuntimeError as exc:
+                print(f"llama.cpp's server is not measured under load: {exc}")
+    return urls
+
+
+def under_load(args) -> None:
+    """Each runner's concurrency sweep once a round (the order rotating), its table, and the highest load that
+    holds the target, with the local engine's against each peer's."""
+    store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "batching.duckdb")
+    highest, tables = {}, {}
+    with contextlib.ExitStack() as stack:
+        local = local_target(load_config(args, None), store, max_batch=max(args.load))
+        stack.callback(local.close)
+        runners = {"Tokenpath fp32": (None, local)}
+        runners.update({name: (url, None) for name, url in peer_urls(args, stack).items()})
+        names = list(runners)
+        for r in range(args.load_rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                url, target = runners[name]
+                summary = Sweep(load_config(args, url), store, target=target).run()
+                highest.setdefault(name, []).append(highest_load(summary["levels"]))
+                tables[name] = summary["levels"]
+    print(f"\nunder load: identical requests ({args.tokens} new tokens, greedy), concurrency {args.load}, "
+          f"{args.load_requests} requests a level, {args.load_rounds} round(s); target: p90 first token within "
+          f"{TTFT_MS:.0f} ms and p90 time per output token within {TPOT_MS:.0f} ms")
+    for name in runners:
+        print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
+              f"highest concurrency holding the target: {highest[name]} (one per round)")
+    ours = highest["Tokenpath fp32"]
+    for name in names[1:]:
+        theirs = highest[name]
+        against = ratio(theirs, ours) if min(ours + theirs) > 0 else "no ratio: a side held no level in some round"
+        print(f"Tokenpath fp32 against {name}: highest concurrency {statistics.median(ours):g} against "
+              f"{statistics.median(theirs):g}, {against}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--levels", default="fp32,int4-dyn")
+    parser.add_argument("--load", default="1,2,4,8,16", help="concurrency levels of the load sweep")
+    parser.add_argument("--load-requests", type=int, default=16, help="requests a concurrency level")
+    parser.add_argument("--load-rounds", type=int, default=1)
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"measured under load beside Tokenpath: {', '.join(PEERS)}")
+    parser.add_argument("--no-peers", action="store_true", help="the local engine alone under load")
+    parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM and llama.cpp")
     args = parser.parse_args()
+    args.load = [int(c) for c in args.load.split(",")]
+    args.peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
+    unknown = set(args.peers) - set(PEERS)
+    if unknown:
+        parser.error(f"unknown peer(s) {', '.join(sorted(unknown))}: choose from {', '.join(PEERS)}")
     batches = [int(b) for b in args.batches.split(",")]
     base = load_model()
     variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in args.levels.split(",")}
@@ -99,6 +209,7 @@ def main() -> None:
     print(f"\none sequence, fp32, in lockstep: plain decode loop median {statistics.median(plain):.2f} ms a token, "
           f"batch engine with one user {statistics.median(batched):.2f} ms; engine speed against plain speed "
           f"{ratio(speed(plain), speed(batched))} (per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+    under_load(args)
 
 
 if __name__ == "__main__":

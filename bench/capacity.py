@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import error_pct, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from common import error_pct, idle_cpu_share, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
 from engine.measure import hardware
 from engine.measure.slo import format_slo, parse_slo
@@ -136,10 +136,11 @@ def vllm_part(args, store: Store) -> None:
     try:
         url = server.start()
         started = time.monotonic() - t0
+        idle = idle_cpu_share(server.process.pid)
         sweep, found = measure(args, store, url, None, parse_rates(args.rates)[0])
     finally:
         server.stop()
-    print(f"\nstarted in {started:.0f} s; measured sweep:\n\n```\n{level_table(sweep['levels'])}\n```\n\nCapacity "
+    print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores); measured sweep:\n\n```\n{level_table(sweep['levels'])}\n```\n\nCapacity "
           f"search:\n\n```\n{level_table(found['levels'])}\n```\n\n{capacity.describe(found)}")
 
 

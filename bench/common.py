@@ -167,3 +167,16 @@ def _lists_models(url: str) -> bool:
         return httpx2.get(f"{url}/v1/models", timeout=2.0).status_code == 200
     except httpx2.HTTPError:
         return False
+
+
+def idle_cpu_share(pid: int, seconds: float = 3.0) -> float:
+    """The cores' worth of CPU a server's process and its children take over `seconds` with no request in flight
+    (a server that polls while idle takes that from whatever shares the machine with it)."""
+    import psutil
+
+    def cpu_s() -> float:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+    before = cpu_s()
+    time.sleep(seconds)
+    return (cpu_s() - before) / seconds
