@@ -37,6 +37,7 @@ from engine.run.batch import BatchEngine
 from engine.run.generate import GenConfig, Generation
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
+from engine.spec import MAX_BATCH
 from engine.store.db import Store
 from engine.switches.quant import quantize
 
@@ -164,6 +165,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM and llama.cpp")
     args = parser.parse_args()
     args.load = [int(c) for c in args.load.split(",")]
+    if not all(1 <= c <= MAX_BATCH for c in args.load):
+        parser.error(f"--load levels are concurrencies from 1 to {MAX_BATCH} (the local engine's largest batch)")
     args.peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
     unknown = set(args.peers) - set(PEERS)
     if unknown:
