@@ -51,4 +51,7 @@ if store is not None:
     if runs.empty:
         st.info("No runs recorded yet: start one on Live generation, or run `python -m engine generate --prompt ...`.")
     else:
-        st.dataframe(readable_runs(runs), hide_index=True, width="stretch")
+        table = readable_runs(runs)
+        # the figures people compare and the settings that tell runs apart, without scrolling
+        st.dataframe(table, hide_index=True, width="stretch", column_order=list(table.columns[:9]))
+        st.page_link("pages/runs.py", label="Every run with all its columns: Runs")

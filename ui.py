@@ -350,9 +350,7 @@ def warm_up_words(state: dict) -> str | None:
                 "once per machine, since no recent calibration of it is stored or cached. The model is loaded; "
                 "a run started now begins when the calibration ends.")
     if state["state"] == "ready":
-        calibration = state.get("calibration") or {}
-        reused = f" Its calibration: {hardware.provenance(calibration)}" if calibration.get("reused_from") else ""
-        return f"Ready: the default model is loaded in the generation process (in {state['seconds']:.1f} s).{reused}"
+        return f"Ready: the default model is loaded in the generation process (in {state['seconds']:.1f} s)."
     if state["state"] == "failed":
         return f"The generation process could not load the default model: {state['message']}"
     return None

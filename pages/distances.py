@@ -51,7 +51,9 @@ def calibration_note(run_metrics) -> str:
     if not summary:
         return "No calibration recorded with this run."
     found = hardware.find_calibration(store, summary)
-    when = f"measured {found['created_at']} UTC" if found else "no longer stored"
+    when = f"measured {found.get('measured_at') or found['created_at']} UTC" if found else "no longer stored"
+    if found and found.get("reused_from"):
+        when += " (reused from this machine's calibration cache)"
     note = (f"Attributed with the calibration {when}: memory {summary['memory_gbps']:.1f} GB/s, fp32 peak "
             f"{summary['matmul_gflops']['float32']:,.0f} GFLOP/s, dispatch {summary['dispatch_us']:.1f} µs.")
     in_use = verdict.calibration

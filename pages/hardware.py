@@ -48,7 +48,7 @@ with c[1]:
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),
                      ("device to host", f"{link['d2h_gbps']:.1f} GB/s, {link['d2h_latency_us']:.0f} µs")]
         st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch")
-        st.caption(f"In use, on {md_escape(key)}: {md_escape(hardware.provenance(stored))} The attribution divides each "
+        st.caption(f"In use on {md_escape(key)} (where it came from: the verdict above). The attribution divides each "
                    "forward's bytes and FLOPs by the peaks; the planner's estimate for this machine reads weights at "
                    "the small-rows kernel's figure (the one fp32 decode steps run) and adds the product cost. Runs use the newest calibration that is within "
                    f"{1 - hardware.DISAGREEMENT:.0%} of the best recent figures; one taken while other work shared "

@@ -122,18 +122,22 @@ fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", heigh
 st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")
+# short headers and GPU names, so every column reads whole at 1024 px; the caption below says what each means
 table = pd.DataFrame({
-    "GPU": gpus["gpu"],
+    "GPU": gpus["short"],
     "memory": gpus["memory_bytes"].map(human),
-    "bandwidth (GB/s, vendor)": gpus["bandwidth_gbps"],
+    "GB/s (vendor)": gpus["bandwidth_gbps"],
     "fits": gpus["fits"],
-    "longest context that fits": gpus["longest_context"],
-    "largest batch at this context": gpus["largest_batch"],
-    "read the KV cache once (ms per decode step)": pd.to_numeric(gpus["kv_read_ms_per_step"]).round(3),
+    "longest context (tokens)": gpus["longest_context"],
+    "largest batch": gpus["largest_batch"],
+    "KV read (ms/step)": pd.to_numeric(gpus["kv_read_ms_per_step"]).round(3),
     # all None when the parameter count is unknown: numeric NaN, shown as empty cells
-    "read the weights once (ms per decode step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
+    "weights read (ms/step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
 })
 st.dataframe(table, hide_index=True, width="stretch", height=36 * (len(table) + 1) + 4)  # every GPU, no scrolling
+st.caption("Largest batch: sequences of this context whose caches fit beside the weights. KV read and weights read: "
+           "the time to read the whole KV cache, or the weights, once at the vendor's bandwidth, which every decode "
+           "step does.")
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
            "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
 
