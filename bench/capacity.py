@@ -11,7 +11,7 @@ Writes bench/results/capacity.md.
 
     .venv/bin/python bench/capacity.py [--rates 0.5,1,2,4] [--requests 16] [--input-tokens 64] [--output-tokens 32]
         [--slo ttft_ms=1000,tpot_ms=100] [--attainment 0.9] [--duration 16] [--steps 2] [--max-batch 8]
-        [--vllm] [--dtype bfloat16] [--threads 2]
+        [--calibrate] [--vllm] [--dtype bfloat16] [--threads 2]
 """
 import argparse
 import tempfile
@@ -106,7 +106,7 @@ def side_by_side(planned: list[dict], measured: list[dict]) -> str:
 def local_part(args, store: Store) -> None:
     target = local_target(config(args, None, rates=parse_rates(args.rates)), store, args.max_batch)
     try:
-        calibration = hardware.calibration_for(target.engine.engine.lm.device, store)
+        calibration = hardware.calibration_for(target.engine.engine.lm.device, store, fresh=args.calibrate)
         t0 = time.monotonic()
         planned, planned_cap = predict(args, calibration)
         print(f"## The local engine, fp32, at most {args.max_batch} sequences a step\n\n{calibration_line(calibration)}"
@@ -155,6 +155,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=16.0, help="seconds of arrivals per capacity level")
     p.add_argument("--steps", type=int, default=2, help="bisections of the measured capacity search")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's calibration now instead of reusing a recent one (on a quiet machine)")
     p.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU build (needs .venv-vllm)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
