@@ -8,7 +8,7 @@ import streamlit as st
 from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
 from engine.report.advisor import arms as setting_arms
-from engine.run.reproduce import command, spec_of
+from engine.run.reproduce import run_command
 from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, show_flash
 
 
@@ -99,7 +99,7 @@ if len(arms) > 1:  # repeats of one setting are one arm; the oldest selected run
 with st.expander("The command that makes each run again"):
     for row in picked.itertuples():
         st.caption(f"#{row.run_id}")
-        st.code(command(spec_of(row._asdict())), language="bash")
+        st.code(run_command(row._asdict()), language="bash")
 st.page_link("pages/distances.py", label="Open the selected runs on Distances",
              query_params={"run": [str(i) for i in ids]})
 

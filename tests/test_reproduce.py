@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.run.generate import Generation
-from engine.run.reproduce import ReproduceError, arguments, command, stored_spec
+from engine.run.reproduce import ReproduceError, arguments, command, run_command, stored_spec
 from engine.spec import GenConfig, RunSpec
 from engine.run.worker import GenerationWorker
 from engine.switches.quant import variant
@@ -60,6 +60,46 @@ def test_the_command_shown_is_the_one_that_runs(tiny_folder, tmp_path, tiny_lm, 
     code, stdout, stderr = cli(*words[3:-2], "--db", db, "--json")
     assert code == 0, stderr
     assert stored_spec(Store(db), json.loads(stdout)["run_id"]) == spec
+
+
+def test_a_batch_reproduced_from_the_command_line_decodes_the_same_tokens_with_the_same_settings(tiny_folder,
+                                                                                                 tmp_path):
+    first, other, others = tmp_path / "a.duckdb", tmp_path / "b.duckdb", tmp_path / "others.txt"
+    others.write_text("Tell a short story.\n\nList four birds.\n", encoding="utf-8")
+    code, stdout, stderr = cli("generate", "--prompt", "Count the stars", "--users", 3, "--prompts", others,
+                               "--kv-budget-mb", 0.75, "--max-new-tokens", 6, "--ignore-eos", "--model", tiny_folder,
+                               "--db", first, "--json")
+    assert code == 0, stderr
+    made = json.loads(stdout)["run_ids"]
+    originals = [Store(first).run(i) for i in made]
+    words = shlex.split(run_command(originals[1]))  # the second user's run shows its whole batch's command
+    assert words[words.index("--users") + 1] == "3" and words[words.index("--prompts") + 1] == str(others)
+    assert float(words[words.index("--kv-budget-mb") + 1]) == 0.75
+
+    code, stdout, stderr = cli("generate", "--from-run", made[1], "--from-db", first, "--db", other, "--json")
+    assert code == 0, stderr
+    again = json.loads(stdout)
+    assert again["users"] == 3
+    for old, new in zip(originals, (Store(other).run(i) for i in again["run_ids"])):
+        assert list(new["token_ids"]) == list(old["token_ids"]) and new["prompt"] == old["prompt"]
+        assert {k: new[k] for k in SETTINGS} == {k: old[k] for k in SETTINGS}
+        assert json.loads(new["config"]) == json.loads(old["config"])  # users, prompts, cap and KV budget
+    assert [r["prompt"] for r in originals] == ["Count the stars", "Tell a short story.", "List four birds."]
+
+    others.write_text("Another prompt.\n", encoding="utf-8")  # the file no longer holds the batch's prompts
+    code, _, stderr = cli("generate", "--from-run", made[0], "--from-db", first, "--db", other)
+    assert code == 2 and "no longer holds" in stderr and len(stderr.strip().splitlines()) == 1
+    assert len(Store(other).runs(10)) == 3  # nothing more was recorded
+
+
+def test_a_request_of_a_load_sweep_points_to_its_sweep(store, tiny_lm, calibration):
+    run_id = Generation(tiny_lm, GenConfig("Hello.", max_new_tokens=2), store=store, calibration=calibration,
+                        tag="load:4:1:2").run()["run_id"]
+    shown = run_command(store.run(run_id))
+    assert shown == (f"Run {run_id} is request 2 of level 1 of load sweep 4: `python -m engine load --from-sweep 4` "
+                     "makes the sweep again.")
+    code, _, stderr = cli("generate", "--from-run", run_id, "--db", store.path)
+    assert code == 2 and "load --from-sweep 4" in stderr and len(stderr.strip().splitlines()) == 1
 
 
 def test_a_run_stored_without_its_specification_is_read_back_from_its_settings(store, tiny_lm, calibration):

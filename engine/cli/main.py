@@ -82,14 +82,13 @@ def cmd_generate(args) -> int:
 
 def generate_again(args) -> int:
     """generate --from-run ID: the stored run's own command, parsed and run against --db."""
-    from engine.run.reproduce import arguments, stored_spec
+    from engine.run.reproduce import from_run_arguments
     from engine.spec import GenerationError
     from engine.store.db import Store
 
     if args.prompt is not None:
         raise GenerationError("--from-run takes every setting from the stored run: leave out --prompt.")
-    spec = stored_spec(Store(args.from_db or args.db), args.from_run)
-    argv = ["generate", *arguments(spec), "--repeat", str(args.repeat)]
+    argv = ["generate", *from_run_arguments(Store(args.from_db or args.db), args.from_run), "--repeat", str(args.repeat)]
     argv += [flag for flag, on in (("--json", args.json), ("--tokens", args.tokens)) if on]
     again = build_parser().parse_args(argv + (["--db", args.db] if args.db else []))
     print("running: python -m engine " + shlex.join(argv), file=sys.stderr)

@@ -15,7 +15,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from engine.errors import UserError
-from engine.run.reproduce import command, spec_of
+from engine.run.reproduce import run_command
 from engine.report.advisor import against, arms
 from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
@@ -236,7 +236,7 @@ def settings_section(runs: list[dict]) -> Section:
         texts.append(f"<details><summary>{html.escape(label(run))}: prompt and output</summary>{error}"
                      f"<p>prompt</p><pre>{html.escape(run['prompt'] or '')}</pre>"
                      f"<p>output</p><pre>{html.escape(run['output'] or '')}</pre>"
-                     f"<p>the command that makes it again</p><pre>{html.escape(command(spec_of(run)))}</pre></details>")
+                     f"<p>the command that makes it again</p><pre>{html.escape(run_command(run))}</pre></details>")
     note = '<p class="note">Values that differ from the first run are in bold.</p>'
     return Section("Each run's settings", note + table(["setting", *(f"#{run['run_id']}" for run in runs)], rows)
                    + "".join(texts))

@@ -155,6 +155,9 @@ class BatchRun:
         self.engine = BatchEngine(lm, store, max_batch=spec.users, kv_budget_bytes=kv_budget_bytes,
                                   kv_dtype=spec.gen.kv_dtype, calibration=calibration)
         self.requests = [replace(spec.gen, prompt=p) for p in batch_prompts(spec.gen.prompt, spec.users, prompts_file)]
+        # stored with every sequence's run: what makes the whole batch again (engine.run.reproduce)
+        self.batch = {"run_spec": spec.to_dict(), "prompts": [r.prompt for r in self.requests],
+                      "prompts_file": prompts_file, "kv_budget_bytes": kv_budget_bytes}
         for request in self.requests:
             self.engine.check(request)
         self.special_ids = sorted(lm.tokenizer.all_special_ids)
@@ -183,7 +186,8 @@ class BatchRun:
     def __iter__(self):
         self.status = "running"
         start = time.perf_counter()
-        self.sequences = [self.engine.submit(cfg, tag=self.spec.tag) for cfg in self.requests]
+        self.sequences = [self.engine.submit(cfg, tag=self.spec.tag, batch={**self.batch, "user": user})
+                          for user, cfg in enumerate(self.requests)]
         taken = [0] * len(self.sequences)
         try:
             with collector_spared():
