@@ -15,7 +15,7 @@ from engine.serve import records as served_store
 from engine.report import sweep_views
 from engine.errors import UserError
 from engine.measure.slo import parse_slo
-from engine.serve.arrivals import parse_rates
+from engine.serve.arrivals import MAX_INPUT_TOKENS, parse_rates
 from engine.serve.load import load_prompts, parse_concurrency
 from engine.paths import workloads
 from engine.serve.client import ServedError
@@ -80,8 +80,13 @@ with st.form("sweep"):
     n_requests = whole_number_input(c[1], "Requests per level", 1, 1000, 8)
     new_tokens = whole_number_input(c[2], "New tokens per request", 1, 4096, 32)
     prompt_set = c[3].selectbox("Prompts", ["every shipped workload", *shipped])
-    c = st.columns([2, 3])
+    c = st.columns([2, 3, 2])
     arrival = c[0].selectbox("Levels are", ["requests kept in flight", "arrivals per second (Poisson)"])
+    shared_prefix = whole_number_input(c[2], "Shared prefix (tokens, 0 = none)", 0, MAX_INPUT_TOKENS, 0,
+                                       help="every prompt opens with the same preamble of this many tokens, as requests "
+                                            "sharing a long system prompt do: a server with a prefix cache finds it "
+                                            "after the first request, and the first-token time shows what that saves "
+                                            "(`load --shared-prefix-tokens`)")
     slo_text = c[1].text_input("Latency target (SLO), optional", "", placeholder="ttft_ms=500,tpot_ms=50",
                                help="milliseconds per metric: ttft_ms, tpot_ms, itl_ms, e2e_ms; a request is good "
                                     "when it meets every one")
@@ -99,6 +104,8 @@ def sweep_options() -> list[str]:
         options += ["--slo", slo_text.strip()]
     if prompt_set != "every shipped workload":
         options += ["--prompts", prompt_set]
+    if shared_prefix:
+        options += ["--shared-prefix-tokens", str(int(shared_prefix))]
     if local:
         options += ["--local", "--model", model_id.strip() or "default", "--max-batch", str(int(max_batch))]
         return options + (["--kv-budget-mb", f"{kv_budget:g}"] if kv_budget else [])
@@ -201,6 +208,15 @@ columns["goodput req/s"] = st.column_config.NumberColumn("goodput req/s", format
                                                          help="requests that met every target, per second of the level")
 columns["KV cache max"] = st.column_config.NumberColumn("KV cache max", format="percent",
                                                         help="the server's KV-cache use at its highest in the level")
+columns["prefix cache hit rate"] = st.column_config.NumberColumn(
+    "prefix cache hit rate", format="percent", help="the share of the level's prompt tokens the server found in its "
+    "prefix cache (its /metrics counters before and after the level); empty where the server publishes none")
+columns["physical p50 ms"] = st.column_config.NumberColumn(
+    "physical p50 (ms)", format="%.2f", help="the median request's time on the network: connect (with its name "
+    "lookup), TLS, request sent and the wait for the first byte, from the HTTP client's trace hooks")
+columns["connections reused"] = st.column_config.NumberColumn(
+    "connections reused", format="%d", help="the level's requests that rode a kept-alive connection, so paid no "
+    "connect")
 st.dataframe(table, hide_index=True, width="stretch", column_config=columns)
 st.caption("Client figures are measured by Tokenpath's clock; the 'server ... mean' columns are the server's own "
            "histograms (sum / count between the level's first and last scrape of /metrics).")
@@ -309,6 +325,35 @@ fig.add_scatter(y=spans["label"], x=spans["first_s"], mode="markers", marker=dic
 fig.update_layout(title="Requests over time", xaxis_title="seconds since the sweep started", yaxis=dict(
     showticklabels=False, autorange="reversed"), height=340, margin=dict(l=10, r=10, t=60, b=40), barmode="overlay")
 c[1].plotly_chart(fig, width="stretch")
+
+# each request's network parts, as the HTTP client's trace hooks timed them: the name lookup lies inside the connect
+REQUEST_COLUMNS = {"idx": "request", "status": "status", "connection": "connection", "ttft_ms": "TTFT (ms)",
+                   "e2e_ms": "E2E (ms)", "physical_ms": "physical (ms)"}
+NETWORK_COLUMNS = {"dns_ms": "name lookup (ms)", "connect_ms": "connect (ms)", "tls_ms": "TLS (ms)",
+                   "send_ms": "request sent (ms)", "first_byte_ms": "first byte (ms)"}
+
+
+def request_table(requests, every_column: bool) -> pd.DataFrame:
+    """One row per request with its level; every column adds the network's parts and the token counts."""
+    names = {**REQUEST_COLUMNS, **(NETWORK_COLUMNS if every_column else {})}
+    if every_column:
+        names.update({"n_prompt_tokens": "prompt tokens", "n_output_tokens": "output tokens"})
+    table = requests[list(names)].rename(columns=names)
+    table.insert(0, "level", [sweep_views.request_level(r) for r in requests.itertuples()])
+    return table
+
+
+st.subheader("Requests")
+every_column = st.toggle("All columns", False, help="each request's network parts too: name lookup, connect, TLS, "
+                         "request sent, first byte, and its token counts")
+request_formats = {name: st.column_config.NumberColumn(name, format="%.1f") for name in ("TTFT (ms)", "E2E (ms)")}
+request_formats.update({name: st.column_config.NumberColumn(name, format="%.2f")
+                        for name in ("physical (ms)", *NETWORK_COLUMNS.values())})
+st.dataframe(request_table(requests, every_column), hide_index=True, width="stretch", column_config=request_formats)
+st.caption("Physical is the request's time on the network, each part counted once: the connect (a host name's lookup "
+           "inside it), TLS, sending the request and the wait for the server's first byte. A request on a kept-alive "
+           "connection ('reused') pays no lookup, connect or TLS. Parts are shown to 0.01 ms; the lookup is 0 for "
+           "an address.")
 
 samples = served_store.sweep_samples(store, first)
 if samples.empty:

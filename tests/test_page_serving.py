@@ -19,6 +19,7 @@ from engine.paths import REPO_ROOT
 from streamlit.runtime import Runtime
 
 from test_served import wait_for_port
+from test_load import known_server  # noqa: F401 (the fixture)
 
 SERVER = Path(__file__).with_name("stream_server.py")
 
@@ -232,3 +233,47 @@ def test_a_sweep_whose_level_completed_nothing_offers_its_report_without_an_exce
         report = widget(at.get("download_button"), "Download report")
         assert f"report --load-sweep {sweep_id}" in report.help
     assert any("did not complete" in w.value for w in at.warning)
+
+
+def test_a_shared_prefix_sweep_from_the_page_shows_its_cache_hits_and_each_request_s_network(page_db, known_server):  # noqa: F811
+    url = known_server(slots=1, step_s=0.005)
+    at = open_page()
+    prefix = widget(at.number_input, "Shared prefix (tokens, 0 = none)")
+    assert prefix.value == 0  # no shared preamble unless asked
+    at.text_input[0].set_value(url)
+    at.text_input[3].set_value("1")
+    widget(at.number_input, "Requests per level").set_value(3)
+    widget(at.number_input, "New tokens per request").set_value(2)
+    prefix.set_value(40.5)  # a fraction is read as a whole number, and the page says so
+    at.button[0].click()
+    at.run()
+    assert not at.exception and not at.error
+    assert any("takes whole numbers: 40.5 is read as 40" in w.value for w in at.warning)
+    job = at.session_state["load"]
+    assert job.process.args[job.process.args.index("--shared-prefix-tokens") + 1] == "40"
+    assert job.process.wait(timeout=600) == 0, job.log.read_text()
+    at = open_page()
+    assert not at.exception
+    levels = at.dataframe[0].value
+    # the later requests find the shared preamble's whole blocks in the server's prefix cache
+    assert levels["prefix cache hit rate"].iloc[0] > 0 and levels["physical p50 ms"].iloc[0] > 0
+    assert levels["connections reused"].iloc[0] >= 0
+    requests = next(d.value for d in at.dataframe if "connection" in d.value.columns)
+    assert list(requests.columns) == ["level", "request", "status", "connection", "TTFT (ms)", "E2E (ms)",
+                                      "physical (ms)"]
+    assert len(requests) == 3 and set(requests["connection"]) <= {"new", "reused"}
+    widget(at.toggle, "All columns").set_value(True).run()
+    assert not at.exception
+    requests = next(d.value for d in at.dataframe if "connection" in d.value.columns)
+    parts = ["connect (ms)", "TLS (ms)", "request sent (ms)", "first byte (ms)"]
+    assert {"name lookup (ms)", *parts, "output tokens"} <= set(requests.columns)
+    assert (requests["physical (ms)"] - requests[parts].sum(axis=1)).abs().max() < 1e-6
+
+
+def test_a_bad_shared_prefix_on_the_page_is_one_sentence_and_starts_nothing(page_db):
+    at = open_page()
+    widget(at.number_input, "Shared prefix (tokens, 0 = none)").set_value(24)
+    at.text_input[3].set_value("0,x")  # bad levels beside the prefix: refused before anything starts
+    at.button[0].click()
+    at.run()
+    assert not at.exception and len(at.error) == 1 and "load" not in at.session_state

@@ -52,9 +52,9 @@ def print_summary(run, result: dict) -> None:
     print("buckets (ms): " + ", ".join(parts), file=sys.stderr)
     net = result.get("network")
     if net:
-        print(f"network (ms): name lookup {net['dns_ms']:.2f}, connect {net['connect_ms']:.2f}, TLS {net['tls_ms']:.2f}, "
-              f"request sent {net['send_ms']:.2f}, first byte {net['first_byte_ms']:.2f} ({net['connection']} "
-              "connection)", file=sys.stderr)
+        print(f"network (ms): connect {net['connect_ms']:.2f} (name lookup {net['dns_ms']:.2f} of it), TLS "
+              f"{net['tls_ms']:.2f}, request sent {net['send_ms']:.2f}, first byte {net['first_byte_ms']:.2f} "
+              f"({net['connection']} connection)", file=sys.stderr)
     cache = result.get("prefix_cache")
     if cache and cache["prefix_cache_hit_rate"] is not None:
         print(f"prefix cache: {cache['prefix_cache_hits']:.0f} of {cache['prefix_cache_queries']:.0f} prompt tokens "

@@ -26,7 +26,10 @@ def level_frame(levels: list[dict] | str) -> pd.DataFrame:
                 row[f"{m.removesuffix('_ms')} p{q} ms"] = lv[m][f"p{q}"]
         row.update({"requests/s": lv["requests_per_s"], "output tokens/s": lv["output_tokens_per_s"],
                     "goodput req/s": lv.get("goodput_requests_per_s"), "attainment": lv.get("attainment"),
-                    "waiting max": lv.get("waiting_max"), "KV cache max": lv.get("kv_cache_usage_max")})
+                    "waiting max": lv.get("waiting_max"), "KV cache max": lv.get("kv_cache_usage_max"),
+                    "prefix cache hit rate": lv.get("prefix_cache_hit_rate"),
+                    "physical p50 ms": (lv.get("physical_ms") or {}).get("p50"),
+                    "connections reused": lv.get("connections_reused")})
         server = lv.get("server") or {}
         for key in ("ttft", "itl", "queue"):
             count = server.get(f"{key}_count")
