@@ -326,12 +326,10 @@ def warm_up() -> dict:
         try:
             with queue.turn(lambda position: None):
                 loaded = ending(request)
-                calibration = loaded["calibration"]
-                if calibration is None:
+                if loaded["calibration"] is None:
                     state.update(state="calibrating", started=time.monotonic())
-                    calibration = ending({"db": db, "device": loaded["device"], "calibrate": True,
-                                          "missing_only": True})["calibration"]
-                state.update(state="ready", seconds=loaded["seconds"], calibration=calibration)
+                    ending({"db": db, "device": loaded["device"], "calibrate": True, "missing_only": True})
+                state.update(state="ready", seconds=loaded["seconds"])
         except (WorkerRefused, WorkerFailed) as exc:
             state.update(state="failed", message=str(exc))
 

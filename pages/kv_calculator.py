@@ -100,7 +100,7 @@ if spec is None:
     st.stop()
 
 st.subheader(md_escape(f"{spec.name}: {spec.kind}"))
-m = st.columns(4)
+m = st.columns(2) + st.columns(2)  # two to a row: a figure and its label read whole in a 1024 px window
 m[0].metric("Values per token", f"{result['values_per_token']:,}")
 both_units(m[1], "Bytes per token", result["bytes_per_token"])
 both_units(m[2], f"KV cache at {int(context):,} tokens x {int(batch)}" + (" per GPU" if tp > 1 else ""),
