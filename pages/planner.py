@@ -11,7 +11,7 @@ from engine.plan import planner as plan
 from engine.plan.kvcalc import human, project_model_folders
 from engine.plan.shapes import ShapeError
 from engine.measure import hardware
-from ui import (LEGEND, BUCKET_COLOURS, md_escape, open_store, page_setup, show_calibration_verdict,
+from ui import (LEGEND, BUCKET_COLOURS, figure, md_escape, open_store, page_setup, show_calibration_verdict,
                 whole_number_input)
 
 page_setup("Planner")
@@ -133,10 +133,11 @@ if not results:
 def summary_table(results: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "configuration": label(r), "weights (bits)": r["bits_per_weight"], "tp x pp": f"{r['tp']} x {r['pp']}",
-        "decode ms per token (estimate)": round(r["decode_ms_per_token"], 3),
-        "tokens/s per user (estimate)": round(r["tokens_per_s_per_user"], 1),
-        "tokens/s in all (estimate)": round(r["tokens_per_s_total"], 1),
-        "prefill ms (estimate)": round(r["prefill_ms"], 2),
+        # estimates from data-sheet peaks and fitted factors: three significant digits at most
+        "decode ms per token (estimate)": figure(r["decode_ms_per_token"]),
+        "tokens/s per user (estimate)": figure(r["tokens_per_s_per_user"]),
+        "tokens/s in all (estimate)": figure(r["tokens_per_s_total"]),
+        "prefill ms (estimate)": figure(r["prefill_ms"]),
         "memory per GPU": human(r["memory_per_gpu_bytes"]), "fits": r["fits"], "largest batch": r["largest_batch"],
     } for r in results])
 
