@@ -65,7 +65,7 @@ def predict(args, calibration: dict) -> tuple[list[dict], dict]:
         rate, best, top, metric, bucket = cap.highest_rate(setup, workload(args), scheduler, slo, q=None,
                                                            attainment=args.attainment)
     except cap.Unreachable as exc:
-        return levels, {"capacity_requests_per_s": None, "text": f"none: {exc}"}
+        return levels, {"capacity_requests_per_s": None, "text": f"none: {str(exc).rstrip('.')}"}
     batch = best["summary"]["mean_batch"]
     return levels, {"capacity_requests_per_s": rate, "text": f"{rate:.3g} req/s ({metric} fails first, {bucket} the "
                     f"largest bucket there; mean batch {batch:.1f}; saturated at {top:.3g} req/s)"}
@@ -79,14 +79,26 @@ def calibration_line(calibration: dict) -> str:
             f"us, one matrix-vector call {calibration.get('matvec_call_us', 0):.0f} us")
 
 
-def measure(args, store: Store, endpoint: str | None, target, start_rate: float) -> tuple[dict, dict]:
+def measure(args, store: Store, endpoint: str | None, target, start_rate: float) -> tuple[dict, dict | None]:
     """The rate sweep and the capacity search from start_rate, both through the load tools, sent to `target`
-    (the local engine) or, where it is None, to the server at `endpoint`."""
+    (the local engine) or, where it is None, to the server at `endpoint`. No search where even the lowest
+    rate measured failed: halving from there would wait for arrivals minutes apart."""
     sweep = Sweep(config(args, endpoint, rates=parse_rates(args.rates)), store, target=target).run()
+    if not capacity.holds(sweep["levels"][0], args.attainment):
+        return sweep, None
     cfg = config(args, endpoint, rates=[start_rate], duration_s=args.duration)
     found = capacity.search(Sweep(cfg, store, target=target), attainment=args.attainment, start_rate=start_rate,
                             steps=args.steps)
     return sweep, found
+
+
+def search_text(args, found: dict | None) -> str:
+    """The capacity search's levels and answer, or why there was no search."""
+    if found is None:
+        return (f"No capacity search: the lowest rate measured ({parse_rates(args.rates)[0]:g} req/s) did not hold "
+                "the SLO, so the capacity lies below it.")
+    return (f"Capacity search, {args.duration:g} s of arrivals per level:\n\n```\n{level_table(found['levels'])}\n```"
+            f"\n\n{capacity.describe(found)}")
 
 
 def side_by_side(planned: list[dict], measured: list[dict]) -> str:
@@ -119,12 +131,12 @@ def local_part(args, store: Store) -> None:
     finally:
         target.close()
     print(f"\nMeasured ({time.monotonic() - t0:.0f} s): Poisson arrivals, {args.requests} requests per rate\n\n```\n"
-          f"{level_table(sweep['levels'])}\n```\n\nCapacity search, {args.duration:g} s of arrivals per level:\n\n```\n"
-          f"{level_table(found['levels'])}\n```\n\n{capacity.describe(found)}\n")
+          f"{level_table(sweep['levels'])}\n```\n\n{search_text(args, found)}\n")
+    measured_cap = found["capacity_requests_per_s"] if found else None
     print(f"Planned beside measured (error = (planned - measured) / measured):\n\n```\n"
           f"{side_by_side(planned, sweep['levels'])}\n```\n\ncapacity: planned {planned_cap['text']}; measured "
-          f"{found['capacity_requests_per_s'] or 0:.3g} req/s; error "
-          f"{error_pct(planned_cap['capacity_requests_per_s'], found['capacity_requests_per_s'])}")
+          f"{f'{measured_cap:.3g} req/s' if measured_cap else 'none found'}; error "
+          f"{error_pct(planned_cap['capacity_requests_per_s'], measured_cap)}")
 
 
 def vllm_part(args, store: Store) -> None:
@@ -140,8 +152,8 @@ def vllm_part(args, store: Store) -> None:
         sweep, found = measure(args, store, url, None, parse_rates(args.rates)[0])
     finally:
         server.stop()
-    print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores); measured sweep:\n\n```\n{level_table(sweep['levels'])}\n```\n\nCapacity "
-          f"search:\n\n```\n{level_table(found['levels'])}\n```\n\n{capacity.describe(found)}")
+    print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores); measured sweep:\n\n```\n"
+          f"{level_table(sweep['levels'])}\n```\n\n{search_text(args, found)}")
 
 
 def main() -> None:
