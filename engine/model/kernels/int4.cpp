@@ -23,37 +23,20 @@ static inline void int4_rows_dot(const uint8_t* wr, const at::Half* d, const at:
   // A block's 16 bytes go to both halves of a register, the upper half shifted down by four bits:
   // masked, that is q[0..15] then q[16..31], in the order of the activations. sum_u8s8 multiplies
   // those unsigned bytes by the signed activations; the scales of eight blocks are multiplied in one
-  // go, two accumulators alternate, and the minimums' part comes after, eight blocks at a time.
+  // go (scaled_block_sums), and the minimums' part comes after, eight blocks at a time.
   const __m256i low = _mm256_set1_epi8(0xF);
   const __m256i shift = _mm256_set_epi64x(4, 4, 0, 0);
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  alignas(32) float scale[R][8];
-  auto block = [&](int64_t b, int64_t j, __m256* acc) {
-    const auto* raw = reinterpret_cast<const __m128i*>(wr + (b + j) * kBlock / 2);
-    const __m256i q = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (b + j) * kBlock));
-      const __m256 sums = _mm256_cvtepi32_ps(sum_u8s8(q, xv));
-      acc[r] = _mm256_fmadd_ps(sums, _mm256_broadcast_ss(scale[r] + j), acc[r]);
-    }
-  };
-  for (int64_t b = 0; b < blocks; b += 8) {
-    const int64_t n = std::min<int64_t>(8, blocks - b);
-    if (n == 8) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
-      for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + b)));
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * KB + b + j];
-    }
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      block(b, j, acc0);
-      block(b, j + 1, acc1);
-    }
-    if (j < n) block(b, j, acc0);
-  }
+  float dots[R];
+  scaled_block_sums<R>(
+      d, dx, blocks,
+      [&](int64_t b) {
+        const auto* raw = reinterpret_cast<const __m128i*>(wr + b * kBlock / 2);
+        return _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(raw)), shift), low);
+      },
+      [&](__m256i q, int r, int64_t b) {
+        return sum_u8s8(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock)));
+      },
+      dots);
   for (int r = 0; r < R; ++r) {
     __m256 mins = _mm256_setzero_ps();
     int64_t b = 0;
@@ -62,7 +45,7 @@ static inline void int4_rows_dot(const uint8_t* wr, const at::Half* d, const at:
                              _mm256_loadu_ps(dsum + r * KB + b), mins);
     float total = hsum8(mins);
     for (; b < blocks; ++b) total += _cvtsh_ss(m[b].x) * dsum[r * KB + b];
-    y[r * y_stride] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + total;
+    y[r * y_stride] = dots[r] + total;
   }
 #else
   for (int r = 0; r < R; ++r) {

@@ -167,54 +167,38 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 // int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in
 // [-127, 127]: the layout of llama.cpp's Q8_0), times activations quantized per block as above:
 // sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers. One weight row against
-// R rows of activations (row r: xq + r * K, dx + r * KB), written to y[r * y_stride]: each weight block
+// R rows of activations (row r: xq + r * K, dx + r * blocks), written to y[r * y_stride]: each weight block
 // is read once for all R rows, and every row's operations and their order are those of a lone row.
 template <int R>
 static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
                                        int64_t blocks, int64_t K, float* y, int64_t y_stride) {
-  const int64_t KB = blocks;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  alignas(32) float scale[R][8];
-  auto block = [&](int64_t b, int64_t j, __m256* acc) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (b + j) * kBlock));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    // the activations made unsigned (xq + 128) for VNNI, and the 128 * sum(w) that adds taken back out
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, w));
-#else
-    // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
-    const __m256i magnitude = _mm256_abs_epi8(w);
-#endif
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (b + j) * kBlock));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      const __m256i ints = _mm256_dpbusd_epi32(start, _mm256_xor_si256(x, flip), w);
-#else
-      const __m256i ints = sum_u8s8(magnitude, _mm256_sign_epi8(x, w));
-#endif
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_broadcast_ss(scale[r] + j), acc[r]);
-    }
+  auto load = [&](int64_t r, int64_t b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
   };
-  for (int64_t b = 0; b < blocks; b += 8) {
-    const int64_t n = std::min<int64_t>(8, blocks - b);
-    if (n == 8) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
-      for (int r = 0; r < R; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + b)));
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * KB + b + j];
-    }
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      block(b, j, acc0);
-      block(b, j + 1, acc1);
-    }
-    if (j < n) block(b, j, acc0);
-  }
-  for (int r = 0; r < R; ++r) y[r * y_stride] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  // the activations made unsigned (xq + 128) for VNNI, and the 128 * sum(w) that adds taken back out
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  auto weight = [&](int64_t b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+    return std::pair{w, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, w))};
+  };
+  auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
+    return _mm256_dpbusd_epi32(w.second, _mm256_xor_si256(load(r, b), flip), w.first);
+  };
+#else
+  // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
+  auto weight = [&](int64_t b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
+    return std::pair{w, _mm256_abs_epi8(w)};
+  };
+  auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
+    return sum_u8s8(w.second, _mm256_sign_epi8(load(r, b), w.first));
+  };
+#endif
+  float dots[R];
+  scaled_block_sums<R>(d, dx, blocks, weight, ints, dots);
+  for (int r = 0; r < R; ++r) y[r * y_stride] = dots[r];
 #else
   for (int r = 0; r < R; ++r) {
     const int8_t* xr = xq + r * K;
@@ -222,7 +206,7 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t sum = 0;
       for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(wr[b * kBlock + k]) * xr[b * kBlock + k];
-      acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[r * KB + b]);
+      acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[r * blocks + b]);
     }
     y[r * y_stride] = acc;
   }

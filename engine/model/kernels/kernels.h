@@ -275,6 +275,48 @@ static inline __m256i sum_u8s8(__m256i a, __m256i b) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// One weight row of a block format against R rows of activations quantized per block (row r's dx at
+// dx + r * blocks): out[r] = the sum over blocks of (the block's integer lane sums as floats) * d * dx.
+// weight(block) reads a block's weights once for all R rows, ints(that, r, block) gives row r's lane sums.
+// Two accumulators take alternate blocks and the scales of eight blocks are multiplied at a time; each
+// row's operations and their order are those of a lone row, and its accumulators stay in registers.
+template <int R, typename Weight, typename Ints>
+static inline void scaled_block_sums(const at::Half* d, const float* dx, int64_t blocks, const Weight& weight,
+                                     const Ints& ints, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];
+  auto add = [&](__m256 acc, __m256i sums, int r, int64_t j) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(scale[r] + j), acc);
+  };
+  for (int64_t b = 0; b < blocks; b += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - b);
+    if (n == 8) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * blocks + b)));
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * blocks + b + j];
+    }
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      const auto w0 = weight(b + j), w1 = weight(b + j + 1);
+      for (int r = 0; r < R; ++r) {
+        acc0[r] = add(acc0[r], ints(w0, r, b + j), r, j);
+        acc1[r] = add(acc1[r], ints(w1, r, b + j + 1), r, j + 1);
+      }
+    }
+    if (j < n) {
+      const auto w0 = weight(b + j);
+      for (int r = 0; r < R; ++r) acc0[r] = add(acc0[r], ints(w0, r, b + j), r, j);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+#endif
+
 // One linear layer as decode_layers takes it from Python (each layer class's decode_form()):
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
