@@ -25,7 +25,7 @@ from engine.measure.slo import format_slo, parse_slo
 from engine.plan import capacity as cap
 from engine.plan import planner
 from engine.plan import simulate as sim
-from engine.run.batch import PREFILL_CHUNK
+from engine.run.load_target import planned_setup
 from engine.serve import capacity
 from engine.serve.arrivals import parse_rates
 from engine.serve.load import Sweep, SweepConfig
@@ -41,16 +41,6 @@ def config(args, endpoint, **levels) -> SweepConfig:
                        output_tokens=args.output_tokens, slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
 
 
-def local_setup(args, calibration: dict) -> tuple[planner.Setup, sim.Scheduler]:
-    """This machine as the planner's device, fp32, and the local engine's scheduler: max_batch sequences, a
-    step prefills up to PREFILL_CHUNK prompt tokens beside the running decodes."""
-    setup = planner.Setup(model=planner.resolve_model("default"), gpu=planner.local_device(calibration),
-                          weights="fp32", kv_dtype="fp32", prompt_tokens=args.input_tokens,
-                          new_tokens=args.output_tokens,
-                          efficiency=planner.local_efficiency(calibration, "fp32", "fp32"))
-    return setup, sim.Scheduler(max_num_seqs=args.max_batch, max_batched_tokens=PREFILL_CHUNK + args.max_batch)
-
-
 def workload(args, rate: float = float("inf")) -> sim.Workload:
     return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=args.input_tokens,
                         new_tokens=args.output_tokens, seed=1)
@@ -58,7 +48,7 @@ def workload(args, rate: float = float("inf")) -> sim.Workload:
 
 def predict(args, calibration: dict) -> tuple[list[dict], dict]:
     """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer."""
-    setup, scheduler = local_setup(args, calibration)
+    setup, scheduler = planned_setup(calibration, args.input_tokens, args.output_tokens, args.max_batch)
     slo = parse_slo(args.slo)
     levels = [cap.at_rate(setup, workload(args, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
     try:

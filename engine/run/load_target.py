@@ -5,8 +5,21 @@ from __future__ import annotations
 import threading
 
 from engine.errors import UserError
+from engine.plan import planner
+from engine.plan import simulate as sim
+from engine.run.batch import PREFILL_CHUNK
 from engine.run.local import Handle, LocalEngine
 from engine.serve.load import Reply, SweepConfig
+
+
+def planned_setup(calibration: dict, prompt_tokens: int, new_tokens: int, max_batch: int,
+                  model: str = "default") -> tuple[planner.Setup, sim.Scheduler]:
+    """The local engine as the planner sees it: this machine (its calibration) as the device, fp32, and the
+    engine's scheduler: max_batch sequences, a step prefills up to PREFILL_CHUNK prompt tokens beside the decodes."""
+    setup = planner.Setup(model=planner.resolve_model(model), gpu=planner.local_device(calibration),
+                          weights="fp32", kv_dtype="fp32", prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                          efficiency=planner.local_efficiency(calibration, "fp32", "fp32"))
+    return setup, sim.Scheduler(max_num_seqs=max_batch, max_batched_tokens=PREFILL_CHUNK + max_batch)
 
 
 class LocalTarget:
