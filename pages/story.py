@@ -7,6 +7,7 @@ import streamlit as st
 
 from engine import access
 from engine.report import story
+from engine.report import story_capacity as capacity
 from engine.serve.client import ServedError, api_root
 from engine.run.worker import WorkerFailed, WorkerRefused
 from ui import bucket_chart, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
@@ -17,7 +18,8 @@ st.markdown(
     "How fast a model answers is decided less by raw compute than by how far information travels before each "
     "computation. Four chapters make the argument on this machine: each runs a lever against its baseline, live, "
     "and splits every token's time into the five buckets. Results are stored as ordinary runs (tagged "
-    "`story:<chapter>`), so they are here on the next visit; any chapter can be played again.")
+    "`story:<chapter>`), so they are here on the next visit; any chapter can be played again. A last chapter asks "
+    "how many users this machine serves at a latency target, predicted by the planner and then measured.")
 store = open_store()
 if store is None:
     st.stop()
@@ -62,10 +64,26 @@ top = st.columns([1, 1, 2])
 play_all = top[0].button("Run the whole story", type="primary", help=f"{sum(len(story.chapter_specs(c)) for c in story.CHAPTERS)} "
                          f"short runs of {story.NEW_TOKENS} tokens each ({story.REPEATS} interleaved repeats of every "
                          "arm), one after another, plus the served run when "
-                         "a server URL is given below.")
+                         "a server URL is given below, then the capacity search.")
+
+
+def measure_capacity() -> bool:
+    """The capacity search in a process of its own (never in this server), from the planner's capacity; False
+    (and the sentence why shown) where it gave no answer."""
+    start = capacity.predict(capacity.stored_calibration(store), model).get("capacity_requests_per_s")
+    with st.spinner("Measuring the local engine's capacity, level by level..."):
+        try:
+            capacity.measure(str(store.path), start, model)
+        except capacity.CapacityChapterError as exc:
+            st.error(md_escape(str(exc)))
+            return False
+    return True
+
+
 if play_all:
     play(story.CHAPTERS, st.progress(0.0, text="Starting..."))
-if story.story_run_ids(store):  # the report is built when the button is pressed, not at every redraw
+    measure_capacity()
+if story.story_run_ids(store) or capacity.latest(store):  # the report is built when the button is pressed, not at every redraw
     top[1].download_button("Download report", lambda: story.story_report(store), file_name="tokenpath-story.html",
                            mime="text/html", on_click="ignore",
                            help="One HTML file with every chapter's runs; it opens without a network.")
@@ -160,3 +178,32 @@ for number, chapter in enumerate(story.CHAPTERS, start=1):
         comparison_view(comparison, runs)
     if chapter.key == "physical":
         physical_view(runs)
+
+
+def capacity_view() -> None:
+    """The planner's prediction first, then the measured search beside it and what ended it."""
+    planned, found = capacity.predict(capacity.stored_calibration(store), model), capacity.latest(store)
+    st.subheader("Predicted (estimate)")
+    st.markdown(md_escape(capacity.prediction_text(planned)))
+    if found is not None:
+        st.subheader(f"Planned beside measured (sweep {found['sweep_id']})")
+        c = st.columns(3)
+        result = found["result"]
+        c[0].metric("capacity (measured)", f"{capacity.cell(result.get('capacity_requests_per_s'))} req/s")
+        c[1].metric("users (Little's law)", capacity.cell(result.get("users")))
+        c[2].metric("failed first", capacity.cell(result.get("limiting_metric")))
+        st.dataframe(pd.DataFrame([{"figure": r["figure"], "planned (estimate)": capacity.cell(r["planned"]),
+                                    "measured": capacity.cell(r["measured"])}
+                                   for r in capacity.side_by_side(planned, found)]), hide_index=True, width="stretch")
+        levels = [{k: capacity.cell(v) for k, v in row.items()} for row in capacity.level_rows(found)]
+        st.dataframe(pd.DataFrame(levels), hide_index=True, width="stretch")
+    st.markdown(f"**{md_escape(capacity.verdict(store, found))}**")
+    st.caption(capacity.cost_text(found))
+
+
+number = len(story.CHAPTERS) + 1
+st.header(f"{number}. {story.CAPACITY_TITLE}", divider="gray")
+st.markdown(story.CAPACITY_THESIS)
+if st.button(f"Play chapter {number}", key="play-capacity") and measure_capacity():
+    st.rerun()  # the report button above then holds the new sweep too
+capacity_view()

@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from engine.report import story
+from engine.report import story_capacity as capacity
 from engine.run.generate import Generation
 from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.store.db import Store
@@ -76,7 +77,8 @@ def test_the_physical_chapters_estimates_are_the_planners_and_say_so():
 def test_the_story_page_renders_on_an_empty_database(story_page):
     at = story_page()
     assert not at.exception and not at.error
-    assert [h.value for h in at.header] == [f"{i}. {c.title}" for i, c in enumerate(story.CHAPTERS, start=1)]
+    assert [h.value for h in at.header] == [f"{i}. {c.title}" for i, c in enumerate(story.CHAPTERS, start=1)] + [
+        f"{len(story.CHAPTERS) + 1}. {story.CAPACITY_TITLE}"]
     assert sum("Not played yet" in i.value for i in at.info) == LOCAL_COMPARISONS
     assert any("Estimates, not measurements" in w.value for w in at.warning)
     assert not [b for b in at.get("download_button")]  # nothing to report yet
@@ -141,6 +143,24 @@ def test_a_served_run_is_measured_with_its_network_share(story_page, page_db):
     assert list(runs["tag"]) == ["story:physical:served"] and list(runs["backend"]) == ["served"]
     assert any(m.label == "network share (physical bucket)" for m in at.metric)
     assert f"#{int(runs['run_id'].iloc[0])} at http://127.0.0.1:{port}" in story.story_report(Store(page_db))
+
+
+def test_the_page_plays_the_chapter_and_shows_its_figures(story_page, page_db):
+    at = story_page()
+    assert not at.exception
+    assert at.header[-1].value == f"{len(story.CHAPTERS) + 1}. {story.CAPACITY_TITLE}"
+    assert any("Not measured yet" in m.value for m in at.markdown)
+    click(at, f"Play chapter {len(story.CHAPTERS) + 1}")
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    found = capacity.latest(Store(page_db))
+    assert found is not None
+    assert any(m.label == "capacity (measured)" and m.value.endswith(" req/s") for m in at.metric)
+    levels = next(d.value for d in at.dataframe if "rate req/s" in d.value.columns)
+    assert len(levels) == len(found["levels"])
+    assert any(capacity.verdict(Store(page_db), found)[:40] in m.value.replace("\\", "").replace("\u2060", "")
+               for m in at.markdown)
+    assert any(f"sweep {found['sweep_id']}, took" in c.value for c in at.caption)
+    assert at.get("download_button")  # the report now holds the chapter
 
 
 def test_the_story_report_holds_every_chapters_runs(store, tiny_lm, calibration, tmp_path):

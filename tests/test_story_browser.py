@@ -1,6 +1,7 @@
 """The whole story played in Debian's Chromium: streamlit run app.py on a free localhost port, a tiny model and
 a small streaming server on loopback; a screenshot of each chapter goes to test-artifacts/, and the downloaded
-story report opens with every request but the file itself refused and holds every chapter's runs."""
+story report opens with every request but the file itself refused and holds every chapter's runs and the
+capacity chapter's search."""
 import os
 import subprocess
 import sys
@@ -29,12 +30,12 @@ def server_url():
     proc.wait(timeout=30)
 
 
-def chapter_shot(page, number: int, chapter) -> Path:
+def chapter_shot(page, number: int, title: str, key: str) -> Path:
     """The chapter's heading scrolled to the top of a tall viewport, then a screenshot."""
-    heading = page.get_by_role("heading", name=f"{number}. {chapter.title}")
+    heading = page.get_by_role("heading", name=f"{number}. {title}")
     heading.evaluate("el => el.scrollIntoView({block: 'start'})")
     page.wait_for_timeout(1500)
-    path = ARTIFACTS / f"story-{number}-{chapter.key}.png"
+    path = ARTIFACTS / f"story-{number}-{key}.png"
     page.screenshot(path=str(path))
     return path
 
@@ -59,19 +60,22 @@ def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_p
         # the rerun after the story redraws chapter by chapter: wait for it to reach the last one
         page.wait_for_function("!document.body.innerText.includes('Not played yet')", timeout=180_000)
         for number, chapter in enumerate(story.CHAPTERS, start=1):
-            assert chapter_shot(page, number, chapter).stat().st_size > 20_000
+            assert chapter_shot(page, number, chapter.title, chapter.key).stat().st_size > 20_000
+        assert "Not measured yet" not in page.inner_text("body")  # the capacity chapter's search is shown
+        assert chapter_shot(page, len(story.CHAPTERS) + 1, story.CAPACITY_TITLE, "capacity").stat().st_size > 20_000
         with page.expect_download(timeout=300_000) as download:
             page.get_by_role("button", name="Download report").click()
         report = tmp_path / "story.html"
         download.value.save_as(report)
     runs = Store(db).runs()
+    runs = runs[runs["tag"].str.startswith("story:")]  # the capacity search's requests are runs tagged load:...
     assert set(runs["status"]) == {"ok"}
     expected = {s.tag for c in story.CHAPTERS for s in story.chapter_specs(c)} | {"story:physical:served"}
     assert set(runs["tag"]) == expected
     with browser_page(width=1400, height=1000) as page:
         attempted, errors = open_offline(page, report, 8)
-        for chapter in story.CHAPTERS:
-            assert page.locator("h2", has_text=f"Story: {chapter.title}").count() == 1
+        for title in [c.title for c in story.CHAPTERS] + [story.CAPACITY_TITLE]:
+            assert page.locator("h2", has_text=f"Story: {title}").count() == 1
         text = page.inner_text("body")
         page.screenshot(path=str(ARTIFACTS / "story-report.png"), full_page=True)
     assert attempted == [] and errors == []

@@ -11,6 +11,7 @@ import plotly.io as pio
 from dataclasses import dataclass, field
 
 from engine.plan import planner as plan
+from engine.report import story_capacity as capacity
 from engine.report.charts import totals_chart
 from engine.measure.distances import BUCKETS
 from engine.report.html import (FIGURE_CONFIG, ReportError, Section, build_html, definitions_section, fmt, latest_quality,
@@ -346,14 +347,41 @@ def physical_html(store) -> str:
     return "".join(parts)
 
 
+def capacity_section(store) -> Section:
+    """The capacity chapter: the planner's prediction, then the measured search beside it, and what ended it."""
+    planned, found = capacity.predict(capacity.stored_calibration(store)), capacity.latest(store)
+    parts = [f"<p>{html.escape(CAPACITY_THESIS)}</p>",
+             f"<h3>Predicted (estimate)</h3><p>{html.escape(capacity.prediction_text(planned))}</p>"]
+    if found is not None:
+        rows = capacity.side_by_side(planned, found)
+        parts.append("<h3>Planned beside measured</h3>" + table(
+            ["figure", "planned (estimate)", "measured"],
+            [[html.escape(r["figure"]), capacity.cell(r["planned"]), capacity.cell(r["measured"])] for r in rows],
+            numeric_from=1))
+        levels = capacity.level_rows(found)
+        parts.append(f"<h3>Measured levels, sweep {found['sweep_id']}</h3>" + table(
+            list(levels[0]), [[capacity.cell(v) for v in row.values()] for row in levels], numeric_from=0)
+            if levels else "")
+    parts.append(f"<p><b>{html.escape(capacity.verdict(store, found))}</b></p>"
+                 f"<p class=note>{html.escape(capacity.cost_text(found))}</p>")
+    return Section(f"Story: {CAPACITY_TITLE}", "".join(parts))
+
+
+CAPACITY_TITLE = "Capacity: how many users at a latency promise"
+CAPACITY_THESIS = (f"How many users does this machine serve while {capacity.promise()}, and which distance ends "
+                   "it? The planner predicts it from this machine's calibration; then the local engine is measured "
+                   "under Poisson arrivals, rate by rate, in a process of its own.")
+
+
 def story_report(store) -> str:
     """The report of the latest story runs: one section per chapter, then the standard sections of its runs."""
     ids = story_run_ids(store)
-    if not ids:
+    if not ids and capacity.latest(store) is None:
         raise ReportError("No story runs are stored yet: play the story on the Story page first.")
-    intro = (f'<p class="note">The four distances played on this machine, made {utcnow():%Y-%m-%d %H:%M} UTC from '
-             f"{html.escape(store.path.name)}: runs {', '.join(f'#{i}' for i in ids)}. Every measured figure comes "
-             "from the stored runs; the planner's figures are estimates.</p>")
-    sections = [*(chapter_section(store, chapter) for chapter in CHAPTERS), *run_sections(store, ids),
-                definitions_section()]
+    runs = f"runs {', '.join(f'#{i}' for i in ids)}" if ids else "no chapter runs yet"
+    intro = (f'<p class="note">The distances played on this machine, made {utcnow():%Y-%m-%d %H:%M} UTC from '
+             f"{html.escape(store.path.name)}: {runs}. Every measured figure comes from the stored runs and "
+             "sweeps; the planner's figures are estimates.</p>")
+    sections = [*(chapter_section(store, chapter) for chapter in CHAPTERS), capacity_section(store),
+                *(run_sections(store, ids) if ids else []), definitions_section()]
     return build_html("Tokenpath: the four distances", sections, intro)
