@@ -12,6 +12,7 @@ import pytest
 
 from browser import CHROMIUM, REPO, browser_page, free_port, open_offline, serve_app
 from engine.report import story
+from engine.report import story_capacity
 from engine.store.db import Store
 
 pytestmark = [pytest.mark.integration,
@@ -52,7 +53,8 @@ def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_p
         page.wait_for_timeout(1500)
         page.get_by_role("button", name="Run the whole story").click()
         page.get_by_text(" runs in ").wait_for(timeout=1_500_000)
-        page.get_by_role("button", name="Download report").wait_for(timeout=120_000)
+        # then the capacity search, stopped at its budget at the latest
+        page.get_by_role("button", name="Download report").wait_for(timeout=(story_capacity.BUDGET_S + 300) * 1000)
         # the five comparisons, the two deployments and the served run drawn (the per-token ones wait, folded)
         page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot .main-svg')]"
                                ".filter(e => e.getBoundingClientRect().height > 0).length >= 8", timeout=120_000)
@@ -67,7 +69,7 @@ def test_the_whole_story_plays_in_the_browser_and_its_report_opens_offline(tmp_p
             page.get_by_role("button", name="Download report").click()
         report = tmp_path / "story.html"
         download.value.save_as(report)
-    runs = Store(db).runs()
+    runs = Store(db).all_runs()
     runs = runs[runs["tag"].str.startswith("story:")]  # the capacity search's requests are runs tagged load:...
     assert set(runs["status"]) == {"ok"}
     expected = {s.tag for c in story.CHAPTERS for s in story.chapter_specs(c)} | {"story:physical:served"}
