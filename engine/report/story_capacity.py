@@ -39,8 +39,9 @@ EXPLAINED = {
                "more requests share the engine, the longer each of their steps takes",
     "ttft_ms": "time to first token broke its target first: a new request waits behind the running batch for a slot "
                "and for its prefill, which is queueing, the time distance",
-    "throughput": "every latency target held but the engine fell behind the arrivals, so its queue grows without "
-                  "end: the time distance",
+    "throughput": "every latency target held, but requests left at under 80% of the rate they arrived over the "
+                  "level: the engine fell behind the arrivals, queueing (the time distance), or the level was too "
+                  "short to tell",
     "server": "the engine broke before any latency target decided",
 }
 
