@@ -101,7 +101,9 @@ def test_an_engine_failure_is_a_recorded_error_run(tiny_lm, calibration, store, 
     def broken(*a, **k):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(tiny_lm.model, "forward", broken)
+    # set in the instance's own dict, so the undo removes it rather than leaving a bound method of this model
+    # there (a shallow copy, as an early-exit draft makes, would then call this model's forward)
+    monkeypatch.setitem(vars(tiny_lm.model), "forward", broken)
     with pytest.raises(RuntimeError):
         gen.run()
     row = store.run(gen.run_id)
