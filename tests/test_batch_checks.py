@@ -72,9 +72,10 @@ def test_the_peak_check_of_a_batched_run_counts_each_forward_whole(default_lm, s
         forward_ms = own["forward_ms"].sum()
         assert metrics(run)["peak_check"]["gbps"] == pytest.approx(whole.sum() / (forward_ms / 1e3) / 1e9, rel=1e-6)
         assert metrics(run)["roofline_ratio_decode"] == pytest.approx(roofline.sum() / forward_ms, rel=1e-3)
-    # a calibrated peak below what the batch moves, but above a sequence's share of it, is caught
+    # a calibrated peak below what the batch moves, but above a sequence's share of it (an eighth), is caught;
+    # a sixth of the first batch's rate leaves room for the second batch to run several times slower on a busy machine
     rate = min(metrics(r)["peak_check"]["gbps"] for r in batched)
-    low = {**calibration, "memory_gbps": rate / 3, "version": hardware.CALIBRATION_VERSION}
+    low = {**calibration, "memory_gbps": rate / 6, "version": hardware.CALIBRATION_VERSION}
     low.pop("suspect", None)
     store.save_calibration(low["device_key"], low)
     caught = run_batch(default_lm, store, low)
