@@ -44,11 +44,22 @@ def wait_for_tokens(db: Path, proc: subprocess.Popen, n: int, timeout_s: float =
     raise AssertionError(f"the run did not reach {n} tokens (exit code {proc.poll()})")
 
 
+def held(db: Path, timeout_s: float = 120):
+    """A connection to the file (any other connection holds it), opened once no other process has it open."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return duckdb.connect(str(db), read_only=True)
+        except duckdb.IOException:
+            assert time.monotonic() < deadline, "the database stayed locked"
+            time.sleep(0.01)
+
+
 def ended_with_database_held(db: Path, proc: subprocess.Popen, interrupt: int | None = None) -> tuple[int, str]:
     """(exit code, stderr) of a run whose database another process holds from its first token on; with
     `interrupt`, that signal is sent once the run has ended and waits for the database."""
     wait_for_tokens(db, proc, 1)
-    holder = duckdb.connect(str(db), read_only=True)  # any other connection holds the file
+    holder = held(db)
     try:
         if interrupt is not None:
             deadline = time.monotonic() + 300
@@ -227,7 +238,7 @@ def test_a_held_database_defers_a_served_run_and_loses_nothing(stream_server, tm
 def test_ctrl_c_while_a_finished_run_waits_for_the_database_says_where_its_rows_are(tiny_folder, tmp_path):
     db = tmp_path / "runs.duckdb"
     Store(db)
-    proc = start(db, tiny_folder, tokens=40, TOKENPATH_LOCK_WAIT_S="120")
+    proc = start(db, tiny_folder, tokens=400, TOKENPATH_LOCK_WAIT_S="120")
     code, message = ended_with_database_held(db, proc, interrupt=signal.SIGINT)
     assert code == 1 and "ended (ok, " in message and "the write was interrupted" in message
     assert "cancelled" not in message and "Traceback" not in message

@@ -23,10 +23,11 @@ from engine.paths import default_db_path
 from engine.store.schema import MIGRATIONS, SCHEMA_VERSION
 from engine.store.sql import complete_run, insert_batches, utcnow
 
-# One thread at a time writes row batches in this process: DuckDB's scan of the frame to insert failed
-# ("Table Function with name pandas_scan does not exist") while a load sweep's request threads each
-# opened, wrote and closed their own connection.
-_batch_writes = threading.RLock()
+# One thread at a time holds a connection in this process. DuckDB shares one database instance among a
+# process's connections to a file and registers its pandas scan just after creating it, so a thread that
+# opened the file in that moment failed to insert a frame ("Table Function with name pandas_scan does not
+# exist"); a load sweep's request threads each open, write and close their own connection.
+_connection = threading.RLock()
 
 # how long a writer waits for a database file that another process holds
 LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
@@ -57,6 +58,11 @@ class Store:
 
     @contextmanager
     def connect(self):
+        with _connection, self._connected() as con:
+            yield con
+
+    @contextmanager
+    def _connected(self):
         deadline = time.monotonic() + LOCK_WAIT_S
         delay = 0.01
         while True:
@@ -143,7 +149,7 @@ class Store:
                    error: str | None = None, batches: dict[str, list[dict]] | None = None,
                    columns: dict | None = None) -> None:
         """Write the run's rows and complete its row, in one transaction."""
-        with _batch_writes, self.connect() as con:
+        with self.connect() as con:
             con.execute("BEGIN")
             insert_batches(con, batches or {})
             complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error,
@@ -152,7 +158,7 @@ class Store:
 
     def insert(self, batches: dict[str, list[dict]]) -> None:
         """Rows for several tables ({table: [row dict, ...]}) in one connection."""
-        with _batch_writes, self.connect() as con:
+        with self.connect() as con:
             insert_batches(con, batches)
 
     def query(self, sql: str, params=None):
