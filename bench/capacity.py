@@ -1,22 +1,27 @@
 """Capacity on this machine, predicted then measured. For the local engine (fp32, continuous batching) the
 planner's queueing simulation first predicts, on this machine's calibration (the planner's local step, as every
 run's prediction uses it), the TTFT and TPOT p50/p90, goodput and attainment at each request rate and the
-capacity at the SLO; then the load tools measure the same rates (Poisson arrivals, requests sent straight into
+capacity at the SLO (the prompts as the engine prefills them, in their chat template, and the engine's own
+step: each prefill chunk a forward of its own beside one batched decode); then the load tools measure the same rates (Poisson arrivals, requests sent straight into
 the engine) and search the capacity (bracket from the predicted capacity, then bisect). Each figure is printed
 planned beside measured with the planned one's error. Nothing of the measurement goes into the prediction.
 
 With --vllm, vLLM's CPU build (started once) is measured the same way; the planner has no model of its step
 (its CPU kernels, scheduler and threads are not calibrated here), so only its measurement is printed.
-Writes bench/results/capacity.md.
+Writes bench/results/capacity.md (not with --predict-only, which prints the prediction alone).
 
     .venv/bin/python bench/capacity.py [--rates 0.5,1,2,4] [--requests 16] [--input-tokens 64] [--output-tokens 32]
         [--slo ttft_ms=1000,tpot_ms=100] [--attainment 0.9] [--duration 16] [--steps 2] [--max-batch 8]
-        [--calibrate] [--vllm] [--dtype bfloat16] [--threads 2]
+        [--calibrate] [--vllm] [--dtype bfloat16] [--threads 2] [--predict-only]
 """
 import argparse
+import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from common import error_pct, idle_cpu_share, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
@@ -25,9 +30,11 @@ from engine.measure.slo import format_slo, parse_slo
 from engine.plan import capacity as cap
 from engine.plan import planner
 from engine.plan import simulate as sim
+from engine.run.batch import PREFILL_CHUNK
 from engine.run.load_target import planned_setup
+from engine.run.text import prompt_ids
 from engine.serve import capacity
-from engine.serve.arrivals import parse_rates
+from engine.serve.arrivals import parse_rates, synthetic_prompt
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMServer
 from engine.store.db import Store
@@ -41,18 +48,27 @@ def config(args, endpoint, **levels) -> SweepConfig:
                        output_tokens=args.output_tokens, slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
 
 
-def workload(args, rate: float = float("inf")) -> sim.Workload:
-    return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=args.input_tokens,
+def prefilled_tokens(lm, n: int) -> int:
+    """The tokens the engine prefills for a synthetic prompt of n tokens: the prompt in the model's chat template,
+    as the sweep sends it (not raw)."""
+    return len(prompt_ids(lm, synthetic_prompt(n, np.random.default_rng(1), lm.tokenizer), raw=False))
+
+
+def workload(args, prompt_tokens: int, rate: float = float("inf")) -> sim.Workload:
+    return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=prompt_tokens,
                         new_tokens=args.output_tokens, seed=1)
 
 
-def predict(args, calibration: dict) -> tuple[list[dict], dict]:
-    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer."""
-    setup, scheduler = planned_setup(calibration, args.input_tokens, args.output_tokens, args.max_batch)
+def predict(args, calibration: dict, prompt_tokens: int) -> tuple[list[dict], dict]:
+    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer, for prompts
+    of prompt_tokens as prefilled, on the engine's step: each prefill chunk (PREFILL_CHUNK tokens a step at most)
+    a forward of its own, then one batched decode."""
+    setup, scheduler = planned_setup(calibration, prompt_tokens, args.output_tokens, args.max_batch)
+    scheduler = replace(scheduler, separate_prefills=True, max_batched_tokens=PREFILL_CHUNK)
     slo = parse_slo(args.slo)
-    levels = [cap.at_rate(setup, workload(args, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
+    levels = [cap.at_rate(setup, workload(args, prompt_tokens, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
     try:
-        rate, best, top, metric, bucket = cap.highest_rate(setup, workload(args), scheduler, slo, q=None,
+        rate, best, top, metric, bucket = cap.highest_rate(setup, workload(args, prompt_tokens), scheduler, slo, q=None,
                                                            attainment=args.attainment)
     except cap.Unreachable as exc:
         return levels, {"capacity_requests_per_s": None, "text": f"none: {str(exc).rstrip('.')}"}
@@ -108,13 +124,18 @@ def side_by_side(planned: list[dict], measured: list[dict]) -> str:
 def local_part(args, store: Store) -> None:
     target = local_target(config(args, None, rates=parse_rates(args.rates)), store, args.max_batch)
     try:
-        calibration = hardware.calibration_for(target.engine.engine.lm.device, store, fresh=args.calibrate)
+        lm = target.engine.engine.lm
+        calibration = hardware.calibration_for(lm.device, store, fresh=args.calibrate)
         t0 = time.monotonic()
-        planned, planned_cap = predict(args, calibration)
+        prompt_tokens = prefilled_tokens(lm, args.input_tokens)
+        planned, planned_cap = predict(args, calibration, prompt_tokens)
         print(f"## The local engine, fp32, at most {args.max_batch} sequences a step\n\n{calibration_line(calibration)}"
+              f"\n\n{args.input_tokens} prompt tokens are {prompt_tokens} in the chat template the engine prefills."
               f"\n\nPredicted capacity (the planner's simulation on that calibration, {time.monotonic() - t0:.1f} s): "
               f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
               f"{side_by_side(planned, [{} for _ in planned])}\n```")
+        if args.predict_only:
+            return
         t0 = time.monotonic()
         sweep, found = measure(args, store, None, target,
                                planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
@@ -162,15 +183,20 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU build (needs .venv-vllm)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--predict-only", action="store_true",
+                   help="print the local engine's prediction alone, measure nothing and write no result file")
     args = p.parse_args()
     store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "capacity.duckdb")
     print(f"Synthetic prompts of {args.input_tokens} tokens, {args.output_tokens} output tokens (ignore_eos); "
           f"SLO {format_slo(parse_slo(args.slo))} for {args.attainment:.0%} of requests\n")
     local_part(args, store)
-    if args.vllm:
+    if args.vllm and not args.predict_only:
         vllm_part(args, store)
 
 
 if __name__ == "__main__":
-    with recorded("capacity"):
+    if "--predict-only" in sys.argv:
         main()
+    else:
+        with recorded("capacity"):
+            main()

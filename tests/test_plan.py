@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.measure.distances import BUCKETS
 from engine.plan import kvcalc
 from engine.plan import planner as plan
 from engine.plan.planner import Efficiency, PlanError, Setup
@@ -438,3 +439,28 @@ def test_an_engine_that_reserves_whole_requests_holds_fewer_and_never_preempts()
     assert sim.simulate(s, workload, grow)["summary"]["preemptions"] > 0
     held = sim.simulate(s, workload, reserve)["summary"]
     assert held["preemptions"] == 0 and held["mean_batch"] <= blocks * sim.BLOCK_TOKENS // 4000 + 1e-9
+
+
+def test_a_local_decode_step_adds_each_sequence_s_products_and_layer_work_to_the_weights_trip():
+    """On a CPU the same cores read the weights and multiply, and a one-call decode does each layer's own work
+    per sequence: a step of B sequences exceeds one of a single sequence by (B - 1) x (the products' FLOPs of a
+    token at the calibrated peak + layers x one layer's own work) + their caches' reads and attention."""
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0, "memory_methods_gbps": {"small_rows_kernel": 15.0}, "matvec_call_us": 30.0}
+    setup = plan.Setup(model=plan.resolve_model("default"), gpu=plan.local_device(calibration), weights="fp32",
+                       kv_dtype="fp32", efficiency=plan.local_efficiency(calibration))
+    spec, context = setup.model.spec, 100
+
+    def step(b):
+        buckets = plan.forward_buckets(setup, plan.batch_work(spec, [1] * b, [context] * b))
+        return sum(buckets[k] for k in BUCKETS), buckets
+
+    (one, one_b), (eight, eight_b) = step(1), step(8)
+    token_flops = 2 * setup.model.read_params() + 4 * spec.layers * spec.attention_heads * spec.head_dim * (context + 1)
+    kv = eight_b["_bytes"] - one_b["_bytes"]
+    assert eight - one == pytest.approx(7 * (token_flops / 50e9 * 1e3 + 30 * plan.LOCAL["one_call_layer_us"] / 1e3)
+                                        + kv / 15e9 * 1e3, rel=1e-9)
+    # a GPU's products overlap their weights' trip: at batch 8 a small model's step is still its bytes
+    gpu = replace(setup, gpu=plan.get_gpu("h100-80gb-sxm"), efficiency=plan.Efficiency())
+    g = plan.forward_buckets(gpu, plan.batch_work(spec, [1] * 8, [context] * 8))
+    assert g["compute"] == 0

@@ -104,3 +104,34 @@ def test_whole_prefills_and_chunked_prefills_both_serve_every_request():
     whole = sim.simulate(setup(), w, sim.Scheduler(chunked_prefill=False, max_batched_tokens=4096))
     assert chunked["summary"]["requests"] == whole["summary"]["requests"] == 50
     assert whole["summary"]["itl_ms_p99"] != chunked["summary"]["itl_ms_p99"]
+
+
+def forward_ms(s, counts, contexts):
+    buckets = planner.forward_buckets(s, planner.batch_work(s.model.spec, counts, contexts))
+    return sum(buckets[b] for b in BUCKETS)
+
+
+def test_an_engine_with_separate_prefills_runs_each_prefill_then_the_decodes_one_after_another():
+    """Two requests at once, two tokens each: the first step is two prefill forwards of their own (both first
+    tokens at its end), the second one decode forward of both; a fused engine prefills both in one forward."""
+    s, p = setup(), 100
+    work = sim.Workload(requests=2, prompt_tokens=p, new_tokens=2)
+    separate = sim.simulate(s, work, sim.Scheduler(max_batched_tokens=2 * p, separate_prefills=True))["requests"]
+    fused = sim.simulate(s, work, sim.Scheduler(max_batched_tokens=2 * p))["requests"]
+    prefill, decode = forward_ms(s, [p], [0]), forward_ms(s, [1, 1], [p, p])
+    assert [r["ttft_ms"] for r in separate] == pytest.approx([2 * prefill] * 2, rel=1e-12)
+    assert [r["e2e_ms"] for r in separate] == pytest.approx([2 * prefill + decode] * 2, rel=1e-12)
+    assert [r["ttft_ms"] for r in fused] == pytest.approx([forward_ms(s, [p, p], [0, 0])] * 2, rel=1e-12)
+
+
+def test_separate_prefills_spend_the_token_budget_on_prefill_tokens_only():
+    """A request decoding while another arrives: the newcomer's whole prompt (the budget exactly) still prefills in
+    the next step, beside the decode, as the local engine's prefill chunk does."""
+    s, p = setup(), 64
+    work = sim.Workload(requests=2, rate=1e9, prompt_tokens=p, new_tokens=3)
+    one_by_one = sim.simulate(s, replace(work, requests=1), sim.Scheduler(max_batched_tokens=p,
+                                                                          separate_prefills=True))["requests"][0]
+    both = sim.simulate(s, work, sim.Scheduler(max_batched_tokens=p, separate_prefills=True))["requests"]
+    assert both[0]["ttft_ms"] == pytest.approx(one_by_one["ttft_ms"], rel=1e-6)
+    # the second arrives a nanosecond after the first: it waits for the first's prefill, then prefills whole
+    assert both[1]["ttft_ms"] == pytest.approx(2 * forward_ms(s, [p], [0]) + forward_ms(s, [1], [p]), rel=1e-6)

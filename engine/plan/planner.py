@@ -9,7 +9,8 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
     compute  = max(product FLOPs / t / (peak x compute_efficiency) - weight read time, 0)
                + max(attention FLOPs / t / (peak in the cache's format x compute_efficiency) - KV read time, 0)
                  (each a roofline of its own: the products overlap their weights' reads and attention its
-                 cache's, but the two run as separate kernels)
+                 cache's, but the two run as separate kernels; on a CPU, whose cores both load and multiply,
+                 the products' and attention's time adds to the reads' instead: no max)
                + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
                  unpack each weight on the vector units between loads, which adds to the step)
     physical = 2 x layers x all-reduce(t, batch x hidden x 2 bytes)   + (p - 1) pipeline sends
@@ -17,6 +18,8 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                all-reduce, ring:   collective_fixed + 2 (t - 1) hop latency + 2 (t - 1) / t x bytes / link
                all-reduce, switch: collective_fixed + 2 hop latency         + 2 (t - 1) / t x bytes / link
     time     = step_fixed + kernels per step x launch cost
+               (+ sequences x layers x one layer's own work, where a decode step runs its layers in one call:
+                 norms, rotary, the cache append and attention are done for each sequence)
                + max(sequences x host work per sequence - the GPU's step, 0)   (the host prepares the next
                  step while the GPU runs this one)
     decision = speculative work thrown away (rejected drafts and their share of the verification)
@@ -78,6 +81,7 @@ class Efficiency:
     one_call_layer_us: float | None = FITTED["one_call_layer_us"]
     host_sync_us: float = FITTED["host_sync_us"]
     host_us_per_sequence: float = FITTED["host_us_per_sequence"]
+    overlap: bool = FITTED["overlap"]  # the products run while their weights stream in; False: the same cores do both
     dequant_ops: dict = field(default_factory=lambda: dict(FITTED["dequant_ops"]))
 
 
@@ -367,7 +371,8 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     attention_ms = attention / (peak_tflops(gpu, attention_format(setup)) * compute_eff * 1e9)
     memory, flops = weights_ms + kv_ms, linear + attention
     # the products overlap their weights' reads and attention its cache's, but the two run as kernels of their own
-    compute = max(linear_ms - weights_ms, 0.0) + max(attention_ms - kv_ms, 0.0)
+    compute = (max(linear_ms - weights_ms, 0.0) + max(attention_ms - kv_ms, 0.0) if eff.overlap
+               else linear_ms + attention_ms)
     dequant = dequant_ms(setup, weight_bytes / (weight_bits(setup) / 8))
     message = work.rows * m.hidden * ACT_BYTES
     moe_layers = m.moe_layers if setup.ep > 1 else 0  # their expert output travels by all-to-all instead
@@ -375,7 +380,7 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
                    + 2 * moe_layers * all_to_all_us(setup, work.rows * m.experts_per_token * m.hidden * ACT_BYTES)
                    + pipeline_send_us(setup, message)
                    + eff.host_sync_us)
-    kernels, layers_us = step_kernels(setup, work.widest)
+    kernels, layers_us = step_kernels(setup, work.widest, work.sequences)
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
     fixed_ms = (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3
     gpu_ms = physical_us / 1e3 + memory + compute + dequant + fixed_ms
@@ -417,12 +422,13 @@ def routed_read_params(m: Model, rows: int) -> float:
     return m.expert_params * (1 - (1 - m.experts_per_token / m.experts) ** max(rows, 1))
 
 
-def step_kernels(setup: Setup, tokens: int) -> tuple[int, float]:
-    """(dispatches of a step over `tokens` tokens, microseconds of its layers' work apart from them): a
-    decode step that runs its layers in one call dispatches the few operations around that call only."""
+def step_kernels(setup: Setup, tokens: int, sequences: int = 1) -> tuple[int, float]:
+    """(dispatches of a step over `tokens` tokens per sequence, microseconds of its layers' work apart from them):
+    a decode step that runs its layers in one call dispatches the few operations around that call only, and does
+    each layer's own work (norms, rotary, cache append, attention) once per sequence."""
     eff, layers = setup.efficiency, setup.model.spec.layers
     if tokens == 1 and eff.one_call_layer_us is not None:
-        return 4, layers * eff.one_call_layer_us
+        return 4, sequences * layers * eff.one_call_layer_us
     return layers * eff.kernels_per_layer + 4, 0.0
 
 
@@ -587,10 +593,13 @@ def formulas(setup: Setup) -> dict:
         "memory": f"({kvcalc.human(step['_weight_bytes'])} of weights / {eff.bandwidth} + "
                   f"{kvcalc.human(step['_bytes'] - step['_weight_bytes'])} of KV cache / {eff.kv_bandwidth}, read per "
                   f"GPU) / {gpu['bandwidth_gbps']:,} GB/s = {step['memory']:.3f} ms",
-        "compute": f"max({step['_flops'] - step['_attention_flops']:.3g} product FLOPs per GPU / ({compute_format(setup)} "
-                   f"peak x {eff.compute}) - weight read, 0) + max({step['_attention_flops']:.3g} attention FLOPs / "
-                   f"({attention_format(setup)} peak x {eff.compute}) - KV read, 0) + dequantization "
-                   f"= {step['compute']:.3f} ms",
+        "compute": (f"max({step['_flops'] - step['_attention_flops']:.3g} product FLOPs per GPU / ({compute_format(setup)} "
+                    f"peak x {eff.compute}) - weight read, 0) + max({step['_attention_flops']:.3g} attention FLOPs / "
+                    f"({attention_format(setup)} peak x {eff.compute}) - KV read, 0)" if eff.overlap else
+                    f"{step['_flops'] - step['_attention_flops']:.3g} product FLOPs / ({compute_format(setup)} peak x "
+                    f"{eff.compute}) + {step['_attention_flops']:.3g} attention FLOPs / ({attention_format(setup)} peak "
+                    f"x {eff.compute}) (the same cores read and multiply: no overlap)")
+                   + f" + dequantization = {step['compute']:.3f} ms",
         "physical": (f"{2 * m.spec.layers - m.moe_layers} all-reduces ({link['topology']}, {t} GPUs: {ar:.1f} us) + "
                      f"2 x {m.moe_layers} expert all-to-alls over {setup.ep} GPUs "
                      f"({all_to_all_us(setup, setup.batch * m.experts_per_token * m.hidden * ACT_BYTES):.1f} us) + "
@@ -673,9 +682,11 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
     """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
     dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
     calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
-    runs in one call pays its layers' own work and the Python around the call instead of dispatches."""
+    runs in one call pays its layers' own work and the Python around the call instead of dispatches. The CPU's
+    cores both stream the weights and multiply, so a step's multiplying adds to its reading (no overlap): a batch
+    of B sequences costs B times the products' FLOPs at the calibrated peak beyond the weights' trip."""
     one_call = one_call_decode(calibration, weights, kv_dtype)
-    return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0,
+    return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0, overlap=False,
                       launch_us=calibration["dispatch_us"],
                       kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=calibration.get("matvec_call_us", 0.0),
                       one_call_layer_us=LOCAL["one_call_layer_us"] if one_call else None,

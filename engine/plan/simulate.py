@@ -4,7 +4,8 @@ KV memory lasts, and every step lasts what the planner's five-bucket forward of 
 Each iteration: the running sequences first (a decode token each, or their next prefill chunk), preempting the
 newest running sequence by recomputation when the KV blocks run out; then waiting requests while the token budget,
 the sequence limit and the blocks allow. A request's first token comes at the end of the step that completes its
-prefill. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
+prefill. An engine whose forwards are not fused (the local engine, `separate_prefills`) runs each prefill chunk as a
+forward of its own and then one batched decode, one after another in the step. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
 takes the rest (waiting in the queue, steps it sat out)."""
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ class Workload:
 class Scheduler:
     """The engine's limits: sequences per step, tokens per step, chunked prefill, the share of GPU memory it takes,
     and how it claims KV blocks: as a sequence grows, preempting when they run out (vLLM), or `reserve_full`, its whole
-    prompt and output at admission so nothing is ever evicted (TensorRT-LLM's default GUARANTEED_NO_EVICT)."""
+    prompt and output at admission so nothing is ever evicted (TensorRT-LLM's default GUARANTEED_NO_EVICT).
+    `separate_prefills`: a step runs each sequence's prefill chunk as a forward of its own, then one forward of every
+    decoding sequence (engine/run/batch.py); the token budget counts prefill tokens only."""
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     chunked_prefill: bool = True
     memory_utilization: float = 0.9
     reserve_full: bool = False
+    separate_prefills: bool = False
 
 
 def check_rate(rate: float, name: str = "rate") -> float:
@@ -174,11 +178,9 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
                 raise PlanError("A request cannot be scheduled: its prompt exceeds the token budget per step.")
             now = max(now, upcoming.arrival)
             continue
-        contexts = [r.computed for r, _ in batch]
-        counts = [n for _, n in batch]
-        buckets = planner.forward_buckets(setup, planner.batch_work(setup.model.spec, counts, contexts))
-        duration = sum(buckets[b] for b in BUCKETS) / 1e3
-        cumulative.append(cumulative[-1] + [buckets[b] for b in BUCKETS])
+        buckets = step_buckets(setup, batch, scheduler)
+        duration = buckets.sum() / 1e3
+        cumulative.append(cumulative[-1] + buckets)
         now += duration
         busy += duration
         batch_time += duration * len(batch)
@@ -206,6 +208,28 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
                     finished += 1
         step += 1
     return summarise(requests, workload, busy, batch_time, step, preemptions, total_blocks)
+
+
+def is_decode(r, n: int) -> bool:
+    """Whether (request, new tokens) is one decode token: a request with its cache up to its last token."""
+    return n == 1 and r.emitted > 0 and r.pending() == 1
+
+
+def step_buckets(setup: Setup, batch: list[tuple], scheduler: Scheduler) -> np.ndarray:
+    """The five buckets (ms) of one iteration: one forward of the whole batch, or with `separate_prefills` a
+    forward of each prefill chunk and one of the decodes, one after another."""
+    spec = setup.model.spec
+    if scheduler.separate_prefills:
+        decodes = [(r, n) for r, n in batch if is_decode(r, n)]
+        forwards = [[item] for item in batch if not is_decode(*item)] + ([decodes] if decodes else [])
+    else:
+        forwards = [batch]
+    total = np.zeros(len(BUCKETS))
+    for items in forwards:
+        work = planner.batch_work(spec, [n for _, n in items], [r.computed for r, _ in items])
+        buckets = planner.forward_buckets(setup, work)
+        total += [buckets[b] for b in BUCKETS]
+    return total
 
 
 def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks_free) -> list[tuple]:
@@ -236,10 +260,11 @@ def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks
             return batch
     preempted = False
     for r in list(running):
-        if r.blocks < 0 or budget <= 0:  # preempted earlier in this iteration
+        free = scheduler.separate_prefills and is_decode(r, 1)  # a decode token the prefill budget does not count
+        if r.blocks < 0 or (budget <= 0 and not free):  # preempted earlier in this iteration
             continue
         pending = r.prompt + r.emitted - r.computed
-        n = pending if pending <= budget else budget
+        n = pending if pending <= budget or free else budget
         if not scheduler.chunked_prefill and n < pending:
             continue
         while blocks_for(r, n) > blocks_free() - claimed:
@@ -251,7 +276,7 @@ def schedule(running: list, waiting: list, scheduler: Scheduler, preempt, blocks
         if r.blocks >= 0:
             claimed += blocks_for(r, n)
             batch.append((r, n))
-            budget -= n
+            budget -= 0 if free else n
     if scheduler.chunked_prefill and not preempted:
         admit()
     return batch
