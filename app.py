@@ -2,7 +2,8 @@
 import streamlit as st
 
 from engine.measure.distances import BUCKETS, FORMULAS
-from ui import PAGES, BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup, readable_runs
+from ui import (PAGES, BUCKET_MEANING, default_model_id, device_facts, md_escape, open_store, page_setup, readable_runs,
+                runs_table)
 
 page_setup("Tokenpath")
 
@@ -51,7 +52,7 @@ if store is not None:
     if runs.empty:
         st.info("No runs recorded yet: start one on Live generation, or run `python -m engine generate --prompt ...`.")
     else:
-        table = readable_runs(runs)
-        # the figures people compare and the settings that tell runs apart, without scrolling
-        st.dataframe(table, hide_index=True, width="stretch", column_order=list(table.columns[:9]))
-        st.page_link("pages/runs.py", label="Every run with all its columns: Runs")
+        every_column = st.toggle("All columns", False, help="each run's settings one to a column, its token count, "
+                                 "status, start and model")
+        runs_table(readable_runs(runs), every_column)  # at a glance: figures, settings, tag, without scrolling
+        st.page_link("pages/runs.py", label="Every run with every stored field: Runs")

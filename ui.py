@@ -160,17 +160,40 @@ def figure(value) -> float | None:
     return float(f"{float(value):.{SIGNIFICANT}g}")
 
 
+def _given(value) -> bool:
+    """Whether a stored field holds something: a served run leaves the local switches empty (None or NaN)."""
+    return value is not None and value == value and value != ""
+
+
 def _sparsity_words(row) -> str:
-    return f"{row['sparsity']:.0%} {row['sparsity_mode']}" if row.get("sparsity") else "dense"
+    if _given(row.get("sparsity")) and row["sparsity"]:
+        return f"{row['sparsity']:.0%} {row['sparsity_mode']}"
+    return "dense"
+
+
+def _settings_words(row) -> str:
+    """A run's settings in a few words: its weights, then only what differs from a plain run (no KV cache,
+    sparsity, a speculative method); a served run is 'served', its server decides the rest."""
+    if row.get("backend") == "served":
+        return "served"
+    words = [row.get("weights") or row.get("dtype") or "fp32"]
+    if _given(row.get("kv_cache")) and not row["kv_cache"]:
+        words.append("no KV cache")
+    if _given(row.get("sparsity")) and row["sparsity"]:
+        words.append(_sparsity_words(row))
+    if _given(row.get("speculative")) and row["speculative"] != "none":
+        words.append(row["speculative"])
+    return " · ".join(words)
 
 
 # the columns people compare, in words a person would say, each from a runs row: the figures first, then the
-# settings that tell runs apart, then the rest (a narrow window shows the figures without scrolling)
+# settings that tell runs apart, then the rest
 RUN_COLUMNS = {
     "run": lambda r: f"#{int(r['run_id'])}",
     "time to first token (ms)": lambda r: figure(r.get("ttft_ms")),
     "time per output token (ms)": lambda r: figure(r.get("tpot_ms")),
     "tokens/s": lambda r: figure(r.get("tokens_per_s")),
+    "settings": _settings_words,
     "weights": lambda r: r.get("weights") or r.get("dtype") or "",
     "KV cache": lambda r: "on" if r.get("kv_cache") else "off",
     "sparsity": _sparsity_words,
@@ -181,6 +204,24 @@ RUN_COLUMNS = {
     "started (UTC)": lambda r: r["started_at"].strftime("%Y-%m-%d %H:%M") if r.get("started_at") is not None else "",
     "model": lambda r: r["model"],
 }
+
+
+# what a runs table shows at a glance: every one reads whole in a window 1024 px wide; the rest behind "All columns"
+RUN_GLANCE = ["run", "time to first token (ms)", "time per output token (ms)", "tokens/s", "settings", "tag"]
+# short headers for the long names, each with its full name as the header's help
+RUN_HEADERS = {
+    "time to first token (ms)": st.column_config.NumberColumn("TTFT (ms)", help="time to first token (ms)"),
+    "time per output token (ms)": st.column_config.NumberColumn("TPOT (ms)", help="time per output token (ms)"),
+    "tokens/s": st.column_config.NumberColumn("tokens/s", help="tokens per second, end to end"),
+    "settings": st.column_config.TextColumn("settings", help="the weights, then what differs from a plain run: "
+                                            "no KV cache, sparsity, a speculative method"),
+}
+
+
+def runs_table(table: pd.DataFrame, every_column: bool = False, **options):
+    """A readable_runs table: at a glance its figures, settings and tag, or every readable column."""
+    return st.dataframe(table, hide_index=True, width="stretch", column_config=RUN_HEADERS,
+                        column_order=None if every_column else RUN_GLANCE, **options)
 
 
 def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:

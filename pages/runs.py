@@ -9,7 +9,7 @@ from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
 from engine.report.advisor import arms as setting_arms
 from engine.run.reproduce import run_command
-from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, show_flash
+from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, runs_table, show_flash
 
 
 def calibration_label(run_metrics, flagged: set) -> str | None:
@@ -73,9 +73,12 @@ columns = ["run_id", "started_at", "status", "model", "device", "weights", "kv_c
 all_columns = st.toggle("All columns", False, help="Every stored field, as stored (times in ms).")
 st.caption(f"{len(view)} of {len(runs)} runs. Tick rows to compare, export or delete them. Figures rounded to three "
            "significant digits; tokens/s end to end.")
-shown = csv_safe(view[columns]) if all_columns else readable_runs(view)
-event = st.dataframe(shown, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
-                     key=f"runs_table_{st.session_state.get('runs_table_round', 0)}_{all_columns}")
+selection = dict(on_select="rerun", selection_mode="multi-row",
+                 key=f"runs_table_{st.session_state.get('runs_table_round', 0)}_{all_columns}")
+if all_columns:
+    event = st.dataframe(csv_safe(view[columns]), hide_index=True, width="stretch", **selection)
+else:
+    event = runs_table(readable_runs(view), **selection)
 picked = view.iloc[event.selection.rows] if event.selection.rows else view.iloc[0:0]
 
 if picked.empty:
