@@ -111,7 +111,7 @@ st.markdown("**Formula:** `" + kvcalc.formula(spec, dtype, int(context), int(bat
 
 st.subheader("Against GPU memory")
 gpus = pd.DataFrame(result["gpus"])
-gpus["short"] = gpus["gpu"].str.replace("NVIDIA ", "").str.replace("GeForce ", "")
+gpus["short"] = gpus["gpu"].str.replace(r"^(NVIDIA |AMD Instinct |AMD )", "", regex=True).str.replace("GeForce ", "")
 fig = go.Figure()
 fig.add_bar(x=gpus["short"], y=(gpus["weights_bytes"].fillna(0)) / 2**30, name="weights", marker_color="#7f7f7f")
 fig.add_bar(x=gpus["short"], y=gpus["kv_bytes"] / 2**30, name="KV cache", marker_color="#1f77b4")
@@ -122,10 +122,10 @@ fig.update_layout(barmode="stack", yaxis_title="GiB (2^30 bytes) per GPU", heigh
 st.plotly_chart(fig, width="stretch")
 if result["weights_bytes"] is None:
     st.caption("Parameter count unknown: the bars show the KV cache alone.")
-# short headers and GPU names, so every column reads whole at 1024 px; the caption below says what each means
+# short headers and GPU names, so every column reads whole; each header's help and the caption below say more
 table = pd.DataFrame({
     "GPU": gpus["short"],
-    "memory": gpus["memory_bytes"].map(human),
+    "memory (GiB)": (gpus["memory_bytes"] / 2**30).round(1),
     "GB/s (vendor)": gpus["bandwidth_gbps"],
     "fits": gpus["fits"],
     "longest context (tokens)": gpus["longest_context"],
@@ -134,10 +134,22 @@ table = pd.DataFrame({
     # all None when the parameter count is unknown: numeric NaN, shown as empty cells
     "weights read (ms/step)": pd.to_numeric(gpus["weights_read_ms_per_step"]).round(3),
 })
-st.dataframe(table, hide_index=True, width="stretch", height=36 * (len(table) + 1) + 4)  # every GPU, no scrolling
-st.caption("Largest batch: sequences of this context whose caches fit beside the weights. KV read and weights read: "
-           "the time to read the whole KV cache, or the weights, once at the vendor's bandwidth, which every decode "
-           "step does.")
+headers = {
+    "GPU": st.column_config.TextColumn("GPU", width=190),  # the longest name whole
+    "GB/s (vendor)": st.column_config.NumberColumn("GB/s", help="memory bandwidth, the vendor's figure"),
+    "longest context (tokens)": st.column_config.NumberColumn("context max", help="the longest context (tokens) "
+                                                              "whose cache, at this batch, fits beside the weights"),
+    "KV read (ms/step)": st.column_config.NumberColumn("KV read (ms)", help="the time a decode step takes to read "
+                                                       "the whole KV cache once (ms per step)"),
+    "weights read (ms/step)": st.column_config.NumberColumn("weights read (ms)", help="the time a decode step takes "
+                                                            "to read the weights once (ms per step)"),
+}
+st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3,  # every GPU, no scrolling
+             column_config=headers)
+st.caption("Context max: the longest context (tokens) whose caches, at this batch, fit beside the weights. Largest "
+           "batch: sequences of this context whose caches fit beside the weights. KV read and weights read: the time "
+           "to read the whole KV cache, or the weights, once at the vendor's bandwidth, which every decode step does "
+           "(ms per step).")
 st.caption("Longest context is searched up to the model's own limit where the config gives one. Reading times "
            "are bytes / the vendor's peak bandwidth: a lower bound, an estimate, not a measurement.")
 
