@@ -1,4 +1,6 @@
 """Hardware: device facts, calibration, live telemetry, links, and the path data travels."""
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -75,6 +77,16 @@ if links:
     st.dataframe(pd.DataFrame(links), hide_index=True, width="stretch")
 
 
+def round_axis(highest: float, ticks: int = 4) -> dict:
+    """An axis from 0 with about `ticks` round steps (1, 2 or 5 times a power of ten) over the highest value and
+    some room, so its labels read 0, 0.2, 0.4, 0.6 rather than Plotly's split of an odd range, and its line is
+    drawn below the top."""
+    room = max(highest, 1e-9) * 1.2
+    power = 10 ** math.floor(math.log10(room / ticks))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power * ticks >= room)
+    return {"range": [0, step * math.ceil(room / step)], "dtick": step}
+
+
 @st.fragment(run_every=1.0)
 def live_telemetry():
     history = st.session_state.setdefault("telemetry", [])
@@ -87,8 +99,10 @@ def live_telemetry():
                     mode="lines")
     fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["rss_bytes"] / 1e9, name="this server's resident memory, GB",
                     mode="lines", yaxis="y2")
-    fig.update_layout(xaxis_title="seconds since this page opened", yaxis=dict(title="CPU %", range=[0, 100]),
-                      yaxis2=dict(title="GB", overlaying="y", side="right", rangemode="tozero"),
+    fig.update_layout(xaxis_title="seconds since this page opened",
+                      yaxis=dict(title="CPU %", range=[0, 100], dtick=25),
+                      yaxis2=dict(title="GB", overlaying="y", side="right", showgrid=False,
+                                  **round_axis(frame["rss_bytes"].max() / 1e9)),
                       height=260, margin=dict(l=40, r=40, t=40, b=40), legend=LEGEND)
     st.plotly_chart(fig, width="stretch")
 
