@@ -47,14 +47,12 @@ def timed(check):
     return result
 
 
-def _timed_run(name: str, spec, store, calibration) -> Check:
-    """A few tokens of one run specification, recorded in the temporary store."""
+def _timed_run(name: str, gen, make_model, store, calibration) -> Check:
+    """A few tokens of one generation config on the model `make_model` makes, recorded in the temporary store."""
     from engine.run.generate import Generation
-    from engine.run.prepare import prepare
 
     try:
-        result = Generation(prepare(spec, store), spec.gen, store=store, calibration=calibration,
-                            telemetry=False).run()
+        result = Generation(make_model(), gen, store=store, calibration=calibration, telemetry=False).run()
     except UserError as exc:
         return Check(name, "not here", detail=_first_line(exc))
     except Exception as exc:  # a switch that should run here broke: report it and go on to the next
@@ -66,8 +64,21 @@ def _timed_run(name: str, spec, store, calibration) -> Check:
     return Check(name, "ok", rate, f"{result['n_new_tokens']} tokens, {result['text'][:24]!r}")
 
 
+def brief_sparse_model(spec):
+    """The spec's sparse model with its thresholds calibrated on the doctor's prompt: a first sparse run
+    calibrates on the whole calibration text, twice through every layer, most of a minute on a CPU."""
+    from engine.run.prepare import base_model
+    from engine.switches import sparsity
+
+    base = base_model(spec)
+    sparsity.check(base, spec.sparsity, spec.sparsity_mode)
+    thresholds = sparsity.calibrate_thresholds(base, spec.sparsity, text=PROMPT)
+    return sparsity.sparsify(base, spec.sparsity, spec.sparsity_mode, thresholds)
+
+
 def switch_checks(device, tokens: int, store, calibration) -> list[Check]:
     """Every weight level, the KV cache off, each sparsity mode and one speculative method."""
+    from engine.run.prepare import prepare
     from engine.spec import GenConfig, RunSpec
     from engine.switches.quant import LEVELS
     from engine.switches.sparsity import MODES
@@ -76,11 +87,15 @@ def switch_checks(device, tokens: int, store, calibration) -> list[Check]:
         gen = {k: settings.pop(k) for k in ("kv_cache", "speculative") if k in settings}
         return RunSpec(gen=GenConfig(PROMPT, max_new_tokens=tokens, raw=True, **gen), device=str(device), **settings)
 
-    runs = [(f"weights {name}", spec(weights=name)) for name in LEVELS]
-    runs.append(("KV cache off", spec(kv_cache=False)))
-    runs += [(f"sparsity {SPARSITY:g} {mode}", spec(sparsity=SPARSITY, sparsity_mode=mode)) for mode in (*MODES, "2:4")]
-    runs.append((f"speculative {SPECULATIVE}", spec(speculative=SPECULATIVE)))
-    return [timed(lambda: _timed_run(name, s, store, calibration)) for name, s in runs]
+    specs = [(f"weights {name}", spec(weights=name)) for name in LEVELS]
+    specs.append(("KV cache off", spec(kv_cache=False)))
+    specs += [(f"sparsity {SPARSITY:g} {mode}", spec(sparsity=SPARSITY, sparsity_mode=mode)) for mode in (*MODES, "2:4")]
+    specs.append((f"speculative {SPECULATIVE}", spec(speculative=SPECULATIVE)))
+
+    def maker(s: RunSpec):
+        brief = s.sparsity and s.sparsity_mode in MODES
+        return (lambda: brief_sparse_model(s)) if brief else (lambda: prepare(s, store))
+    return [timed(lambda: _timed_run(name, s.gen, maker(s), store, calibration)) for name, s in specs]
 
 
 def kernel_check(device) -> Check:

@@ -112,12 +112,12 @@ def sparse_targets(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 @torch.inference_mode()
-def calibrate_thresholds(lm: LoadedModel, sparsity: float) -> dict:
+def calibrate_thresholds(lm: LoadedModel, sparsity: float, text: str | None = None) -> dict:
     """Per linear layer, the input magnitude below which a fraction `sparsity` of inputs falls on
-    the calibration text. Two passes: the first on the dense model, the second with those
+    the calibration text (or `text`). Two passes: the first on the dense model, the second with those
     thresholds in place, because zeroing a layer's inputs shrinks what the next layers receive
     (with dense thresholds alone, o_proj and down_proj end up to 15 points sparser than asked)."""
-    ids = lm.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
+    ids = lm.tokenizer(CALIBRATION_TEXT.read_text() if text is None else text)["input_ids"]
     thresholds = _input_quantiles(lm.model, sparse_targets(lm.model), ids, sparsity)
     if sparsity > 0:
         masked = sparsify(lm, sparsity, "mask", thresholds).model
