@@ -378,3 +378,15 @@ def test_served_token_rows_made_by_the_tokenizer_are_marked_and_the_count_is_the
     assert store.run(run.run_id)["n_new_tokens"] == run.stream_result.usage_completion == 6
     assert run.result["provenance"]["tokens"]["source"] == "server"
     assert json.loads(store.run(run.run_id)["provenance"])["tokens"]["how"].startswith("the server's usage count")
+
+
+def test_the_client_does_the_librarys_one_time_work_before_a_request_and_sends_nothing_for_it():
+    """A new process's first streamed request would import the openai library's completions resources and
+    inspect its parameter types on the request's own clock; make_client does that first, without a server."""
+    code = ("import sys; from engine.serve import client; before = 'openai.resources.chat' in sys.modules; "
+            "client.make_client('http://127.0.0.1:9'); print(before, 'openai.resources.chat' in sys.modules, "
+            "'openai.resources.completions' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True"]  # nothing answers on port 9: nothing was sent there
