@@ -120,7 +120,7 @@ def comparison_view(comparison, runs: dict) -> None:
         column.metric(row["arm"], f"{story.show('decode tok/s', row['decode tok/s'])} tok/s")
         if row.get("vs baseline"):  # a ratio and its interval: a metric's delta arrow would claim a direction
             column.caption(row["vs baseline"])
-    st.plotly_chart(story.picture(comparison, runs, rows), width="stretch", key=f"tot-{comparison.title}")
+    st.plotly_chart(story.picture(store, comparison, runs, rows), width="stretch", key=f"tot-{comparison.title}")
     st.dataframe(figures_table(rows, comparison), hide_index=True, width="stretch")
     for level in story.missing_quality(rows, comparison):
         st.caption(f"No quality figures stored for {level}: `{story.quality_command(level, model)}` measures them.")

@@ -253,13 +253,30 @@ def quality_command(level: str, model: str = "default") -> str:
     return f"python -m engine quality --weights {level}" + ("" if model == "default" else f" --model {model}")
 
 
-def picture(comparison: Comparison, runs: dict[str, dict], rows: list[dict]):
-    """The comparison's runs as one stacked bar each (ms per token, prefill included), baseline on top."""
-    labels = [f"{row['arm']} · #{row['run']}" + (f" · {row['speedup']:.2f}x" if row.get("speedup") else "")
+def batch_bar(store, run: dict, users: int) -> tuple[str, dict]:
+    """What an arm's bar draws: a lone run as it is; for an arm of several users its newest batch, each bucket
+    the mean of its users' runs spread over every user's tokens, so the bar is the time per token of all users
+    together (what its speed ratio compares) rather than one user's, which holds its wait for the batch."""
+    if users == 1:
+        return f"#{run['run_id']}", run
+    buckets = ", ".join(f"{b}_ms" for b in BUCKETS)
+    frame = store.query(f"SELECT run_id, n_new_tokens, {buckets} FROM runs WHERE tag = ? AND status = 'ok' AND "
+                        "run_id <= ? ORDER BY run_id DESC LIMIT ?", [run["tag"], run["run_id"], users])
+    if len(frame) < users:
+        return f"#{run['run_id']}", run
+    bar = {f"{b}_ms": float(frame[f"{b}_ms"].fillna(0.0).mean()) for b in BUCKETS}
+    return (f"#{frame['run_id'].min()}-#{frame['run_id'].max()}, all {users} users",
+            {**bar, "n_new_tokens": int(frame["n_new_tokens"].sum())})
+
+
+def picture(store, comparison: Comparison, runs: dict[str, dict], rows: list[dict]):
+    """The comparison's runs as one stacked bar each (ms per token, prefill included), baseline on top; an arm
+    of several users as its batch (batch_bar)."""
+    bars = [batch_bar(store, runs[arm.key], arm.users) for arm in comparison.arms if arm.key in runs]
+    labels = [f"{row['arm']} · {name}" + (f" · {row['speedup']:.2f}x" if row.get("speedup") else "")
               + ("" if row.get("measurable") or row["arm"] == comparison.baseline.label else " (no measurable difference)")
-              for row in rows]
-    arm_runs = [runs[arm.key] for arm in comparison.arms if arm.key in runs]
-    return totals_chart(labels, arm_runs, per_token=True, title=comparison.title)
+              for row, (name, _) in zip(rows, bars)]
+    return totals_chart(labels, [bar for _, bar in bars], per_token=True, title=comparison.title)
 
 
 def deployment_results(efficiency: plan.Efficiency | None = None) -> list[tuple[str, list[dict]]]:
@@ -315,7 +332,7 @@ def chapter_section(store, chapter: Chapter) -> Section:
                             for r in rows], numeric_from=2))
         parts += [f"<p class=note>No quality stored for {html.escape(level)}: run "
                   f"<code>{html.escape(quality_command(level))}</code>.</p>" for level in missing_quality(rows, comparison)]
-        parts.append(figure_html(picture(comparison, runs, rows)))
+        parts.append(figure_html(picture(store, comparison, runs, rows)))
     if chapter.key == "physical":
         parts.append(physical_html(store))
     return Section(f"Story: {chapter.title}", "".join(parts))
