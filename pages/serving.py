@@ -197,29 +197,76 @@ st.download_button("Download trace", lambda: trace_json(store, sweep_ids=sorted(
                         f"trace --load-sweep {first} --out FILE.json`).")
 
 st.subheader("Per level")
+# the figures people compare at a glance (the level's label names its concurrency or rate); the rest on request
+LEVEL_GLANCE = ["level", "completed", "failed", "ttft p50 ms", "ttft p99 ms", "tpot p50 ms", "tpot p99 ms",
+                "e2e p50 ms", "output tokens/s", "requests/s", "goodput req/s", "attainment"]
+PERCENT = ("attainment", "KV cache max", "prefix cache hit rate")
+
+
+def level_cell(column: str, value) -> str:
+    """A level's figure as text: a share as a percentage, a measurement to three significant digits, and a
+    missing one blank (the legend under the table says when a figure is missing)."""
+    if value is None or value != value:
+        return ""
+    if column in PERCENT:
+        return f"{value:.0%}"
+    return f"{figure(value):g}" if isinstance(value, float) else str(value)
+
+
+def readable_levels(levels_table: pd.DataFrame) -> pd.DataFrame:
+    """The level table with every column that misses a figure as text, so a missing figure is a blank cell and
+    never the word None; columns with every figure stay numbers."""
+    out = levels_table.copy()
+    for column in out.columns:
+        if out[column].isna().any():
+            out[column] = [level_cell(column, v) for v in out[column]]
+    return out
+
+
+def level_headers(table: pd.DataFrame) -> dict:
+    """Each column's header help from the metric definitions, and its format where the column holds numbers."""
+    help_for = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E", "requests/s": "requests/s",
+                "output tokens/s": "output tokens/s"}
+    helps = {col: DEFINITIONS[help_for[key]] for col in table.columns for key in help_for if col.startswith(key)}
+    helps.update({
+        "attainment": "the share of the level's requests that met every target",
+        "goodput req/s": "requests that met every target, per second of the level",
+        "KV cache max": "the server's KV-cache use at its highest in the level",
+        "prefix cache hit rate": "the share of the level's prompt tokens the server found in its prefix cache (its "
+                                 "/metrics counters before and after the level)",
+        "physical p50 ms": "the median request's time on the network: connect (with its name lookup), TLS, request "
+                           "sent and the wait for the first byte, from the HTTP client's trace hooks",
+        "connections reused": "the level's requests that rode a kept-alive connection, so paid no connect",
+        "completed": "the level's requests that completed", "failed": "the level's requests that failed or were cut"})
+    formats = {"goodput req/s": "%.2f", "physical p50 ms": "%.2f", "connections reused": "%d", "completed": "%d",
+               "failed": "%d", **{col: "percent" for col in PERCENT}}
+    labels = {"completed": "done", "output tokens/s": "output tok/s"}  # narrower, so the glance fits
+    columns = {}
+    for col, text in helps.items():
+        if col not in table.columns:
+            continue
+        label = labels.get(col, col)
+        if pd.api.types.is_numeric_dtype(table[col]):
+            columns[col] = st.column_config.NumberColumn(label, format=formats.get(col, "%.1f"), help=text)
+        else:
+            columns[col] = st.column_config.TextColumn(label, help=text)
+    return columns
+
+
 table = levels[label[first]]
-help_for = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E", "requests/s": "requests/s",
-            "output tokens/s": "output tokens/s"}
-columns = {col: st.column_config.NumberColumn(col, format="%.1f", help=DEFINITIONS[help_for[key]])
-           for col in table.columns for key in help_for if col.startswith(key)}
-columns["attainment"] = st.column_config.NumberColumn("attainment", format="percent",
-                                                      help="the share of the level's requests that met every target")
-columns["goodput req/s"] = st.column_config.NumberColumn("goodput req/s", format="%.2f",
-                                                         help="requests that met every target, per second of the level")
-columns["KV cache max"] = st.column_config.NumberColumn("KV cache max", format="percent",
-                                                        help="the server's KV-cache use at its highest in the level")
-columns["prefix cache hit rate"] = st.column_config.NumberColumn(
-    "prefix cache hit rate", format="percent", help="the share of the level's prompt tokens the server found in its "
-    "prefix cache (its /metrics counters before and after the level); empty where the server publishes none")
-columns["physical p50 ms"] = st.column_config.NumberColumn(
-    "physical p50 (ms)", format="%.2f", help="the median request's time on the network: connect (with its name "
-    "lookup), TLS, request sent and the wait for the first byte, from the HTTP client's trace hooks")
-columns["connections reused"] = st.column_config.NumberColumn(
-    "connections reused", format="%d", help="the level's requests that rode a kept-alive connection, so paid no "
-    "connect")
-st.dataframe(table, hide_index=True, width="stretch", column_config=columns)
+every_figure = st.toggle("Every figure of each level", False, help="the concurrency and rate, every percentile of "
+                         "ITL, TPOT and E2E, and the server's figures: queue, KV cache, prefix cache, its own means")
+shown = readable_levels(table)
+glance = [col for col in LEVEL_GLANCE if table[col].notna().any()]  # an SLO's columns only with an SLO
+if "attainment" in glance:  # room for the SLO's columns: goodput is the rate that counts, E2E is behind the toggle
+    glance = [col for col in glance if col not in ("e2e p50 ms", "requests/s")]
+st.dataframe(shown, hide_index=True, width="stretch", column_config=level_headers(shown),
+             column_order=None if every_figure else glance)
 st.caption("Client figures are measured by Tokenpath's clock; the 'server ... mean' columns are the server's own "
-           "histograms (sum / count between the level's first and last scrape of /metrics).")
+           "histograms (sum / count between the level's first and last scrape of /metrics). A blank cell has no "
+           "figure: a concurrency level has no rate and a rate level no concurrency, a sweep without an SLO no goodput "
+           "or attainment, a server without vLLM's /metrics no queue, cache or server means, and a level where no "
+           "request completed no latency.")
 
 sweep_row = rows[first]
 result = json.loads(sweep_row.result) if isinstance(getattr(sweep_row, "result", None), str) else None
@@ -239,10 +286,11 @@ if table["rate"].notna().any():
         fig.add_vline(x=result["capacity_requests_per_s"], line_dash="dash", line_color="green",
                       annotation_text=f"capacity {result['capacity_requests_per_s']:.3g} req/s")
     fig.update_layout(title="Latency percentiles and goodput against request rate", xaxis_title="offered requests/s",
+                      # goodput's own round ticks, not ticks placed on the log axis' lines
                       yaxis=dict(title="ms", type="log"), yaxis2=dict(title="good requests/s", overlaying="y",
-                                                                       side="right", rangemode="tozero"),
-                      height=400, margin=dict(l=40, r=40, t=60, b=40),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+                                                                       side="right", rangemode="tozero",
+                                                                       tickmode="auto", showgrid=False),
+                      height=440, margin=dict(l=40, r=40, t=60, b=90), legend=LEGEND_BELOW)
     st.plotly_chart(fig, width="stretch")
 
 gpus = whole_number_input(st, "GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
@@ -252,8 +300,10 @@ for name, frame in levels.items():
     rates = sweep_views.user_and_server_rates(frame, int(gpus))
     fig.add_scatter(x=rates["tokens/s per GPU"], y=rates["tokens/s per user"], mode="lines+markers+text",
                     name=plot_escape(name), text=list(rates["level"]), textposition="top center")
+# both axes from zero: a figure nearly constant across levels stays a flat line, not noise drawn large
 fig.update_layout(title="Tokens/s per user against tokens/s per GPU", xaxis_title="output tokens/s per GPU, all users",
                   yaxis_title="tokens/s one user sees (1000 / TPOT p50)", height=380,
+                  xaxis_rangemode="tozero", yaxis_rangemode="tozero",
                   margin=dict(l=40, r=10, t=60, b=40), legend=LEGEND_BELOW)
 st.plotly_chart(fig, width="stretch")
 
@@ -288,9 +338,15 @@ def delivery_table(requests, levels_table, gaps: dict) -> pd.DataFrame:
         rows.append({"level": level, "chunks per delivery": figure(chunks / deliveries),
                      "gaps under 1 ms (%)": figure(100 * sum(g < DELIVERY_GAP_MS for g in gaps[level])
                                                    / len(gaps[level])) if gaps[level] else None,
-                     "client ITL p50 (ms)": pick("itl p50 ms"), "server inter-token mean (ms)": pick("server itl mean ms"),
+                     "client ITL p50 (ms)": pick("itl p50 ms"),
+                     "server inter-token mean (ms)": server_figure(pick("server itl mean ms")),
                      "TPOT p50 (ms)": pick("tpot p50 ms")})
     return pd.DataFrame(rows)
+
+
+def server_figure(value) -> str:
+    """The server's own inter-token mean as text, or what is missing in words."""
+    return "not published" if value is None or value != value else f"{value:g}"
 
 
 st.subheader("What the inter-token latency measures")
@@ -372,7 +428,8 @@ else:
         st.caption("The server publishes no queue or KV-cache gauges on /metrics: only the client's count is drawn.")
     fig.update_layout(title="Requests in flight, the server's queue and KV cache over time",
                       xaxis_title="seconds since the sweep started", yaxis_title="requests",
-                      yaxis2=dict(title="KV cache %", overlaying="y", side="right", rangemode="tozero"),
+                      yaxis2=dict(title="KV cache %", overlaying="y", side="right", rangemode="tozero",
+                                  tickmode="auto", showgrid=False),
                       height=320, margin=dict(l=40, r=40, t=60, b=40), legend=LEGEND_BELOW)
     st.plotly_chart(fig, width="stretch")
 failed = requests[requests["status"] != "ok"]

@@ -108,6 +108,27 @@ def test_two_sweeps_share_the_per_user_per_gpu_curve(page_db, stream_url):
     assert len(curve["data"]) == 2  # one line per sweep
 
 
+def test_the_level_table_shows_no_none_and_the_per_user_axis_starts_at_zero(page_db, stream_url):
+    Sweep(SweepConfig(stream_url, [1, 2], 2, 4, load_prompts("summary")), Store(page_db)).run()
+    at = open_page()
+    assert not at.exception
+    table = at.dataframe[0].value
+    # a concurrency sweep has no rate, and this server no /metrics: blank cells (the caption says why), never None
+    assert set(table["rate"]) == {""} and set(table["server itl mean ms"]) == {""}
+    assert not table.isna().any().any() and table["completed"].tolist() == [2, 2]
+    assert any("A blank cell has no figure" in c.value for c in at.caption)
+    delivery = next(d.value for d in at.dataframe if "chunks per delivery" in d.value.columns)
+    assert set(delivery["server inter-token mean (ms)"]) == {"not published"}
+    # at a glance: the compared figures, none of the empty ones; every figure behind the toggle
+    glance = list(at.dataframe[0].proto.column_order)
+    assert {"level", "ttft p50 ms", "tpot p50 ms", "output tokens/s"} <= set(glance) and "rate" not in glance
+    widget(at.toggle, "Every figure of each level").set_value(True).run()
+    assert not at.exception and list(at.dataframe[0].proto.column_order) == []
+    curve = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert curve["layout"]["title"]["text"] == "Tokens/s per user against tokens/s per GPU"
+    assert curve["layout"]["xaxis"]["rangemode"] == curve["layout"]["yaxis"]["rangemode"] == "tozero"
+
+
 def test_a_rate_sweep_with_an_slo_draws_latency_and_goodput_against_rate_and_marks_capacity(page_db, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("load_server.py")), str(port), "1", "0.01"])
