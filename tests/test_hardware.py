@@ -1,7 +1,9 @@
 """Device facts, calibration and telemetry on this machine (no GPU here: a normal state)."""
 import json
+import os
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import torch
 
 from engine.measure import hardware
 from engine.run.generate import Generation, GenConfig
+from engine.store.db import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -169,9 +172,11 @@ def machine_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def measured(calibration, days_ago=0.0):
+def measured(calibration, days_ago=0.0, other_work_share=0.02):
+    """A calibration as the cache keeps one: when it was measured, and the share of the cores other work took
+    meanwhile (its check whether the machine was quiet)."""
     when = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(days=days_ago)
-    return {**calibration, "measured_at": when.isoformat(timespec="seconds")}
+    return {**calibration, "measured_at": when.isoformat(timespec="seconds"), "other_work_share": other_work_share}
 
 
 def test_a_fresh_database_reuses_a_recent_calibration_of_this_machine_and_the_verdict_says_so(machine_cache, store,
@@ -201,7 +206,33 @@ def test_a_cached_calibration_of_another_machine_a_stale_one_or_a_flagged_one_is
     assert hardware.calibration_for(device, store, measure=False) is None
     hardware.remember_calibration(device, {**measured(calibration), "suspect": "Its memory bandwidth ..."})
     assert hardware.calibration_for(device, store, measure=False) is None
+    hardware.remember_calibration(device, measured(calibration, other_work_share=0.4))  # its check: busy
+    assert hardware.calibration_for(device, store, measure=False) is None
+    unchecked = measured(calibration)
+    del unchecked["other_work_share"]  # cached before calibrations checked the machine
+    hardware.remember_calibration(device, unchecked)
+    assert hardware.calibration_for(device, store, measure=False) is None
     assert hardware.recent_calibrations(store, hardware.device_key(device)) == []  # nothing stored either
+
+
+def test_a_calibration_measured_beside_other_work_is_stored_but_never_enters_the_machine_cache(machine_cache, store,
+                                                                                                tmp_path):
+    device = torch.device("cpu")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(1.0)  # they have started spinning
+        results = hardware.calibration_for(device, store, fresh=True)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert results["other_work_share"] > hardware.QUIET_OTHER_WORK and not hardware.measured_quiet(results)
+    stored = hardware.recent_calibrations(store, hardware.device_key(device))
+    assert [(c["measured_at"], c["other_work_share"]) for c in stored] == \
+        [(results["measured_at"], results["other_work_share"])]  # its own database keeps it, with its check
+    assert not (machine_cache / "calibrations.json").exists()  # the machine's cache does not
+    hardware._session_calibrations.clear()  # as another process finds the machine: nothing to reuse
+    assert hardware.calibration_for(device, Store(tmp_path / "another.duckdb"), measure=False) is None
 
 
 def test_a_calibration_older_than_its_age_limit_is_not_trusted(store, calibration):

@@ -342,9 +342,10 @@ def engine_dtypes(device: torch.device) -> list[torch.dtype]:
 
 def calibrate(device: torch.device) -> dict:
     start = time.perf_counter()
-    reads = measure_read_bandwidth(device)
-    method, peak = best_method(reads)
-    matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
+    with OtherWork() as other:
+        reads = measure_read_bandwidth(device)
+        method, peak = best_method(reads)
+        matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
     results = {
         "version": CALIBRATION_VERSION,
         "device_key": device_key(device),
@@ -362,7 +363,49 @@ def calibrate(device: torch.device) -> dict:
         results["host_link"] = measure_host_link(device)
     results["seconds"] = time.perf_counter() - start
     results["measured_at"] = _utc_now().isoformat(timespec="seconds")
+    results["other_work_share"] = other.share
     return results
+
+
+# Other processes' share of the machine's core time during a calibration above which it was not quiet:
+# its peaks then read low, so it is kept in its database but never entered into the machine's cache.
+QUIET_OTHER_WORK = 0.10
+
+
+def _idle_s(t) -> float:
+    return t.idle + getattr(t, "iowait", 0.0)
+
+
+def _total_s(t) -> float:
+    return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # Linux counts guest time in user
+
+
+def _own_cpu_s() -> float:
+    own = psutil.Process().cpu_times()
+    return own.user + own.system
+
+
+class OtherWork:
+    """The check whether the machine was quiet while a block ran: the share of all cores' time that other
+    processes took (system-wide busy time less this process's own), in .share once the block ends."""
+
+    share: float | None = None
+
+    def __enter__(self):
+        self._machine, self._own = psutil.cpu_times(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        now = psutil.cpu_times()
+        total = _total_s(now) - _total_s(self._machine)
+        busy = total - (_idle_s(now) - _idle_s(self._machine))
+        self.share = max(busy - (_own_cpu_s() - self._own), 0.0) / total if total > 0 else 0.0
+
+
+def measured_quiet(calibration: dict) -> bool:
+    """Whether the check at the time found the machine quiet (False where the calibration has no check)."""
+    share = calibration.get("other_work_share")
+    return share is not None and share <= QUIET_OTHER_WORK
 
 
 def _utc_now() -> datetime:
@@ -482,7 +525,8 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False, measu
     """The calibration to attribute a run with: the stored one choose_calibration picks, else the fixed
     one $TOKENPATH_CALIBRATION names, else a recent one of this machine from the calibration cache
     (reused_calibration), else one this process already made (where the cache cannot be written), else
-    a new one (stored, flagged when it disagrees, when a store is given, and kept in the cache). fresh=True always measures;
+    a new one (stored, flagged when it disagrees, when a store is given, and kept in the cache only when neither
+    flagged nor taken beside other work: measured_quiet). fresh=True always measures;
     measure=False never does, and gives None where nothing can be reused."""
     key = device_key(device)
     if not fresh:
@@ -503,7 +547,8 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False, measu
         results["suspect"] = flag
     if store is not None:
         store.save_calibration(key, results)
-    remember_calibration(device, results)
+    if not flag and measured_quiet(results):
+        remember_calibration(device, results)
     return results
 
 
@@ -549,8 +594,9 @@ def cached_calibrations(device: torch.device) -> list[dict]:
 
 
 def remember_calibration(device: torch.device, results: dict) -> None:
-    """Keep a measured calibration (with its flag, if any) among the machine's RECENT newest in the cache;
-    a cache folder that cannot be written only means the next database measures again."""
+    """Keep a measured calibration among the machine's RECENT newest in the cache (calibration_for enters
+    only quiet, unflagged ones); a cache folder that cannot be written only means the next database
+    measures again."""
     cache = _read_cache()
     key = machine_key(device)
     cache[key] = [results] + [e for e in cache.get(key, []) if isinstance(e, dict)][:RECENT - 1]
@@ -566,9 +612,10 @@ def remember_calibration(device: torch.device, results: dict) -> None:
 
 def reused_calibration(device: torch.device) -> dict | None:
     """The cached calibration of this machine choose_calibration picks, marked with where it came from,
-    or None when there is none recent or the one picked was taken on a busy machine."""
+    or None when there is none recent or the one picked was taken on a busy machine (flagged, or its check
+    at the time found other work, or it was cached before that check existed)."""
     chosen = choose_calibration(cached_calibrations(device))
-    if chosen is None or chosen.get("suspect"):
+    if chosen is None or chosen.get("suspect") or not measured_quiet(chosen):
         return None
     return {**chosen, "reused_from": str(calibration_cache_path())}
 
@@ -698,13 +745,10 @@ class TelemetrySampler:
         reading (psutil.cpu_percent keeps one per process, which two samplers would split); under
         MIN_CPU_INTERVAL_S since the last one the tick counts are too coarse, so no figure (None)."""
         now = psutil.cpu_times()
-        idle = lambda t: t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
-        # guest time is already counted in user time on Linux
-        total = lambda t: sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # noqa: E731
-        elapsed = total(now) - total(self._cpu_last)
+        elapsed = _total_s(now) - _total_s(self._cpu_last)
         if elapsed < MIN_CPU_INTERVAL_S * psutil.cpu_count():
             return None
-        busy = elapsed - (idle(now) - idle(self._cpu_last))
+        busy = elapsed - (_idle_s(now) - _idle_s(self._cpu_last))
         self._cpu_last = now
         return min(max(busy / elapsed * 100, 0.0), 100.0)
 
