@@ -13,8 +13,9 @@ PORT ?= 8501
 
 .PHONY: run test check setup bench browser kernels share vllm peers
 
+# The server starts the generation process and loads the default model in it as it starts (engine/access.py).
 run: setup
-	$(PY) -m streamlit run app.py --server.address 127.0.0.1 --server.port $(PORT)
+	$(PY) -m engine.access --host 127.0.0.1 --port $(PORT)
 
 # The dashboard on the LAN for a team demo: every page asks for the token in TOKENPATH_TOKEN (at
 # least 12 characters), model choices are limited to the project's own; without a token it refuses.

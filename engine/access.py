@@ -1,7 +1,9 @@
 """Who may reach the dashboard: the loopback address by default; a LAN share only behind a token read
 from $TOKENPATH_TOKEN, with model choices limited to the presets and the project's own model folders.
 
-`python -m engine.access --host 0.0.0.0` (or `make share`) checks the token and starts the app."""
+`python -m engine.access --host 0.0.0.0` (or `make share`) checks the token and starts the app; `make run`
+starts it the same way on 127.0.0.1. Either way the generation process starts and loads the default model
+as the server starts, so a page opened a little later finds it loaded."""
 from __future__ import annotations
 
 import argparse
@@ -178,14 +180,20 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str]:
 
 
 # `python -m streamlit`, after ui.py has made the upload endpoint refuse sessions that have not signed in,
-# so the refusal holds before the first page runs (ui.py imports Streamlit; this module must not)
-LAUNCH = ("import sys; sys.path.insert(0, {root!r}); import ui; ui.refuse_uploads_before_sign_in(); "
+# so the refusal holds before the first page runs, and has begun the warm start (ui.warm_up: the generation
+# process, the default model loading in it): ui's process-wide resources are the ones every page then uses,
+# so the first page finds the process started rather than starting it (ui.py imports Streamlit; this module
+# must not)
+LAUNCH = ("import sys; sys.path.insert(0, {root!r}); import ui; ui.refuse_uploads_before_sign_in(); ui.warm_up(); "
           "from streamlit.web.cli import main; sys.exit(main())")
 
 
 def streamlit_command(host: str, port: int, extra_hosts: list[str]) -> list[str]:
+    """The server's command; on a loopback address the Host names of .streamlit/config.toml hold."""
     command = [sys.executable, "-c", LAUNCH.format(root=str(REPO_ROOT)), "run", str(REPO_ROOT / "app.py"),
                "--server.address", host, "--server.port", str(port), "--server.maxUploadSize", str(UPLOAD_MB)]
+    if is_loopback(host) and not extra_hosts:
+        return command
     for name in allowed_hosts(host, extra_hosts):
         command += ["--server.allowedHosts", name]
     return command
