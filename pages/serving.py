@@ -25,7 +25,8 @@ from engine.spec import MAX_BATCH
 from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
 from engine.serve.command import ReproduceError
-from ui import LEGEND, default_model_id, figure, md_escape, open_store, plot_escape, page_setup, whole_number_input
+from ui import (LEGEND, default_model_id, figure, log_ticks, md_escape, open_store, plot_escape, page_setup,
+                whole_number_input)
 
 # below the plot, clear of the title above it
 LEGEND_BELOW = dict(orientation="h", yanchor="top", y=-0.25, x=0)
@@ -275,6 +276,7 @@ if result:
 if table["rate"].notna().any():
     by_rate = table[table["completed"] > 0].sort_values("rate")
     fig = go.Figure()
+    latencies = by_rate[[f"{m} p{q} ms" for m in ("ttft", "tpot", "e2e") for q in (50, 99)]].to_numpy().ravel()
     for metric, dash in (("ttft", "solid"), ("tpot", "dot"), ("e2e", "dash")):
         for q in (50, 99):
             fig.add_scatter(x=by_rate["rate"], y=by_rate[f"{metric} p{q} ms"], mode="lines+markers",
@@ -287,7 +289,7 @@ if table["rate"].notna().any():
                       annotation_text=f"capacity {result['capacity_requests_per_s']:.3g} req/s")
     fig.update_layout(title="Latency percentiles and goodput against request rate", xaxis_title="offered requests/s",
                       # goodput's own round ticks, not ticks placed on the log axis' lines
-                      yaxis=dict(title="ms", type="log"), yaxis2=dict(title="good requests/s", overlaying="y",
+                      yaxis=dict(title="ms", type="log", **log_ticks(latencies)), yaxis2=dict(title="good requests/s", overlaying="y",
                                                                        side="right", rangemode="tozero",
                                                                        tickmode="auto", showgrid=False),
                       height=440, margin=dict(l=40, r=40, t=60, b=90), legend=LEGEND_BELOW)
