@@ -609,7 +609,7 @@ def formulas(setup: Setup) -> dict:
         "time": f"{eff.step_fixed_us:g} us per step + {step_kernels(setup, 1)[0]} kernels x "
                 f"{eff.launch_us:g} us" + (f" + {m.spec.layers * eff.matvecs_per_layer + 1} matrix-vector products x "
                                           f"{eff.matvec_us:.1f} us" if eff.matvec_us else "")
-                + (f" + {m.spec.layers} layers in one call x {eff.one_call_layer_us:g} us"
+                + (f" + {setup.batch} sequences x {m.spec.layers} layers in one call x {eff.one_call_layer_us:g} us"
                    if eff.one_call_layer_us is not None else "")
                 + (f" + {step['_host_wait_ms']:.3f} ms waiting for the host's {eff.host_us_per_sequence:g} us per sequence"
                    if step["_host_wait_ms"] else "")
