@@ -42,6 +42,7 @@ def test_a_batch_is_drawn_per_token_of_all_its_users_and_a_lone_run_as_it_is(sto
     # ms per token: the lone run's 55 ms over its 6 tokens; the batch's mean wait over all 48 tokens
     assert list(time_trace.x) == pytest.approx([55.0 / 6, 350.0 / 48])
     assert "all 8 users" in figure.data[0].y[1]
+    assert figure.layout.title.yanchor == "top"  # above a legend that wraps in a narrow window
 
 
 def test_a_batch_with_runs_missing_is_drawn_as_its_newest_run(store):

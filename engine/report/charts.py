@@ -111,5 +111,7 @@ def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, ti
                     marker_color=BUCKET_COLOURS[b],
                     hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
     unit = "ms per token" if per_token else "ms per run"
-    return readable(fig, barmode="stack", title=title and plot_escape(title), xaxis_title=unit, yaxis=dict(autorange="reversed"),
+    # the title at the top edge, so a legend wrapped onto two lines in a narrow window stays below it
+    heading = dict(text=plot_escape(title), y=0.98, yanchor="top") if title else None
+    return readable(fig, barmode="stack", title=heading, xaxis_title=unit, yaxis=dict(autorange="reversed"),
                     height=160 + 48 * len(rows), margin=dict(l=10, r=10, t=100 if title else 60, b=50))
