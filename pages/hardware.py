@@ -100,7 +100,8 @@ def live_telemetry():
     fig.add_scatter(x=frame["t_ms"] / 1e3, y=frame["rss_bytes"] / 1e9, name="this server's resident memory, GB",
                     mode="lines", yaxis="y2")
     fig.update_layout(xaxis_title="seconds since this page opened",
-                      yaxis=dict(title="CPU %", range=[0, 100], dtick=25),
+                      # a little room over 100 %, so a saturated machine's line is not hidden by the frame
+                      yaxis=dict(title="CPU %", range=[0, 105], dtick=25),
                       yaxis2=dict(title="GB", overlaying="y", side="right", showgrid=False,
                                   **round_axis(frame["rss_bytes"].max() / 1e9)),
                       height=260, margin=dict(l=40, r=40, t=40, b=40), legend=LEGEND)

@@ -1,5 +1,5 @@
-"""The Hardware page's live telemetry through Streamlit's AppTest: CPU use on 0-100 %, the server's memory in GB
-on an axis from zero with round steps and room above its line."""
+"""The Hardware page's live telemetry through Streamlit's AppTest: CPU use on 0-100 % (with room for a line at
+100 %), the server's memory in GB on an axis from zero with round steps and room above its line."""
 import base64
 import json
 import math
@@ -24,7 +24,7 @@ def test_the_telemetry_axes_read_round_figures_with_the_lines_inside(page_db):
     telemetry = go.Figure(next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
                                if "this server's resident memory, GB" in c.proto.spec))
     layout = telemetry.layout
-    assert list(layout.yaxis.range) == [0, 100] and layout.yaxis.dtick == 25
+    assert layout.yaxis.range[0] == 0 and 100 < layout.yaxis.range[1] < 125 and layout.yaxis.dtick == 25
     memory = next(trace for trace in telemetry.data if trace.yaxis == "y2")
     low, high = layout.yaxis2.range
     step = layout.yaxis2.dtick
