@@ -27,7 +27,8 @@ page_setup("Live generation")
 # draws frame by frame while the model's first tokens run on the same cores.
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
-show_calibration_verdict(open_store(), "live")
+store = open_store()  # once a rerun: opening checks the schema and folds in dead runs, which a click waits for
+show_calibration_verdict(store, "live")
 show_warm_up()
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
@@ -266,6 +267,16 @@ STREAMING_NOTE = '<div style="font-size:0.8rem;color:#666">Generating: {n} of at
 QUIET_NOTE = " (text and charts appear when the run ends)"
 
 
+def draw(live_box, tokens: list[dict], special: set, limit: int, users: int, redraw_s: float | None) -> None:
+    """The streaming run so far: text, bars and note, or with redraw_s None the note only."""
+    own = own_tokens(tokens)
+    note = STREAMING_NOTE.format(n=len(own), limit=limit, rest=("" if redraw_s else QUIET_NOTE)
+                                 + (f"; {len(tokens)} for all {users} users" if users > 1 else ""))
+    # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
+    live_box.html((coloured_tokens(own, special, per_token=False) + live_bars(own)
+                   + others_compact(tokens, special, users) + note) if redraw_s else note)
+
+
 def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> dict:
     """Run one request in the generation process, drawing text and buckets every redraw_s seconds,
     or with redraw_s None only a progress note until the end; returns the run's summary. The run's
@@ -290,17 +301,15 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
             with st.spinner(f"Loading {spec['model']} at {spec['weights']} (first time only) and prefilling..."):
                 _, ready = next(run)
         special = set(ready["special_ids"])
+        tokens.extend(ready["tokens"])
+        if redraw_s and tokens:  # the first token shows as soon as it is out
+            draw(live_box, tokens, special, limit, users, redraw_s)
         for kind, payload in run:
             if kind == "done":
                 done = payload
                 break
             tokens.extend(payload)
-            own = own_tokens(tokens)
-            note = STREAMING_NOTE.format(n=len(own), limit=limit, rest=("" if redraw_s else QUIET_NOTE)
-                                         + (f"; {len(tokens)} for all {users} users" if users > 1 else ""))
-            # one raw-HTML element for text, bars and note: each element update costs the browser a redraw
-            live_box.html((coloured_tokens(own, special, per_token=False) + live_bars(own)
-                           + others_compact(tokens, special, users) + note) if redraw_s else note)
+            draw(live_box, tokens, special, limit, users, redraw_s)
     finally:
         run.close()  # a page rerun (Stop) ends the run here: it is recorded as cancelled
         started["streaming"] = False
@@ -354,7 +363,6 @@ def tokens_said(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
 
 
-store = open_store()
 stop_clicked = st.session_state.pop("stop_clicked", False)
 # the run this session started last: a plain dict that stream() and the worker's generator fill without
 # touching st.session_state, where every access is a point at which a Stop click's rerun interrupts

@@ -31,8 +31,9 @@ def test_the_worker_streams_the_tokens_an_in_process_run_gives(worker, default_l
     kinds, rows = [], []
     for kind, payload in worker.generate(request(tmp_path / "w.duckdb", max_new_tokens=12), every_s=0.05):
         kinds.append(kind)
-        if kind == "ready":
-            assert payload["special_ids"] and payload["run_id"] == 1
+        if kind == "ready":  # with the first step's token, which a page shows at once
+            assert payload["special_ids"] and payload["run_id"] == 1 and len(payload["tokens"]) == 1
+            rows.extend(payload["tokens"])
         elif kind == "tokens":
             rows.extend(payload)
         else:
@@ -168,10 +169,14 @@ def ending(worker, request: dict) -> dict:
 def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where_none_is(tiny_folder, tmp_path,
                                                                                        monkeypatch):
     """The dashboard's warm start: the model, then the calibration a cache of this machine holds; a
-    calibration is measured (and cached) only where the cache has none for this device."""
+    calibration is measured only where the cache has none for this device, and cached only when the machine
+    was quiet while it was measured."""
+    from datetime import datetime, timezone
+
     import torch
 
     from engine.measure import hardware
+    from engine.paths import DATA
 
     monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV)  # the worker's process measures as a user's does
@@ -185,13 +190,20 @@ def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where
     measured = ending(worker, {"db": str(tmp_path / "first.duckdb"), "device": "cpu", "calibrate": True,
                                "missing_only": True})["calibration"]
     assert measured["memory_gbps"] > 0 and "reused_from" not in measured
+    # the cache holds it only if the check at the time found no other work on the machine
+    cached = [c["measured_at"] for c in hardware.cached_calibrations(torch.device("cpu"))]
+    assert cached == ([measured["measured_at"]] if hardware.measured_quiet(measured) else [])
 
+    # a calibration of this machine measured while it was quiet, as the cache keeps one
+    quiet = {**json.loads((DATA / "test_calibration.json").read_text()), "device_key": key, "other_work_share": 0.0,
+             "measured_at": datetime.now(timezone.utc).replace(tzinfo=None).isoformat(timespec="seconds")}
+    hardware.remember_calibration(torch.device("cpu"), quiet)
     loaded = ending(worker, {**warm, "db": str(tmp_path / "second.duckdb")})
     reused = loaded["calibration"]
-    assert reused["memory_gbps"] == measured["memory_gbps"] and reused["measured_at"] == measured["measured_at"]
+    assert reused["memory_gbps"] == quiet["memory_gbps"] and reused["measured_at"] == quiet["measured_at"]
     assert reused["reused_from"] == str(tmp_path / "cache" / "calibrations.json")
     stored = hardware.recent_calibrations(Store(tmp_path / "second.duckdb"), key)
-    assert [c["memory_gbps"] for c in stored] == [measured["memory_gbps"]] and stored[0]["reused_from"]
+    assert [c["memory_gbps"] for c in stored] == [quiet["memory_gbps"]] and stored[0]["reused_from"]
     # the run after it is attributed with the reused calibration, and measures none of its own
     run = {"db": str(tmp_path / "second.duckdb"),
            "spec": RunSpec(gen=GenConfig("Hi", raw=True, max_new_tokens=3), model=str(tiny_folder),
@@ -205,3 +217,14 @@ def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where
     (tmp_path / "cache" / "calibrations.json").write_text(json.dumps(
         {name.replace(key, "cpu:Another CPU:64threads"): entries for name, entries in cache.items()}))
     assert ending(GenerationWorker(), {**warm, "db": str(tmp_path / "third.duckdb")})["calibration"] is None
+
+
+def test_a_database_file_removed_between_runs_is_made_again_for_the_next_run(worker, tmp_path):
+    """The worker keeps each database's Store between runs, and opens it again where the file went."""
+    db = tmp_path / "w.duckdb"
+    ending(worker, request(db, max_new_tokens=2))
+    for path in (db, db.with_name(db.name + ".wal")):
+        path.unlink(missing_ok=True)
+    second = ending(worker, request(db, max_new_tokens=2))
+    runs = Store(db).runs(10)
+    assert list(runs["run_id"]) == [second["run_id"]] and list(runs["status"]) == ["ok"]

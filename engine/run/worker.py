@@ -10,7 +10,8 @@ Messages to the worker: a request dict ({"db", "spec": RunSpec.to_dict(), "every
 generation, {"db", "device", "calibrate": True} for a fresh calibration (with "missing_only": True, one
 only where none can be found or reused), {"db", "spec", "warm": True} to load a model ahead of its first
 run), "stop", or None (quit). From it:
-("ready", {run_id, special_ids}), ("tokens", [rows]) in batches, and one message that ends the
+("ready", {run_id, special_ids, tokens}) once the first step is out, with its rows (so a page shows the
+first token at once), ("tokens", [rows]) in batches, and one message that ends the
 request: ("done", summary), ("refused", sentence) for input the engine turns down, or ("failed",
 sentence) for an engine failure. A spec with users > 1 runs as one batch (engine.run.local.BatchRun):
 its rows carry their run_id and user (0: the spec's own prompt), and its run_id is user 0's. Every
@@ -78,8 +79,9 @@ class GenerationWorker:
 
     def generate(self, request: dict, every_s: float, on_run_id=None):
         """Run one request. Yields ("preparing", None) if the first token is not out within
-        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "special_ids"}) once
-        it is, then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
+        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "special_ids", "tokens"})
+        once it is (a generation's first rows), then ("tokens", new rows) about every `every_s` seconds,
+        and last ("done", summary).
         Closing the generator early stops the run, which is then recorded as cancelled.
         on_run_id(run_id) is called as soon as the run has a number, also when the generator is
         closed before it yielded "ready"."""
@@ -151,6 +153,25 @@ class _Duplex:
         return self._in.poll(timeout)
 
 
+# the worker's Store of each database file, with the file's inode when it was opened
+_stores: dict[str, tuple[Store, int]] = {}
+
+
+def store_at(path: str) -> Store:
+    """The worker's Store of a database file, opened once (migrated, runs of dead processes folded in) and
+    again only when the file was removed or replaced: opening one takes several connections, a second or
+    more on a busy machine that every run's first token would otherwise wait for."""
+    held = _stores.get(path)
+    try:
+        inode = os.stat(path).st_ino
+    except OSError:
+        inode = None
+    if held is None or held[1] != inode:
+        store = Store(path)
+        held = _stores[path] = (store, os.stat(store.path).st_ino)
+    return held[0]
+
+
 def serve(conn) -> None:
     """The worker's loop: one request at a time, in the main thread, until the page's end of the
     pipes closes."""
@@ -172,7 +193,7 @@ def calibrate(conn, request: dict) -> None:
     """A fresh calibration of the device, stored (with missing_only, the one a run would be attributed
     with, measured only where none is stored or reusable); answered with ("done", {"calibration": ...})."""
     try:
-        store = Store(request["db"])
+        store = store_at(request["db"])
         results = hardware.calibration_for(pick_device(request["device"]), store,
                                            fresh=not request.get("missing_only"))
     except UserError as exc:
@@ -190,7 +211,7 @@ def warm(conn, request: dict) -> None:
     with missing_only does that)."""
     started = time.perf_counter()
     try:
-        store = Store(request["db"])
+        store = store_at(request["db"])
         lm = prepare(RunSpec.from_dict(request["spec"]), store)
         calibration = hardware.calibration_for(lm.device, store, measure=False)
     except Exception as exc:  # the run that needs the model says why, in one sentence
@@ -217,7 +238,7 @@ def start(spec: RunSpec, store: Store):
 def run(conn, request: dict) -> None:
     """One generation, its tokens sent in batches; a "stop" from the page cancels it."""
     try:
-        gen = start(RunSpec.from_dict(request["spec"]), Store(request["db"]))
+        gen = start(RunSpec.from_dict(request["spec"]), store_at(request["db"]))
     except UserError as exc:
         conn.send(("refused", str(exc)))
         return
@@ -229,8 +250,10 @@ def run(conn, request: dict) -> None:
     try:
         for _ in events:
             if last_sent is None:
-                conn.send(("ready", {"special_ids": gen.special_ids, "run_id": gen.run_id}))
-                last_sent = time.monotonic()  # the first batch too comes every_s later, not on the first steps
+                conn.send(("ready", {"special_ids": gen.special_ids, "run_id": gen.run_id,
+                                     "tokens": gen.live_tokens[:]}))
+                # the next batch comes every_s later, not on the first decode steps
+                sent, last_sent = len(gen.live_tokens), time.monotonic()
             # in batches, as often as the page redraws: each message wakes the page's process, which
             # then takes a core from the model for a moment
             elif time.monotonic() - last_sent >= request["every_s"]:
