@@ -11,11 +11,14 @@ previous page's JavaScript heap while the first tokens are generated, which the 
 
     .venv/bin/python bench/ui.py [--rounds 3] [--tokens 64] [--reload] [--redraw "every second" ...]
 
-With --first-click it measures instead what a person opening a freshly started app meets: the time
-from the click on Generate of the first Live run to its first token (the run's start plus its TTFT),
-clicked --read-s seconds after the page appears (the default model loads meanwhile), on a fresh
-database: the warm start reuses a recent calibration of this device from the machine's calibration
-cache, or with --empty-cache finds none and measures one after loading the model.
+With --first-click it measures instead what a person meets who starts the app as `make run` does
+(python -m engine.access, which starts the warm start with the server), opens the Live page
+--open-after-s seconds later and clicks Generate --read-s seconds after that or, if later, once the page
+says Ready (the first token after the model is ready), on a fresh database: the
+time from the server's start to the page's "Ready", and from the click to the first token (the run's
+start plus its TTFT), each with the load average. The warm start reuses a recent calibration of this
+device from the machine's calibration cache, or with --empty-cache finds none and measures one after
+loading the model.
 """
 import argparse
 import os
@@ -150,33 +153,59 @@ def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, 
     return medians[resamples // 20], medians[-resamples // 20 - 1]
 
 
-def first_click(tokens: int, read_s: float, empty_cache: bool) -> None:
-    """Click-to-first-token of the first Live run after the app starts on a fresh database, printed with
-    whether the machine's calibration cache held a calibration of this device the warm start could reuse."""
+def launched(port: int) -> list[str]:
+    """The server as `make run` starts it."""
+    return [sys.executable, "-m", "engine.access", "--host", "127.0.0.1", "--port", str(port)]
+
+
+STATUS = re.compile(r"^(Loading the default model|Calibrating this device|Ready)")
+READY = re.compile(r"^Ready\W")
+
+
+def first_click(tokens: int, open_after_s: float, read_s: float, empty_cache: bool) -> None:
+    """The first Live run of a freshly started app on a fresh database: server start to "Ready" and click to
+    first token, printed with the load average and whether the machine's calibration cache held a
+    calibration of this device the warm start could reuse."""
     db = Path(tempfile.mkdtemp()) / "first-click.duckdb"
     store = Store(db)
     env = {hardware.CACHE_ENV: tempfile.mkdtemp()} if empty_cache else {}
-    cached = not empty_cache and bool(hardware.cached_calibrations(pick_device("auto")))
+    cached = not empty_cache and hardware.reused_calibration(pick_device("auto")) is not None
     print(f"load average at the start: {os.getloadavg()[0]:.1f}; the machine's calibration cache "
-          + ("holds a recent calibration of this device" if cached else "holds none of this device (it calibrates)"))
-    with serve_app(db, env=env) as url, browser_page() as page:
-        page.set_default_timeout(300_000)  # the server's first page imports torch on a busy machine
+          + ("holds a recent calibration of this device" if cached else "holds none it reuses (the warm start calibrates)"))
+    started = time.time()
+    with serve_app(db, env=env, command=launched) as url, browser_page() as page:
+        page.set_default_timeout(600_000)  # a busy machine
+        time.sleep(max(0.0, open_after_s - (time.time() - started)))
         opened = time.time()
         page.goto(url + "/live")
         page.get_by_label("Prompt text").fill(PROMPT)
-        time.sleep(max(0.0, read_s - (time.time() - opened)))
+        status = page.get_by_text(STATUS)
+        status.first.wait_for()
+        on_opening = status.first.inner_text()
+        page.get_by_text(READY).wait_for()
+        ready = time.time()
+        when = "already when the page opened" if READY.match(on_opening) else \
+            f"shown {ready - started:.1f} s after the server start"
+        print(f"server started; page opened {opened - started:.1f} s later, saying: {on_opening}")
+        print(f"Ready {when} (load average {os.getloadavg()[0]:.1f})")
         page.get_by_text("More settings", exact=True).click()
         page.get_by_label("Max new tokens").fill(str(tokens))
-        status = page.get_by_text(re.compile(r"^(Loading the default model|Calibrating this device|Ready)"))
-        said = status.first.inner_text() if status.count() else "nothing about the generation process"
+        time.sleep(max(0.0, read_s - (time.time() - opened)))
+        said = status.first.inner_text()
+        load_at_click = os.getloadavg()[0]
         clicked = time.time()
         page.get_by_role("button", name="Generate").click()
-        page.get_by_text(re.compile(r"^Run #\d+, stopped by")).wait_for(timeout=600_000)
+        page.get_by_text(re.compile(r"^Generating: [1-9]\d* of at most")).wait_for()  # drawn with the first token
+        shown = time.time()
+        page.get_by_text(re.compile(r"^Run #\d+, stopped by")).wait_for()
     run = store.runs(1).iloc[0]
-    first_token = run["started_at"].replace(tzinfo=timezone.utc).timestamp() + run["ttft_ms"] / 1e3
-    print(f"first Live run after the app started, clicked {clicked - opened:.1f} s after the page was opened: "
-          f"{first_token - clicked:.2f} s from the click to the first token (TTFT {run['ttft_ms']:.0f} ms of it); "
+    run_started = run["started_at"].replace(tzinfo=timezone.utc).timestamp()
+    first_token = run_started + run["ttft_ms"] / 1e3
+    print(f"first Live run, clicked {clicked - opened:.1f} s after the page opened ({clicked - started:.1f} s after the "
+          f"server start; load average {load_at_click:.1f}): {first_token - clicked:.2f} s from the click to the first "
+          f"token: {run_started - clicked:.2f} s to the run's start, then TTFT {run['ttft_ms']:.0f} ms; "
           f"load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"the first token shown on the page {shown - clicked:.2f} s after the click")
     print(f"at the click the page said: {said}")
 
 
@@ -190,14 +219,17 @@ def main():
                              "default: every 2 seconds and at the end only")
     parser.add_argument("--first-click", action="store_true",
                         help="time the first Live run's click to first token on a freshly started app")
+    parser.add_argument("--open-after-s", type=float, default=15.0,
+                        help="with --first-click: seconds from the server's start to opening the page")
     parser.add_argument("--read-s", type=float, default=10.0,
-                        help="with --first-click: seconds from opening the page to the click")
+                        help="with --first-click: seconds from opening the page to the click (at the "
+                             "earliest: the click waits for the page's Ready)")
     parser.add_argument("--empty-cache", action="store_true",
                         help="with --first-click: start from an empty calibration cache, as on a machine never "
                              "calibrated (the warm start then measures one after loading the model)")
     args = parser.parse_args()
     if args.first_click:
-        return first_click(args.tokens, args.read_s, args.empty_cache)
+        return first_click(args.tokens, args.open_after_s, args.read_s, args.empty_cache)
     redraws = args.redraw or ["every 2 seconds", NOT_DRAWN]
     db = Path(tempfile.mkdtemp()) / "ui.duckdb"
     store = Store(db)
