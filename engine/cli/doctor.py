@@ -87,15 +87,15 @@ def switch_checks(device, tokens: int, store, calibration) -> list[Check]:
         gen = {k: settings.pop(k) for k in ("kv_cache", "speculative") if k in settings}
         return RunSpec(gen=GenConfig(PROMPT, max_new_tokens=tokens, raw=True, **gen), device=str(device), **settings)
 
-    specs = [(f"weights {name}", spec(weights=name)) for name in LEVELS]
-    specs.append(("KV cache off", spec(kv_cache=False)))
-    specs += [(f"sparsity {SPARSITY:g} {mode}", spec(sparsity=SPARSITY, sparsity_mode=mode)) for mode in (*MODES, "2:4")]
-    specs.append((f"speculative {SPECULATIVE}", spec(speculative=SPECULATIVE)))
+    runs = [(f"weights {name}", spec(weights=name)) for name in LEVELS]
+    runs.append(("KV cache off", spec(kv_cache=False)))
+    runs += [(f"sparsity {SPARSITY:g} {mode}", spec(sparsity=SPARSITY, sparsity_mode=mode)) for mode in (*MODES, "2:4")]
+    runs.append((f"speculative {SPECULATIVE}", spec(speculative=SPECULATIVE)))
 
     def maker(s: RunSpec):
         brief = s.sparsity and s.sparsity_mode in MODES
         return (lambda: brief_sparse_model(s)) if brief else (lambda: prepare(s, store))
-    return [timed(lambda: _timed_run(name, s.gen, maker(s), store, calibration)) for name, s in specs]
+    return [timed(lambda: _timed_run(name, s.gen, maker(s), store, calibration)) for name, s in runs]
 
 
 def kernel_check(device) -> Check:
