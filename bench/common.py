@@ -111,10 +111,8 @@ def local_target(cfg, store, max_batch: int = 8):
     """The local continuous-batching engine (the default model, fp32) as a load sweep's target, as
     `python -m engine load --local` makes it: every request a recorded run in `store`."""
     from engine.run.load_target import LocalTarget
-    from engine.run.prepare import prepare
-    from engine.spec import GenConfig, RunSpec
 
-    return LocalTarget(cfg, prepare(RunSpec(GenConfig(""), model="default"), store), store, max_batch=max_batch)
+    return LocalTarget.load(cfg, store, max_batch=max_batch)
 
 
 def highest_holding(levels: list, holds) -> object | None:

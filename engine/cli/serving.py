@@ -117,17 +117,13 @@ def _local_target(args, cfg):
     """load/capacity --local: the model loaded per --model and a LocalTarget with --max-batch and --kv-budget-mb,
     after every setting is checked (nothing is loaded or stored for bad input)."""
     from engine.run.batch import budget_bytes, check_cap
-    from engine.run.prepare import prepare
-    from engine.spec import GenConfig, RunSpec
     from engine.run.load_target import LocalTarget
     from engine.store.db import Store
 
     check_cap(args.max_batch)
     budget = budget_bytes(args.kv_budget_mb)
     cfg.check()
-    store = Store(args.db)
-    return LocalTarget(cfg, prepare(RunSpec(GenConfig(""), model=args.model), store), store,
-                       max_batch=args.max_batch, kv_budget_bytes=budget, model=args.model)
+    return LocalTarget.load(cfg, Store(args.db), model=args.model, max_batch=args.max_batch, kv_budget_bytes=budget)
 
 
 def _swept(sweep, run) -> dict:

@@ -9,7 +9,9 @@ from engine.plan import planner
 from engine.plan import simulate as sim
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.local import Handle, LocalEngine
+from engine.run.prepare import prepare
 from engine.serve.load import Reply, SweepConfig
+from engine.spec import GenConfig, RunSpec
 
 
 def planned_setup(calibration: dict, prompt_tokens: int, new_tokens: int, max_batch: int,
@@ -39,6 +41,14 @@ class LocalTarget:
         self.model_option = model  # as it was given (--model), so that --from-sweep loads the same model
         self._handles: set[Handle] = set()
         self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, cfg: SweepConfig, store, model: str = "default", max_batch: int = 8,
+             kv_budget_bytes: int | None = None) -> LocalTarget:
+        """The model loaded per `model` ('default', a Hugging Face id or a local folder; fp32) and the engine
+        over it, as `python -m engine load --local` makes it: every request a recorded run in `store`."""
+        return cls(cfg, prepare(RunSpec(GenConfig(""), model=model), store), store, max_batch=max_batch,
+                   kv_budget_bytes=kv_budget_bytes, model=model)
 
     def rtt_ms(self) -> None:
         return None  # no network between the sweep and the engine
