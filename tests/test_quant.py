@@ -54,17 +54,22 @@ def test_int4_cpu_kernel_matches_the_portable_dequantized_path():
     assert relative_error(portable(x), linear(x)) < 0.1
 
 
-def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor) -> torch.Tensor:
-    """What int4-dyn computes, in float64 from its stored parts: x quantized per block of 32 to int8,
-    times w = q * d + m per block."""
-    packed = layer.weight_q4.reshape(layer.out_features, -1, 16)
-    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).double()
-    w = q * layer.d.double()[..., None] + layer.m.double()[..., None]
+def _block_activations(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per block of 32 to int8 and scaled back, in float64, as [rows, blocks, 32]."""
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     dx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    xq = torch.round(blocks / dx).clamp(-127, 127)
-    return torch.einsum("rbk,nbk->rn", xq.double() * dx.double(), w)
+    return torch.round(blocks / dx).clamp(-127, 127).double() * dx.double()
+
+
+def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor, magnitude: bool = False) -> torch.Tensor:
+    """What int4-dyn computes, in float64 from its stored parts: x quantized per block of 32 to int8,
+    times w = q * d + m per block; with `magnitude`, the sum of the products' absolute values instead."""
+    packed = layer.weight_q4.reshape(layer.out_features, -1, 16)
+    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).double()
+    w = q * layer.d.double()[..., None] + layer.m.double()[..., None]
+    xq = _block_activations(x)
+    return torch.einsum("rbk,nbk->rn", xq.abs(), w.abs()) if magnitude else torch.einsum("rbk,nbk->rn", xq, w)
 
 
 @pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536)])  # 18, 2 and 48 blocks a row
@@ -107,11 +112,7 @@ def test_int8_block_kernel_computes_its_reference(rows, width):
     x = torch.randn(rows, width)
     x[0, :32] = 0
     w = layer.weight_int8.reshape(1030, -1, 32).double() * layer.d.double()[..., None]
-    blocks = x.reshape(rows, -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    dx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    xq = torch.round(blocks / dx).clamp(-127, 127)
-    reference = torch.einsum("rbk,nbk->rn", xq.double() * dx.double(), w)
+    reference = torch.einsum("rbk,nbk->rn", _block_activations(x), w)
     y = layer(x)
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
     assert relative_error(y, linear(x)) < 3e-2
