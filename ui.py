@@ -22,7 +22,7 @@ from engine.model.loader import pick_device
 from engine.switches.quant import LEVELS, level_info
 from engine.spec import DEFAULTS as SPEC_DEFAULTS
 from engine.spec import LIMITS, GenConfig, RunSpec
-from engine.store.db import Store, StoreError
+from engine.store.db import Store, StoreError, store_at
 from engine.run.worker import GenerationWorker, WorkerFailed, WorkerRefused
 
 # (file, label, what it is for) of every page, in the order the sidebar and the home page list them
@@ -224,6 +224,13 @@ def runs_table(table: pd.DataFrame, every_column: bool = False, **options):
                         column_order=None if every_column else RUN_GLANCE, **options)
 
 
+def ratio_cell(against) -> str:
+    """A speed against the baseline's (engine.measure.compare) in a few characters: the ratio and its 95% interval,
+    so a table's row reads whole; its verdict goes in a line beside the table."""
+    span = f"{against.low:.2f}-{against.high:.2f}" if against.low is not None else "single runs"
+    return f"{against.ratio:.2f}x ({span})"
+
+
 def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """Runs as people read them: human column names with units, rounded figures, the settings that
     tell runs apart (weights, KV cache, sparsity, speculative method, tag), text made safe to export."""
@@ -416,8 +423,12 @@ def show_warm_up() -> None:
 
 
 def open_store() -> Store | None:
+    """The server's Store of the database (opened once, engine.store.db.store_at), with the runs of processes
+    that died since the last rerun folded in."""
     try:
-        return Store()
+        store = store_at()
+        store.recover()
+        return store
     except StoreError as exc:
         st.error(str(exc))
         return None

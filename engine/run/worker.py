@@ -39,7 +39,7 @@ from engine.run.open import open_run
 from engine.run.prepare import prepare
 from engine.store.record import RecordDeferred
 from engine.spec import RunSpec
-from engine.store.db import Store
+from engine.store.db import Store, store_at
 
 
 ENDINGS = ("done", "refused", "failed")
@@ -151,25 +151,6 @@ class _Duplex:
 
     def poll(self, timeout: float) -> bool:
         return self._in.poll(timeout)
-
-
-# the worker's Store of each database file, with the file's inode when it was opened
-_stores: dict[str, tuple[Store, int]] = {}
-
-
-def store_at(path: str) -> Store:
-    """The worker's Store of a database file, opened once (migrated, runs of dead processes folded in) and
-    again only when the file was removed or replaced: opening one takes several connections, a second or
-    more on a busy machine that every run's first token would otherwise wait for."""
-    held = _stores.get(path)
-    try:
-        inode = os.stat(path).st_ino
-    except OSError:
-        inode = None
-    if held is None or held[1] != inode:
-        store = Store(path)
-        held = _stores[path] = (store, os.stat(store.path).st_ino)
-    return held[0]
 
 
 def serve(conn) -> None:

@@ -253,3 +253,24 @@ class Store:
         if not row:
             return None
         return {**json.loads(row[0]), "created_at": row[1].isoformat(timespec="seconds")}
+
+
+# the Store of each database file this process opened, with the file's inode when it was opened
+_opened: dict[Path, tuple[Store, int]] = {}
+
+
+def store_at(path: str | Path | None = None) -> Store:
+    """This process's Store of a database file (the default one without a path), opened once (migrated, runs
+    of dead processes folded in) and again only when the file was removed or replaced: opening takes several
+    connections and a checkpoint, a second or more on a busy machine, that every run's first token and
+    every page's rerun would otherwise wait for."""
+    path = Path(path) if path else default_db_path()
+    held = _opened.get(path)
+    try:
+        inode = os.stat(path).st_ino
+    except OSError:
+        inode = None
+    if held is None or held[1] != inode:
+        store = Store(path)
+        held = _opened[path] = (store, os.stat(store.path).st_ino)
+    return held[0]
