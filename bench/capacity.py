@@ -18,10 +18,8 @@ import argparse
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 
 from common import error_pct, idle_cpu_share, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
@@ -32,9 +30,8 @@ from engine.plan import planner
 from engine.plan import simulate as sim
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.load_target import planned_setup
-from engine.run.text import prompt_ids
 from engine.serve import capacity
-from engine.serve.arrivals import parse_rates, synthetic_prompt
+from engine.serve.arrivals import parse_rates
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMServer
 from engine.store.db import Store
@@ -48,23 +45,15 @@ def config(args, endpoint, **levels) -> SweepConfig:
                        output_tokens=args.output_tokens, slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
 
 
-def prefilled_tokens(lm, n: int) -> int:
-    """The tokens the engine prefills for a synthetic prompt of n tokens: the prompt in the model's chat template,
-    as the sweep sends it (not raw)."""
-    return len(prompt_ids(lm, synthetic_prompt(n, np.random.default_rng(1), lm.tokenizer), raw=False))
-
-
 def workload(args, prompt_tokens: int, rate: float = float("inf")) -> sim.Workload:
     return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=prompt_tokens,
                         new_tokens=args.output_tokens, seed=1)
 
 
-def predict(args, calibration: dict, prompt_tokens: int) -> tuple[list[dict], dict]:
-    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer, for prompts
-    of prompt_tokens as prefilled, on the engine's step: each prefill chunk (PREFILL_CHUNK tokens a step at most)
-    a forward of its own, then one batched decode."""
-    setup, scheduler = planned_setup(calibration, prompt_tokens, args.output_tokens, args.max_batch)
-    scheduler = replace(scheduler, separate_prefills=True, max_batched_tokens=PREFILL_CHUNK)
+def predict(args, setup, scheduler) -> tuple[list[dict], dict]:
+    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer, for the
+    engine as planned_setup plans it."""
+    prompt_tokens = setup.prompt_tokens
     slo = parse_slo(args.slo)
     levels = [cap.at_rate(setup, workload(args, prompt_tokens, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
     try:
@@ -127,10 +116,13 @@ def local_part(args, store: Store) -> None:
         lm = target.engine.engine.lm
         calibration = hardware.calibration_for(lm.device, store, fresh=args.calibrate)
         t0 = time.monotonic()
-        prompt_tokens = prefilled_tokens(lm, args.input_tokens)
-        planned, planned_cap = predict(args, calibration, prompt_tokens)
+        setup, scheduler = planned_setup(calibration, args.input_tokens, args.output_tokens, args.max_batch,
+                                         tokenizer=lm.tokenizer)
+        planned, planned_cap = predict(args, setup, scheduler)
         print(f"## The local engine, fp32, at most {args.max_batch} sequences a step\n\n{calibration_line(calibration)}"
-              f"\n\n{args.input_tokens} prompt tokens are {prompt_tokens} in the chat template the engine prefills."
+              f"\n\n{args.input_tokens} prompt tokens are {setup.prompt_tokens} in the chat template the engine "
+              f"prefills; each step runs every prefill chunk ({PREFILL_CHUNK} prompt tokens in all at most) as a "
+              "forward of its own, then one batched decode."
               f"\n\nPredicted capacity (the planner's simulation on that calibration, {time.monotonic() - t0:.1f} s): "
               f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
               f"{side_by_side(planned, [{} for _ in planned])}\n```")

@@ -67,10 +67,10 @@ def predict(calibration: dict | None, model: str = "default") -> dict:
 
     if calibration is None:
         return {"why": "No calibration of this machine is stored or cached yet: playing the chapter measures one."}
-    workload = sim.Workload(requests=REQUESTS, rate=math.inf, prompt_tokens=INPUT_TOKENS, new_tokens=OUTPUT_TOKENS,
-                            seed=SEED)
     try:
         setup, scheduler = planned_setup(calibration, INPUT_TOKENS, OUTPUT_TOKENS, MAX_BATCH, model)
+        workload = sim.Workload(requests=REQUESTS, rate=math.inf, prompt_tokens=setup.prompt_tokens,
+                                new_tokens=OUTPUT_TOKENS, seed=SEED)
         rate, best, top, metric, bucket = cap.highest_rate(setup, workload, scheduler, SLO, q=None,
                                                            attainment=ATTAINMENT)
     except cap.Unreachable as exc:

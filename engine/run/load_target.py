@@ -4,24 +4,44 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from engine.errors import UserError
+from engine.paths import DEFAULT_MODEL_NAME
 from engine.plan import planner
 from engine.plan import simulate as sim
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.local import Handle, LocalEngine
 from engine.run.prepare import prepare
+from engine.serve.arrivals import synthetic_prompt
+from engine.serve.client import tokenizer_for
 from engine.serve.load import Reply, SweepConfig
 from engine.spec import GenConfig, RunSpec
 
 
+def prefilled_tokens(tokenizer, n: int) -> int:
+    """The tokens the engine prefills for a synthetic prompt of n tokens: the prompt in the model's chat template,
+    as a sweep sends it (not raw), where the tokenizer has one."""
+    prompt = synthetic_prompt(n, np.random.default_rng(1), tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        return len(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def planned_setup(calibration: dict, prompt_tokens: int, new_tokens: int, max_batch: int,
-                  model: str = "default") -> tuple[planner.Setup, sim.Scheduler]:
-    """The local engine as the planner sees it: this machine (its calibration) as the device, fp32, and the
-    engine's scheduler: max_batch sequences, a step prefills up to PREFILL_CHUNK prompt tokens beside the decodes."""
+                  model: str = "default", tokenizer=None) -> tuple[planner.Setup, sim.Scheduler]:
+    """The local engine as the planner sees it: this machine (its calibration) as the device, fp32, prompts of
+    prompt_tokens as the engine prefills them (in the chat template, with the model's tokenizer where it is
+    here), and the engine's scheduler: max_batch sequences, each step's prefill chunks (PREFILL_CHUNK prompt
+    tokens in all) a forward each, then one batched decode."""
+    tokenizer = tokenizer or tokenizer_for(DEFAULT_MODEL_NAME if model == "default" else str(model))
+    prefilled = prefilled_tokens(tokenizer, prompt_tokens) if tokenizer is not None else prompt_tokens
     setup = planner.Setup(model=planner.resolve_model(model), gpu=planner.local_device(calibration),
-                          weights="fp32", kv_dtype="fp32", prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                          weights="fp32", kv_dtype="fp32", prompt_tokens=prefilled, new_tokens=new_tokens,
                           efficiency=planner.local_efficiency(calibration, "fp32", "fp32"))
-    return setup, sim.Scheduler(max_num_seqs=max_batch, max_batched_tokens=PREFILL_CHUNK + max_batch)
+    return setup, sim.Scheduler(max_num_seqs=max_batch, max_batched_tokens=PREFILL_CHUNK, separate_prefills=True)
 
 
 class LocalTarget:
