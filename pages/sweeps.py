@@ -8,6 +8,7 @@ import streamlit as st
 
 from engine.report.advisor import advise
 from engine.report.sweeps import sweep_report, sweep_results
+from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
 from engine.paths import workloads
 from engine.model.loader import pick_device
@@ -16,8 +17,8 @@ from engine.sweep import (KV, MAX_REPEAT, MAX_TOKENS, MIN_TOKENS, SPARSITY, Swee
                           start, stored, stored_ids)
 from engine.run.worker import WorkerFailed, WorkerRefused
 from engine.report.charts import LEGEND
-from ui import (BUCKET_COLOURS, default_model_id, figure, md_escape, open_store, page_setup, run_in_worker,
-                worker_request, whole_number_input)
+from ui import (BUCKET_COLOURS, default_model_id, figure, md_escape, open_store, page_setup, ratio_cell,
+                run_in_worker, worker_request, whole_number_input)
 
 page_setup("Sweeps")
 st.title("Sweeps")
@@ -74,14 +75,25 @@ if go_button and store is not None:
 NAMES = {"label": "setting", "run_ids": "runs", "decode_tokens_per_s": "decode tokens/s (all users)",
          "ttft_ms": "time to first token (ms)", "tokens_per_s": "tokens/s",
          **{f"{b}_ms": f"{b} (ms per token)" for b in BUCKETS}}
-FIGURES = ["setting", "decode tokens/s (all users)", "time to first token (ms)", "tokens/s", "repeats", "runs",
-           "decode vs baseline"]  # the ratio and its verdict close the row
+FIGURES = ["setting", "decode tokens/s (all users)", "time to first token (ms)", "tokens/s", "repeats",
+           "decode vs baseline"]  # the ratio closes the row; the runs go with the buckets, in the second table
 SHORT_HEADERS = {
     "decode tokens/s (all users)": st.column_config.NumberColumn("decode tok/s", help="decode tokens per second, "
                                                                  "every user's together"),
     "time to first token (ms)": st.column_config.NumberColumn("TTFT (ms)", help="time to first token (ms)"),
     "tokens/s": st.column_config.NumberColumn("tokens/s", help="tokens per second, end to end"),
+    "decode vs baseline": st.column_config.TextColumn("vs baseline", help="decode tokens per second against the first "
+                                                      "setting's: the ratio of the repeats' geometric means and its 95% "
+                                                      "interval (the verdicts are under the table)"),
+    **{f"{b} (ms per token)": st.column_config.NumberColumn(b, help=f"the {b} bucket, ms per token") for b in BUCKETS},
 }
+
+
+def ratio_cells(rates: list[list[float]]) -> list[str]:
+    """Each setting's decode speed against the first setting's, as a short cell; a dash where one has none."""
+    return [ratio_cell(compare(rates[0], r)) if rates[0] and r else "-" for r in rates]
+
+
 chosen = stored_ids(store) if store is not None else []
 if chosen:
     latest = st.session_state.get("sweep_id")
@@ -105,11 +117,17 @@ if chosen:
     st.plotly_chart(fig, width="stretch")
     frame["run_ids"] = [", ".join(f"#{i}" for i in ids) for ids in frame["run_ids"]]
     rounded = frame.map(lambda v: figure(v) if isinstance(v, float) else v).rename(columns=NAMES)
-    # two tables, each whole in a window 1400 px wide: the figures compared, then where each token's time went
+    rounded["decode vs baseline"] = ratio_cells(list(frame["decode_rates"]))
+    # two tables, each whole in a window 1024 px wide: the figures compared, then where each token's time went
     st.dataframe(rounded[FIGURES], hide_index=True, width="stretch", column_config=SHORT_HEADERS)
-    st.dataframe(rounded[["setting", *(NAMES[f"{b}_ms"] for b in BUCKETS)]], hide_index=True, width="stretch")
+    if len(results) > 1:  # each setting's verdict, in words
+        st.markdown("  \n".join([f"Decode speed against the baseline ({md_escape(results[0]['label'])}):",
+                                  *(md_escape(f"{r['label']}: {r['decode vs baseline']}") for r in results[1:])]))
+    st.dataframe(rounded[["setting", *(NAMES[f"{b}_ms"] for b in BUCKETS), "runs"]], hide_index=True, width="stretch",
+                 column_config=SHORT_HEADERS)
     st.caption("Figures are means over each setting's repeats; the ratio's 95% interval is Welch's t over the "
-               "repeats' log speeds, and where it includes 1 there is no measurable difference.")
+               "repeats' log speeds, and where it includes 1 there is no measurable difference. The buckets are ms "
+               "per token.")
     st.subheader("Advisor")
     for line in advise(results, results[0]):
         st.markdown(f"- {line}")

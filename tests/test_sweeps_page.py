@@ -1,5 +1,6 @@
 """The Sweeps page stores the sweep it runs with its full specification and shows the exact command that
 makes it again; a grid with nothing in it is one message and nothing stored."""
+import re
 import shlex
 
 from streamlit.testing.v1 import AppTest
@@ -34,7 +35,11 @@ def test_a_sweep_made_on_the_page_shows_the_command_that_makes_it_again(page_db,
     assert spec_from_args(build_parser().parse_args(shlex.split(shown[0])[3:])) == spec
     runs = store.runs().sort_values("run_id")
     assert [q.split()[0] for q in runs["weights"]] == ["fp32", "bf16", "fp32", "bf16"]  # interleaved
-    assert any("2 vs 2 repeats" in str(df.value) for df in at.dataframe)
+    # the ratio with its interval in the table, and each setting's verdict in words under it
+    figures = next(df.value for df in at.dataframe if "decode vs baseline" in df.value.columns)
+    assert all(re.fullmatch(r"\d+\.\d\dx \((\d+\.\d\d-\d+\.\d\d|single runs)\)", cell)
+               for cell in figures["decode vs baseline"])
+    assert any("bf16" in m.value and "2 vs 2 repeats" in m.value for m in at.markdown)
 
 
 def test_an_empty_grid_is_one_message_and_nothing_is_stored(page_db, tiny_folder, monkeypatch):
