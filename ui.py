@@ -231,13 +231,6 @@ def ratio_cell(against) -> str:
     return f"{against.ratio:.2f}x ({span})"
 
 
-def ratio_cell(against) -> str:
-    """A speed against the baseline's (engine.measure.compare) in a few characters: the ratio and its 95% interval,
-    so a table's row reads whole; its verdict goes in a line beside the table."""
-    span = f"{against.low:.2f}-{against.high:.2f}" if against.low is not None else "single runs"
-    return f"{against.ratio:.2f}x ({span})"
-
-
 def readable_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """Runs as people read them: human column names with units, rounded figures, the settings that
     tell runs apart (weights, KV cache, sparsity, speculative method, tag), text made safe to export."""
