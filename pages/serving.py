@@ -199,8 +199,10 @@ st.download_button("Download trace", lambda: trace_json(store, sweep_ids=sorted(
 
 st.subheader("Per level")
 # the figures people compare at a glance (the level's label names its concurrency or rate); the rest on request
-LEVEL_GLANCE = ["level", "completed", "failed", "ttft p50 ms", "ttft p99 ms", "tpot p50 ms", "tpot p99 ms",
-                "e2e p50 ms", "output tokens/s", "requests/s", "goodput req/s", "attainment"]
+# each latency's median and tail in one cell ("6.8 / 11.7", ms), so the glance reads whole in a window 1024 px wide;
+# a level's completed requests are the requests per level less the failed ones
+PAIRS = {"TTFT p50 / p99": ("ttft p50 ms", "ttft p99 ms"), "TPOT p50 / p99": ("tpot p50 ms", "tpot p99 ms")}
+LEVEL_GLANCE = ["level", "failed", *PAIRS, "e2e p50 ms", "output tokens/s", "requests/s", "goodput req/s", "attainment"]
 PERCENT = ("attainment", "KV cache max", "prefix cache hit rate")
 
 
@@ -216,11 +218,15 @@ def level_cell(column: str, value) -> str:
 
 def readable_levels(levels_table: pd.DataFrame) -> pd.DataFrame:
     """The level table with every column that misses a figure as text, so a missing figure is a blank cell and
-    never the word None; columns with every figure stay numbers."""
+    never the word None; columns with every figure stay numbers. Each latency's median and tail are also one
+    cell (PAIRS), for the glance."""
     out = levels_table.copy()
     for column in out.columns:
         if out[column].isna().any():
             out[column] = [level_cell(column, v) for v in out[column]]
+    for name, (median, tail) in PAIRS.items():
+        out[name] = [f"{a:.1f} / {b:.1f}" if pd.notna(a) and pd.notna(b) else ""  # as the ms columns show them
+                     for a, b in zip(levels_table[median], levels_table[tail])]
     return out
 
 
@@ -238,10 +244,12 @@ def level_headers(table: pd.DataFrame) -> dict:
         "physical p50 ms": "the median request's time on the network: connect (with its name lookup), TLS, request "
                            "sent and the wait for the first byte, from the HTTP client's trace hooks",
         "connections reused": "the level's requests that rode a kept-alive connection, so paid no connect",
-        "completed": "the level's requests that completed", "failed": "the level's requests that failed or were cut"})
+        "completed": "the level's requests that completed", "failed": "the level's requests that failed or were cut",
+        **{name: f"{DEFINITIONS[name.split()[0]]}; the median and the 99th percentile (ms)" for name in PAIRS}})
     formats = {"goodput req/s": "%.2f", "physical p50 ms": "%.2f", "connections reused": "%d", "completed": "%d",
                "failed": "%d", **{col: "percent" for col in PERCENT}}
-    labels = {"completed": "done", "output tokens/s": "output tok/s"}  # narrower, so the glance fits
+    labels = {"completed": "done", "output tokens/s": "output tok/s", "goodput req/s": "goodput",
+              "attainment": "attained"}  # narrower, so the glance fits
     columns = {}
     for col, text in helps.items():
         if col not in table.columns:
@@ -255,14 +263,15 @@ def level_headers(table: pd.DataFrame) -> dict:
 
 
 table = levels[label[first]]
-every_figure = st.toggle("Every figure of each level", False, help="the concurrency and rate, every percentile of "
-                         "ITL, TPOT and E2E, and the server's figures: queue, KV cache, prefix cache, its own means")
+every_figure = st.toggle("Every figure of each level", False, help="the concurrency and rate, the completed requests, "
+                         "every percentile of TTFT, ITL, TPOT and E2E each in its own column, and the server's figures: "
+                         "queue, KV cache, prefix cache, its own means")
 shown = readable_levels(table)
-glance = [col for col in LEVEL_GLANCE if table[col].notna().any()]  # an SLO's columns only with an SLO
+glance = [col for col in LEVEL_GLANCE if (shown[col] != "").any()]  # an SLO's columns only with an SLO
 if "attainment" in glance:  # room for the SLO's columns: goodput is the rate that counts, E2E is behind the toggle
     glance = [col for col in glance if col not in ("e2e p50 ms", "requests/s")]
 st.dataframe(shown, hide_index=True, width="stretch", column_config=level_headers(shown),
-             column_order=None if every_figure else glance)
+             column_order=[col for col in shown.columns if col not in PAIRS] if every_figure else glance)
 st.caption("Client figures are measured by Tokenpath's clock; the 'server ... mean' columns are the server's own "
            "histograms (sum / count between the level's first and last scrape of /metrics). A blank cell has no "
            "figure: a concurrency level has no rate and a rate level no concurrency, a sweep without an SLO no goodput "
