@@ -10,7 +10,8 @@ from engine.report import story
 from engine.report import story_capacity as capacity
 from engine.serve.client import ServedError, api_root
 from engine.run.worker import WorkerFailed, WorkerRefused
-from ui import bucket_chart, default_model_id, md_escape, open_store, page_setup, run_in_worker, worker_request
+from ui import (bucket_chart, default_model_id, md_escape, open_store, page_setup, ratio_cell, run_in_worker,
+                worker_request)
 
 page_setup("Story")
 st.title("The four distances")
@@ -89,9 +90,22 @@ if story.story_run_ids(store) or capacity.latest(store):  # the report is built 
                            help="One HTML file with every chapter's runs; it opens without a network.")
 
 
-def figures_table(rows: list[dict], comparison) -> pd.DataFrame:
-    return pd.DataFrame([{"arm": r["arm"], "run": f"#{r['run']}", **{n: story.show(n, r[n]) for n in comparison.figures}}
-                         for r in rows])
+def figures_tables(rows: list[dict], comparison) -> list[pd.DataFrame]:
+    """The comparison's figures in short cells, the quality figures in a table of their own so each reads whole
+    1024 px wide: the ratio against the baseline with its interval (its verdict is the line under each arm's speed
+    above; the run numbers are in the picture's bar labels)."""
+    def cell(row: dict, name: str) -> str:
+        if name == "vs baseline" and row["against"]:
+            return ratio_cell(row["against"])
+        return story.show(name, row[name])  # the baseline itself reads "the baseline"
+    speed = [n for n in comparison.figures if n not in story.QUALITY]
+    quality = [n for n in comparison.figures if n in story.QUALITY]
+    return [pd.DataFrame([{"arm": r["arm"], **{n: cell(r, n) for n in names}} for r in rows])
+            for names in (speed, quality) if names]
+
+
+# short headers, each with its full name as the header's help, so a comparison reads whole 1024 px wide
+FIGURE_HEADERS = {name: st.column_config.TextColumn(short, help=full) for name, (short, full) in story.HEADERS.items()}
 
 
 def per_token(comparison, runs: dict) -> None:
@@ -121,7 +135,8 @@ def comparison_view(comparison, runs: dict) -> None:
         if row.get("vs baseline"):  # a ratio and its interval: a metric's delta arrow would claim a direction
             column.caption(row["vs baseline"])
     st.plotly_chart(story.picture(store, comparison, runs, rows), width="stretch", key=f"tot-{comparison.title}")
-    st.dataframe(figures_table(rows, comparison), hide_index=True, width="stretch")
+    for table in figures_tables(rows, comparison):
+        st.dataframe(table, hide_index=True, width="stretch", column_config=FIGURE_HEADERS)
     for level in story.missing_quality(rows, comparison):
         st.caption(f"No quality figures stored for {level}: `{story.quality_command(level, model)}` measures them.")
     with st.expander("Per token, side by side"):
@@ -133,14 +148,14 @@ def physical_view(runs: dict) -> None:
                "efficiency factors. The Planner page shows the formulas and lets you change every setting.")
     for title, results in story.deployment_results():
         st.plotly_chart(story.deployment_picture(title, results), width="stretch", key=f"dep-{title}")
-        frame = pd.DataFrame([{"configuration": r["configuration"],
+        frame = pd.DataFrame([{"GPUs": story.deployment_setup(result),  # the model is in the title
                                "ms per token (estimate)": f"{r['ms per token (estimate)']:.2f}",
                                "tokens/s (estimate)": f"{r['tokens/s (estimate)']:.1f}",
                                "speedup (estimate)": f"{r['speedup (estimate)']:.2f}x",
                                "physical share (estimate)": f"{r['physical share (estimate)']:.0%}",
                                "fits": "yes" if r["fits"] else "no"}
-                              for r in story.deployment_rows(results)])
-        st.dataframe(frame, hide_index=True, width="stretch")
+                              for r, result in zip(story.deployment_rows(results), results)])
+        st.dataframe(frame, hide_index=True, width="stretch", column_config=FIGURE_HEADERS)
     st.subheader("Measured: one served run")
     if access.shared_mode():
         st.info(access.SERVED_REFUSAL)

@@ -1,5 +1,6 @@
 """The story: its chapters as RunSpecs, the tag that finds their runs again, the Story page through AppTest
 on a tiny model (each chapter's button makes stored, tagged runs and a picture), and its report."""
+import re
 import subprocess
 import sys
 import time
@@ -109,10 +110,15 @@ def test_the_memory_chapter_shows_stored_quality_or_the_command(story_page, page
     at = click(story_page(), "Play chapter 1")
     captions = " ".join(c.value for c in at.caption)
     assert "python -m engine quality --weights int8-dyn" in captions and "--weights int4-wo" in captions
-    table = next(d.value for d in at.dataframe if "perplexity" in d.value.columns)
-    assert list(table["arm"]) == [a.label for a in story.BY_KEY["memory"].comparisons[0].arms]
+    quality = next(d.value for d in at.dataframe if "perplexity" in d.value.columns)
+    assert list(quality.columns) == ["arm", *story.QUALITY]
+    table = next(d.value for d in at.dataframe if "weights MB per token" in d.value.columns)
+    assert list(table["arm"]) == list(quality["arm"]) == [a.label for a in story.BY_KEY["memory"].comparisons[0].arms]
     assert table["vs baseline"].iloc[0] == "the baseline"
-    assert all("95% interval" in text and "3 vs 3 repeats" in text for text in table["vs baseline"].iloc[1:])
+    # a short cell, the ratio and its interval; the whole verdict is the caption under each arm's speed
+    assert all(re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", text) for text in table["vs baseline"].iloc[1:])
+    verdicts = [c.value for c in at.caption if "95% interval" in c.value and "3 vs 3 repeats" in c.value]
+    assert len(verdicts) == sum(len(c.levers) for c in story.BY_KEY["memory"].comparisons)
 
 
 def test_a_server_that_does_not_answer_is_one_sentence_and_no_run(story_page, page_db):

@@ -213,6 +213,31 @@ FORMATS = {"decode tok/s": ".1f", "decode tok/s per user": ".1f", "speedup": ".2
            "network share": ".0%", "perplexity": ".3f", "KL": ".5f", "top-1": ".1%"}
 
 
+QUALITY = ("perplexity", "KL", "top-1")  # what fewer bits cost: a page shows them in a table of their own
+# the short header a table gives each figure (so its row reads whole in a window 1024 px wide), and its full name
+HEADERS = {
+    "decode tok/s": ("tok/s", "decode tokens per second of the newest repeat, every user's together"),
+    "vs baseline": ("vs baseline", "decode tokens per second against the baseline: the ratio of the repeats' geometric "
+                    "means and its 95% interval; where the interval includes 1 there is no measurable difference"),
+    "decode tok/s per user": ("per user", "decode tokens per second of one user's sequence (the newest run)"),
+    "weights MB per token": ("MB/token", "megabytes of weights read per token"),
+    "TPOT ms": ("TPOT (ms)", "time per output token (ms)"),
+    "tokens per forward": ("tok/forward", "tokens produced per forward pass of the target model"),
+    "acceptance": ("accepted", "share of the drafted tokens the target model accepted"),
+    "thrown away": ("rejected", "drafted tokens the target model rejected: thrown away"),
+    "decision share": ("decision", "share of the token's time in the decision bucket"),
+    "perplexity": ("perplexity", "perplexity on the evaluation text, data/eval.txt (lower is better)"),
+    "KL": ("KL", "mean KL divergence (nats) of the next-token distribution from the fp32 model's"),
+    "top-1": ("top-1", "share of positions where the most likely next token agrees with the fp32 model's"),
+    "GPUs": ("GPUs", "the GPUs and their link; every row runs the model the table's title names"),
+    "ms per token (estimate)": ("ms/token", "ms per decode token, the planner's estimate"),
+    "tokens/s (estimate)": ("tok/s", "decode tokens per second, the planner's estimate"),
+    "speedup (estimate)": ("speedup", "against the first configuration, the planner's estimate"),
+    "physical share (estimate)": ("physical", "share of a token's time on the links between GPUs (the physical "
+                                  "bucket), the planner's estimate"),
+}
+
+
 def show(name: str, value) -> str:
     if name == "vs baseline":  # already a phrase: the ratio, its interval and the verdict
         return value
@@ -236,8 +261,9 @@ def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> lis
         values["speedup"] = against.ratio if against else values["speedup"]
         values["vs baseline"] = "the baseline" if arm is comparison.baseline else (
             against.text() if against else "no decode speed to compare")
-        rows.append({"arm": arm.label, "run": run["run_id"], "speedup": values["speedup"], "measurable":
-                     bool(against and against.measurable), **{name: values[name] for name in comparison.figures}})
+        rows.append({"arm": arm.label, "run": run["run_id"], "speedup": values["speedup"], "against": against,
+                     "measurable": bool(against and against.measurable),
+                     **{name: values[name] for name in comparison.figures}})
     return rows
 
 
@@ -292,8 +318,13 @@ def deployment_results(efficiency: plan.Efficiency | None = None) -> list[tuple[
     return out
 
 
+def deployment_setup(result: dict) -> str:
+    """The GPUs and their link, what the configurations of one deployment comparison differ by."""
+    return f"{result['gpus']} x {result['gpu']} · {result['interconnect']}"
+
+
 def deployment_label(result: dict) -> str:
-    return f"{result['model'].split(' (')[0]} · {result['gpus']} x {result['gpu']} · {result['interconnect']}"
+    return f"{result['model'].split(' (')[0]} · {deployment_setup(result)}"
 
 
 def deployment_picture(title: str, results: list[dict]):
