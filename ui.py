@@ -351,8 +351,8 @@ def generation_worker() -> GenerationWorker:
 
 @st.cache_resource(show_spinner=False)
 def warm_up() -> dict:
-    """Once per server, on the first page anyone opens: start the generation process and load the
-    default model in it, in a thread through the queue, so the first Generate click finds both ready
+    """Once per server, as it starts (engine/access.py's launcher, which make run and make share use) or else
+    on the first page anyone opens: start the generation process and load the default model in it, in a thread through the queue, so the first Generate click finds both ready
     (a run clicked sooner waits its turn). The model comes first; a calibration is measured after it
     only where none of this device is stored or reusable from the machine's calibration cache. The
     dict says how far it got (warm_up_words): loading, calibrating, ready, failed, or off where
