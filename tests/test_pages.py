@@ -114,7 +114,8 @@ def test_sweep_runs_the_grid_and_advises(page_db):
     runs = Store(page_db).runs().sort_values("run_id")
     assert len(runs) == 4 and runs["tag"].nunique() == 1 and runs["tag"].iloc[0].startswith("sweep:")
     assert [q.split()[0] for q in runs["weights"]] == ["fp32", "int4-wo", "fp32", "int4-wo"]  # interleaved
-    assert any("95% interval" in str(df.value) for df in at.dataframe)
+    assert any("x (" in str(df.value) for df in at.dataframe)  # the ratio and its interval, in a cell
+    assert any("95% interval" in m.value for m in at.markdown)  # the verdict, in words under the table
     assert any("bound by" in m.value for m in at.markdown)
 
 

@@ -198,12 +198,15 @@ def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where
     quiet = {**json.loads((DATA / "test_calibration.json").read_text()), "device_key": key, "other_work_share": 0.0,
              "measured_at": datetime.now(timezone.utc).replace(tzinfo=None).isoformat(timespec="seconds")}
     hardware.remember_calibration(torch.device("cpu"), quiet)
+    # the cache's pick: this one, or the one measured above where the machine was quiet then too
+    expected = hardware.reused_calibration(torch.device("cpu"))
+    assert expected["measured_at"] in (quiet["measured_at"], measured["measured_at"])
     loaded = ending(worker, {**warm, "db": str(tmp_path / "second.duckdb")})
     reused = loaded["calibration"]
-    assert reused["memory_gbps"] == quiet["memory_gbps"] and reused["measured_at"] == quiet["measured_at"]
+    assert reused["memory_gbps"] == expected["memory_gbps"] and reused["measured_at"] == expected["measured_at"]
     assert reused["reused_from"] == str(tmp_path / "cache" / "calibrations.json")
     stored = hardware.recent_calibrations(Store(tmp_path / "second.duckdb"), key)
-    assert [c["memory_gbps"] for c in stored] == [quiet["memory_gbps"]] and stored[0]["reused_from"]
+    assert [c["memory_gbps"] for c in stored] == [expected["memory_gbps"]] and stored[0]["reused_from"]
     # the run after it is attributed with the reused calibration, and measures none of its own
     run = {"db": str(tmp_path / "second.duckdb"),
            "spec": RunSpec(gen=GenConfig("Hi", raw=True, max_new_tokens=3), model=str(tiny_folder),
