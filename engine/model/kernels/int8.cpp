@@ -164,59 +164,6 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__FMA__) && defined(__F16C__)
-// The activations come interleaved (kGroupBlocks blocks at a time) and made unsigned (xq + 128 as a byte)
-// once for all weight rows, and each group's weights are rearranged to match in registers, as int4.cpp does:
-// a group's eight block sums end in one register, one lane a block.
-#define INT8_GROUPS 1
-constexpr bool kInterleaved = true;
-
-// Row r's sum over the whole groups of blocks of one weight row, added to acc[r]: each group's 256 bytes of
-// weights (block j's dword s at 8j + s) permuted so that dword s of every block sits side by side, as the
-// interleaved activations have them, and the 128 * sum(w) that the unsigned activations add to each
-// block's sum counted once for all R rows and taken back out; per row four multiply-and-sums of 64 byte
-// pairs leave each block's exact integer sum in two lanes, added into lane j for block j, then converted
-// and multiplied by the eight blocks' d * dx. Each row's operations are those of a lone row.
-template <int R>
-static inline void int8_group_sums(const int8_t* wr, const at::Half* d, const int8_t* xu, const float* dx,
-                                   int64_t groups, int64_t K, int64_t KB, __m256* acc) {
-  // first steps 0-3 and 4-7 of blocks 0-3 (and of 4-7) side by side, then steps two by two of all eight
-  auto index = [](int first_step) {
-    alignas(64) int32_t at[16];
-    for (int t = 0; t < 16; ++t) at[t] = t % 4 * 8 + first_step + t / 4;
-    return _mm512_load_si512(at);
-  };
-  const __m512i low_steps = index(0), high_steps = index(4);
-  const __m512i pair0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i pair1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* wg = wr + g * kGroupBlocks * kBlock;
-    __m512i z[4];
-    for (int i = 0; i < 4; ++i) z[i] = _mm512_loadu_si512(wg + 64 * i);
-    const __m512i a03 = _mm512_permutex2var_epi32(z[0], low_steps, z[1]), a47 = _mm512_permutex2var_epi32(z[0], high_steps, z[1]);
-    const __m512i b03 = _mm512_permutex2var_epi32(z[2], low_steps, z[3]), b47 = _mm512_permutex2var_epi32(z[2], high_steps, z[3]);
-    const __m512i w[4] = {_mm512_permutex2var_epi32(a03, pair0, b03), _mm512_permutex2var_epi32(a03, pair1, b03),
-                          _mm512_permutex2var_epi32(a47, pair0, b47), _mm512_permutex2var_epi32(a47, pair1, b47)};
-    __m512i lifted = _mm512_setzero_si512();
-    for (int i = 0; i < 4; ++i) lifted = _mm512_dpbusd_epi32(lifted, flip, w[i]);
-    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), lifted);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kGroupBlocks)));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = xu + r * K + g * kGroupBlocks * kBlock;
-      __m512i sums = start;
-      for (int i = 0; i < 4; ++i) sums = _mm512_dpbusd_epi32(sums, _mm512_loadu_si512(x + 64 * i), w[i]);
-      const __m256i blocks = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * KB + g * kGroupBlocks));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), scale, acc[r]);
-    }
-  }
-}
-#else
-constexpr bool kInterleaved = false;
-#endif
-
 // int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in
 // [-127, 127]: the layout of llama.cpp's Q8_0), times activations quantized per block as above:
 // sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers. One weight row against
@@ -236,11 +183,9 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
     return std::pair{w, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, w))};
   };
-#if !defined(INT8_GROUPS)
   auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
     return _mm256_dpbusd_epi32(w.second, _mm256_xor_si256(load(r, b), flip), w.first);
   };
-#endif
 #else
   // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
   auto weight = [&](int64_t b) {
@@ -252,16 +197,7 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
   };
 #endif
   float dots[R];
-#if defined(INT8_GROUPS)
-  // the activations already unsigned
-  const auto groups = [&](__m256* acc) { int8_group_sums<R>(wr, d, xq, dx, blocks / kGroupBlocks, K, blocks, acc); };
-  const auto unsigned_ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
-    return _mm256_dpbusd_epi32(w.second, load(r, b), w.first);
-  };
-  grouped_block_sums<R>(d, dx, blocks, groups, weight, unsigned_ints, dots);
-#else
   scaled_block_sums<R>(d, dx, blocks, weight, ints, dots);
-#endif
   for (int r = 0; r < R; ++r) y[r * y_stride] = dots[r];
 #else
   for (int r = 0; r < R; ++r) {
@@ -280,9 +216,7 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
 void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
                             float* yp) {
   const int64_t KB = K / kBlock;
-  BlockActivations a(xp, M, K, kInterleaved);
-  if (kInterleaved)  // unsigned for VNNI: xq + 128 as a byte
-    for (auto& v : a.q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
+  const BlockActivations a(xp, M, K);
   shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       in_row_groups(M, [&](auto rows, int64_t r) {

@@ -212,20 +212,9 @@ static inline float half_to_float(const at::Half h) {
 #endif
 }
 
-// Blocks whose quantized activations a kernel may take interleaved (quantize_blocks): eight blocks whose
-// sums one VNNI pass leaves in the eight lanes of one register, one lane a block.
-constexpr int64_t kGroupBlocks = 8;
-
-// Where value k of block j of a group of kGroupBlocks sits when the group is interleaved: the group's
-// bytes as eight 32-byte steps, step s holding four values of each block side by side (block j's values
-// 4s .. 4s + 3 at 4j), so that one multiply-and-sum of four byte pairs per lane keeps the blocks apart.
-static inline int64_t interleaved(int64_t j, int64_t k) { return k / 4 * kBlock + j * 4 + k % 4; }
-
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
-// (1 where the block is all zero), and each block's dx * sum(q). With `interleave`, each whole group of
-// kGroupBlocks blocks is written interleaved (the rest in order).
-static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum, bool interleave) {
-  const int64_t grouped = interleave ? K / kBlock / kGroupBlocks * kGroupBlocks : 0;
+// (1 where the block is all zero), and each block's dx * sum(q).
+static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
@@ -234,8 +223,7 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
     int32_t sum = 0;
     for (int64_t k = 0; k < kBlock; ++k) {
       const int32_t v = static_cast<int32_t>(std::min(std::max(std::nearbyint(xb[k] / d), -127.f), 127.f));
-      q[b < grouped ? b / kGroupBlocks * kGroupBlocks * kBlock + interleaved(b % kGroupBlocks, k) : b * kBlock + k] =
-          static_cast<int8_t>(v);
+      q[b * kBlock + k] = static_cast<int8_t>(v);
       sum += v;
     }
     dx[b] = d;
@@ -243,15 +231,14 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
   }
 }
 
-// M rows of K activations quantized per block, as the block kernels take them (groups interleaved or not).
+// M rows of K activations quantized per block, as the block kernels take them.
 struct BlockActivations {
   std::vector<int8_t> q;
   std::vector<float> d, dsum;
-  BlockActivations(const float* x, int64_t M, int64_t K, bool interleave = false)
+  BlockActivations(const float* x, int64_t M, int64_t K)
       : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), dsum(d.size()) {
     for (int64_t r = 0; r < M; ++r)
-      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + r * K / kBlock, dsum.data() + r * K / kBlock,
-                      interleave);
+      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + r * K / kBlock, dsum.data() + r * K / kBlock);
   }
 };
 
@@ -327,27 +314,6 @@ static inline void scaled_block_sums(const at::Half* d, const float* dx, int64_t
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// out[r] for R rows of a kernel that takes whole groups of kGroupBlocks blocks interleaved: group_sums(acc)
-// adds the groups into one accumulator of lanes per row, then the blocks after them come one by one (weight(b)
-// read once for all rows, ints(that, r, b) row r's integer lane sums), each times d * dx, and each row's lanes
-// are added in a fixed order: the same operations for a row whatever rows are beside it.
-template <int R, typename Groups, typename Weight, typename Ints>
-static inline void grouped_block_sums(const at::Half* d, const float* dx, int64_t blocks, const Groups& group_sums,
-                                      const Weight& weight, const Ints& ints, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  group_sums(acc);
-  for (int64_t b = blocks / kGroupBlocks * kGroupBlocks; b < blocks; ++b) {
-    const auto w = weight(b);
-    const float dw = _cvtsh_ss(d[b].x);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints(w, r, b)), _mm256_set1_ps(dw * dx[r * blocks + b]), acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 #endif
 
