@@ -2,6 +2,8 @@
 (Okabe-Ito, colour-blind safe) with fonts large enough to read on a projector."""
 from __future__ import annotations
 
+import textwrap
+
 import plotly.graph_objects as go
 
 from engine.measure.distances import BUCKETS
@@ -21,6 +23,20 @@ LEGEND = dict(orientation="h", yanchor="bottom", y=1.02, x=0, traceorder="normal
 def plot_escape(text) -> str:
     """Text made literal in a Plotly label, which reads <b>, <a href> and entities."""
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# characters of a title's line that fit a chart in the main column of a window 1024 px wide at TITLE_SIZE
+TITLE_LINE = 48
+
+
+def heading(title: str | None) -> tuple[dict | None, int]:
+    """A chart's title, literal, at the top edge (so a legend wrapped onto two lines in a narrow window stays
+    below it), broken at words into lines that a narrow window shows whole (Plotly never wraps a title), and
+    the top margin (px) that holds it above the legend."""
+    if not title:
+        return None, 60
+    lines = textwrap.wrap(str(title), TITLE_LINE)
+    return dict(text="<br>".join(plot_escape(line) for line in lines), y=0.98, yanchor="top"), 74 + 26 * len(lines)
 
 
 def readable(fig: go.Figure, **layout) -> go.Figure:
@@ -83,10 +99,9 @@ def bucket_chart(token_rows: list[dict], title: str = "Where each token's time w
         fig.update_yaxes(range=[0, top])
         fig.add_annotation(x=xs[0], y=top, text=f"first token (prefill): {heights[0]:,.0f} ms, off the scale",
                            showarrow=False, xanchor="left", yanchor="top", font=dict(size=FONT_SIZE))
-    # the title at the top edge, so a legend wrapped onto two lines in a narrow window stays below it
-    return readable(fig, barmode="stack", title=dict(text=plot_escape(title), y=0.98, yanchor="top"),
-                    xaxis_title="token index", yaxis_title="ms per token",
-                    height=380, margin=dict(l=60, r=10, t=100, b=50))
+    title, top = heading(title)
+    return readable(fig, barmode="stack", title=title, xaxis_title="token index", yaxis_title="ms per token",
+                    height=280 + top, margin=dict(l=60, r=10, t=top, b=50))
 
 
 def wrapped_label(label: str, width: int = 34) -> str:
@@ -111,7 +126,6 @@ def totals_chart(labels: list[str], rows: list[dict], per_token: bool = True, ti
                     marker_color=BUCKET_COLOURS[b],
                     hovertemplate=f"%{{y}}<br>{b}: %{{x:.2f}} ms<extra></extra>")
     unit = "ms per token" if per_token else "ms per run"
-    # the title at the top edge, so a legend wrapped onto two lines in a narrow window stays below it
-    heading = dict(text=plot_escape(title), y=0.98, yanchor="top") if title else None
-    return readable(fig, barmode="stack", title=heading, xaxis_title=unit, yaxis=dict(autorange="reversed"),
-                    height=160 + 48 * len(rows), margin=dict(l=10, r=10, t=100 if title else 60, b=50))
+    title, top = heading(title)
+    return readable(fig, barmode="stack", title=title, xaxis_title=unit, yaxis=dict(autorange="reversed"),
+                    height=100 + top + 48 * len(rows), margin=dict(l=10, r=10, t=top, b=50))
