@@ -35,7 +35,7 @@ def heading(title: str | None) -> tuple[dict | None, int]:
     the top margin (px) that holds it above the legend."""
     if not title:
         return None, 60
-    lines = textwrap.wrap(str(title), TITLE_LINE)
+    lines = textwrap.wrap(str(title), TITLE_LINE, break_long_words=False, break_on_hyphens=False)
     return dict(text="<br>".join(plot_escape(line) for line in lines), y=0.98, yanchor="top"), 74 + 26 * len(lines)
 
 
