@@ -36,7 +36,9 @@ def heading(title: str | None) -> tuple[dict | None, int]:
     if not title:
         return None, 60
     lines = textwrap.wrap(str(title), TITLE_LINE, break_long_words=False, break_on_hyphens=False)
-    return dict(text="<br>".join(plot_escape(line) for line in lines), y=0.98, yanchor="top"), 74 + 26 * len(lines)
+    # Plotly anchors a title's first line, the lines after it grow upward: pad its top by them
+    return (dict(text="<br>".join(plot_escape(line) for line in lines), y=0.98, yanchor="top",
+                 pad=dict(t=26 * (len(lines) - 1))), 74 + 26 * len(lines))
 
 
 def readable(fig: go.Figure, **layout) -> go.Figure:
