@@ -13,6 +13,7 @@ from engine.plan import simulate as sim
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.local import Handle, LocalEngine
 from engine.run.prepare import prepare
+from engine.run.text import tokenizer_prompt_ids
 from engine.serve.arrivals import synthetic_prompt
 from engine.serve.client import tokenizer_for
 from engine.serve.load import Reply, SweepConfig
@@ -23,11 +24,7 @@ def prefilled_tokens(tokenizer, n: int) -> int:
     """The tokens the engine prefills for a synthetic prompt of n tokens: the prompt in the model's chat template,
     as a sweep sends it (not raw), where the tokenizer has one."""
     prompt = synthetic_prompt(n, np.random.default_rng(1), tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        return len(tokenizer(prompt)["input_ids"])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(tokenizer_prompt_ids(tokenizer, prompt, chat=bool(getattr(tokenizer, "chat_template", None))))
 
 
 def planned_setup(calibration: dict, prompt_tokens: int, new_tokens: int, max_batch: int,

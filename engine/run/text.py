@@ -7,11 +7,17 @@ from engine.model.loader import LoadedModel
 
 def prompt_ids(lm: LoadedModel, prompt: str, raw: bool) -> list[int]:
     """Token ids of the prompt: chat-formatted for instruct models unless raw."""
-    if not raw and lm.has_chat_template:
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                add_generation_prompt=True)
-        return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return lm.tokenizer(prompt)["input_ids"]
+    return tokenizer_prompt_ids(lm.tokenizer, prompt, chat=not raw and lm.has_chat_template)
+
+
+def tokenizer_prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of the prompt with a tokenizer alone: in its chat template (one user turn, then the
+    assistant's turn to answer) where chat, else as plain text."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:
