@@ -115,11 +115,13 @@ def local_target(cfg, store, max_batch: int = 8):
     return LocalTarget.load(cfg, store, max_batch=max_batch)
 
 
-def highest_holding(levels: list, holds) -> object | None:
-    """The last of `levels` (in rising load) before the first that does not hold; None when the first fails."""
+def highest_holding(levels: list, holds, again) -> object | None:
+    """The last of `levels` (in rising load) before the first that does not hold, a level that fails counting as
+    failing only when `again(level)`, the same level measured once more, fails too: one noisy measurement does not
+    end the search early, and a level that truly fails costs one more measurement. None when the first fails."""
     best = None
     for level in levels:
-        if not holds(level):
+        if not holds(level) and not holds(again(level)):
             break
         best = level
     return best
