@@ -8,16 +8,19 @@ not the table. A run loads its model, warms up, then times a greedy generation t
 tokens/s is the prompt's length over the first token's time (the prompt's forward and the first pick),
 decode tokens/s the inverse of the median later token; both are measured the same way on both sides.
 Tokenpath's loop is the instrumented one (timing and attribution on, the telemetry sampler off). Where
-vLLM's CPU build is installed (`make vllm`), it is a further peer: after the rounds, with the others
-idle, the same prompt, token count and thread count go to a vLLM server as the same number of streamed
-requests, one after another, timed the same way from the client (the first token's time includes the
-request's round trip). Writes bench/results/peers.md.
+vLLM's CPU build is installed (`make vllm`), it is a further peer: its server starts before the rounds (its
+idle CPU use is printed) and each round sends it the same prompt, token count and thread count as one
+streamed request in its turn, timed the same way from the client (the first token's time includes the
+request's round trip). Every runner is set against llama.cpp as the ratio of its speeds over the rounds with
+their 95% interval (bench/common.py ratio). Writes bench/results/peers.md.
 
     .venv/bin/python bench/peers.py [--tokens 64] [--rounds 3] [--levels fp32,int8-dyn,...] [--no-vllm]
 
-llama-cpp-python is this benchmark's own dependency (`make peers` installs it into .venv).
+llama-cpp-python is this benchmark's own dependency (`make peers` installs it into .venv); without it the
+benchmark refuses.
 """
 import argparse
+import contextlib
 import importlib.util
 import json
 import signal
@@ -26,8 +29,10 @@ import subprocess
 import sys
 import time
 
-from common import PROMPT, in_turn, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+from common import (PROMPT, idle_cpu_share, in_turn, ratio,  # first: the engine sets OpenMP's wait policy
+                    recorded)  # before torch loads
 from engine.measure import hardware
+from engine.measure.compare import NO_DIFFERENCE
 
 import httpx2
 import numpy as np
@@ -116,13 +121,11 @@ def in_process(runner: str, prompt_ids: list[int], n: int) -> tuple | str:
     return ids, token_ms, prompt_len
 
 
-def rounds_alternating(runners: list[str], prompt_ids: list[int], n: int, rounds: int) -> list[dict]:
-    """Every runner's whole run once a round, each in its own process, the order rotating from round to round."""
-    done = []
-    for r in range(rounds):
-        order = runners[r % len(runners):] + runners[:r % len(runners)]
-        done.append({k: in_process(k, prompt_ids, n) for k in order})
-    return done
+def rounds_alternating(runners: dict, rounds: int) -> list[dict]:
+    """Every runner's whole run ({name: a call giving its result or how it ended}) once a round, the order
+    rotating from round to round."""
+    names = list(runners)
+    return [{k: runners[k]() for k in names[r % len(names):] + names[:r % len(names)]} for r in range(rounds)]
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -147,25 +150,33 @@ def served_request(client, model: str, n: int) -> tuple[list[int], list[float], 
     return ids, token_ms, result.usage_prompt
 
 
-def served_rounds(n: int, rounds: int, threads: int) -> list | None:
-    """vLLM's rounds, each like a run's result, or None (with a line saying why) where it is not
+@contextlib.contextmanager
+def served_runner(n: int, threads: int):
+    """A call giving one greedy streamed request's result from a vLLM server (or how it failed) while the block
+    runs, the server started before it and stopped after it; None (with a line saying why) where vLLM is not
     installed or does not start."""
     if not vllm_python().exists():
         print("vLLM is not a peer in this run: its CPU build is not installed (`make vllm`).")
-        return None
+        yield None
+        return
     server = VLLMServer(dtype=VLLM_DTYPE, threads=threads)
     try:
         server.start()
     except VLLMError as exc:
         print(f"vLLM is not a peer in this run: {exc}")
-        return None
+        yield None
+        return
+    client = make_client(server.url)
+
+    def one() -> tuple | str:
+        try:
+            return served_request(client, server.model_name, n)
+        except (openai.APIError, httpx2.HTTPError) as exc:  # costs its row of the round, not the table
+            return f"failed: {explain(exc, server.url)}"
     try:
-        client = make_client(server.url)
-        served_request(client, server.model_name, 4)  # warm up
-        return [served_request(client, server.model_name, n) for _ in range(rounds)]
-    except (openai.APIError, httpx2.HTTPError) as exc:  # the others' rounds are kept and reported
-        print(f"vLLM is not a peer in this run: {explain(exc, server.url)}")
-        return None
+        one()  # warm up
+        print(f"{SERVED} started; idle, it takes {idle_cpu_share(server.process.pid):.2f} cores while the others run")
+        yield one
     finally:
         server.stop()
 
@@ -176,36 +187,37 @@ def decode_rate(run: tuple) -> float:
 
 
 def report(rounds: list[dict], levels: list[str], threads: int, n: int) -> None:
-    """One row per runner over the rounds it finished; a runner whose process gave no result says how it ended."""
+    """One row per runner over the rounds it finished (a runner whose run gave no result says how it ended), then
+    each runner against llama.cpp: the ratio of its decode and prefill speeds over the rounds, with the interval."""
     keys = [*levels, *(k for k in (PEER, SERVED) if k in rounds[0])]
     ran = {k: [r[k] for r in rounds if not isinstance(r[k], str)] for k in keys}
     prefill = {k: [p / ms[0] * 1e3 for _, ms, p in ran[k]] for k in keys}
     decode = {k: [decode_rate(run) for run in ran[k]] for k in keys}
-    peer = ran.get(PEER) or []
+    peer = ran[PEER]
     prompt_len = next(p for k in keys for _, _, p in ran[k]) if any(ran.values()) else None
-    served = (f"; {SERVED} served alone after them, {threads} threads, its first token's time including the HTTP "
-              "round trip") if SERVED in rounds[0] else ""
-    print(f"{len(rounds)} rounds, each runner's whole run in its own process in turn, {threads} threads on every "
-          f"side, {prompt_len} prompt tokens, {n} new tokens, greedy{served}")
-    print(f"{'runner':<16} {'decode tok/s':>12} {'vs llama.cpp':>12} {'prefill tok/s':>13} {'vs llama.cpp':>12} "
-          f"{'tokens as llama.cpp':>19}  per-round decode ratio")
-    against = lambda value, k: (f"{value / statistics.median(k):>11.2f}x" if k else f"{'-':>12}")  # noqa: E731
+    served = (f"; {SERVED} served in its turn, {threads} threads, its first token's time including the HTTP round "
+              "trip") if SERVED in rounds[0] else ""
+    print(f"{len(rounds)} rounds, each runner's whole run in turn (each Tokenpath level and llama.cpp in its own "
+          f"process), {threads} threads on every side, {prompt_len} prompt tokens, {n} new tokens, greedy{served}")
+    print(f"{'runner':<16} {'decode tok/s':>12} {'prefill tok/s':>13} {'tokens as llama.cpp':>19}  (medians)")
     for k in keys:
-        failed = [f"round {i + 1}: {r[k]}" for i, r in enumerate(rounds) if isinstance(r[k], str)]
         if ran[k]:
-            d, p = statistics.median(decode[k]), statistics.median(prefill[k])
             same = f"{agreement(ran[k][-1][0], peer[-1][0]):>14}/{n:<4}" if peer else f"{'-':>19}"
-            per_round = ", ".join(f"{decode_rate(r[k]) / decode_rate(r[PEER]):.2f}" for r in rounds
-                                  if PEER in r and not isinstance(r[k], str) and not isinstance(r[PEER], str))
-            print(f"{k:<16} {d:>12.1f} {against(d, decode.get(PEER))} {p:>13.1f} {against(p, prefill.get(PEER))} "
-                  f"{same}  {per_round}")
-        for line in failed:
-            print(f"{k:<16} no result in {line}")
+            print(f"{k:<16} {statistics.median(decode[k]):>12.1f} {statistics.median(prefill[k]):>13.1f} {same}")
+        for i, r in enumerate(rounds):
+            if isinstance(r[k], str):
+                print(f"{k:<16} no result in round {i + 1}: {r[k]}")
+    if not peer:
+        print(f"no ratios: {PEER} finished no round")
+        return
+    print(f"\nagainst {PEER} over the rounds (95% interval; \"{NO_DIFFERENCE}\" where it includes 1):")
+    for k in keys:
+        if k != PEER and ran[k]:
+            print(f"{k:<16} decode {ratio(decode[PEER], decode[k])}; prefill {ratio(prefill[PEER], prefill[k])}")
     finished = [k for k in levels if ran[k]]
-    if finished and peer:
+    if finished:
         best = max(finished, key=lambda k: statistics.median(decode[k]))
-        print(f"best Tokenpath level: {best}, {statistics.median(decode[best]) / statistics.median(decode[PEER]):.2f}x "
-              "llama.cpp's decode")
+        print(f"fastest Tokenpath level at decode: {best}, {ratio(decode[PEER], decode[best])} against {PEER}")
 
 
 def main() -> int:
@@ -223,6 +235,10 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args.one, [int(t) for t in args.prompt_ids.split(",")], args.tokens)))
         return 0
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"llama.cpp, the peer every runner is set against, is not installed here: `make peers` builds "
+              f"{LLAMA_CPP_PIN} into .venv.", file=sys.stderr)
+        return 2
     base = load_model()
     levels = args.levels.split(",") if args.levels else available_levels(base.device)
     unknown = sorted(set(levels) - set(available_levels(base.device)))
@@ -232,17 +248,13 @@ def main() -> int:
     threads = torch.get_num_threads()
     prompt_ids = chat_ids(base, PROMPT, raw=False)
     del base  # the runs load their own models
-    runners = list(levels)
-    if importlib.util.find_spec("llama_cpp") is None:
-        print(f"llama.cpp is not a peer in this run: llama-cpp-python is not installed (`make peers` installs "
-              f"{LLAMA_CPP_PIN}).")
-    else:
-        runners.append(PEER)
-        print(f"llama.cpp on {default_gguf_path().name} (the GGUF Tokenpath's weights are converted from)")
-    rounds = rounds_alternating(runners, prompt_ids, args.tokens, args.rounds)
-    served = None if args.no_vllm else served_rounds(args.tokens, args.rounds, threads)
-    for one_round, served_round in zip(rounds, served or []):
-        one_round[SERVED] = served_round
+    print(f"llama.cpp on {default_gguf_path().name} (the GGUF Tokenpath's weights are converted from)")
+    runners = {k: (lambda k=k: in_process(k, prompt_ids, args.tokens)) for k in [*levels, PEER]}
+    with contextlib.ExitStack() as stack:
+        served = None if args.no_vllm else stack.enter_context(served_runner(args.tokens, threads))
+        if served:
+            runners[SERVED] = served
+        rounds = rounds_alternating(runners, args.rounds)
     report(rounds, levels, threads, args.tokens)
     return 0
 
