@@ -240,3 +240,49 @@ def test_a_calibration_older_than_its_age_limit_is_not_trusted(store, calibratio
     verdict = hardware.calibration_verdict(store, calibration["device_key"])
     assert not verdict.trustworthy and "is 45 days old" in verdict.headline and verdict.action
 
+
+
+def test_the_prefill_products_timed_are_the_default_model_s_layers():
+    """One layer's products as the engine runs them, over every layer, and the output head make up every
+    parameter a token reads but the norms'."""
+    from engine.plan import planner
+
+    shapes = hardware.default_layer_shapes()
+    model = planner.resolve_model("default")
+    products = model.spec.layers * sum(n_in * n_out for n_in, n_out in shapes) + model.vocab * model.hidden
+    assert products == pytest.approx(model.read_params(), rel=1e-3)
+
+
+def test_prefill_products_are_timed_at_each_count_of_rows_through_the_engine_s_linear_module():
+    figures = hardware.measure_prefill_products(torch.device("cpu"), [(64, 96), (96, 64)], rows=(4, 32))
+    assert set(figures) == {"4", "32"} and all(v > 0 for v in figures.values())
+
+
+def test_a_stored_calibration_of_the_version_before_the_prefill_rates_is_still_read(store, calibration):
+    from engine.plan import planner
+
+    key = hardware.device_key(torch.device("cpu"))
+    older = {k: v for k, v in calibration.items() if k != "prefill_gflops"}
+    store.save_calibration(key, {**older, "version": 3})
+    (read,) = hardware.recent_calibrations(store, key)
+    assert read["version"] == 3 and planner.local_device(read)["prefill_tflops"] == {}
+    assert planner.local_device(calibration)["prefill_tflops"]["fp32"][128] == \
+        calibration["prefill_gflops"]["float32"]["128"] / 1e3
+
+
+def test_the_verdict_reads_the_store_over_one_connection(store, calibration):
+    """Pages show the verdict on every rerun, and each connection opens the database file anew."""
+    opened = []
+
+    class CountingStore(Store):
+        def connect(self):
+            opened.append(1)
+            return super().connect()
+
+    key = hardware.device_key(torch.device("cpu"))
+    store.save_calibration(key, calibration)
+    counting = CountingStore(store.path)
+    opened.clear()
+    verdict = hardware.calibration_verdict(counting, key)
+    assert verdict.trustworthy and verdict.calibration["memory_gbps"] == calibration["memory_gbps"]
+    assert len(opened) == 1

@@ -282,7 +282,8 @@ def test_plan_capacity_json_has_cost_energy_and_gpus_for_the_target(capsys):
     assert out["usd_per_million_input_tokens"] < out["usd_per_million_output_tokens"]  # prompts of 200 tokens, outputs of 32
     assert out["limiting_bucket"] in plan.BUCKETS and out["limiting_metric"] in ("ttft_ms", "tpot_ms", "throughput")
     power = json.loads((plan.DATA / "gpu_prices.json").read_text())["power"]["h100-80gb-sxm"]["board_power_w"]
-    assert 0.25 * power / out["output_tokens_per_s"] <= out["joules_per_output_token"] <= power / out["output_tokens_per_s"]
+    full = power / out["output_tokens_per_s"]  # a GPU busy all the time at the capacity point draws its board power
+    assert 0.25 * full <= out["joules_per_output_token"] <= full * (1 + 1e-12)
 
 
 def test_a_tighter_slo_never_gives_more_capacity(capsys):
@@ -410,7 +411,8 @@ def test_products_and_attention_are_rooflines_of_their_own_each_in_its_format():
     work = plan.batch_work(s.model.spec, [200], [0])  # a prefill: no cache read, attention over its own tokens
     step = plan.forward_buckets(s, work)
     weights_ms = 1e6 * plan.weight_bits(s) / 8 / 100e9 * 1e3
-    linear_ms = 2 * 1e6 * 200 / 40e12 * 1e3
+    head = 100 * 4096  # the output head computes the last row's logits only
+    linear_ms = 2 * ((1e6 - head) * 200 + head) / 40e12 * 1e3
     attention_ms = 4 * 2 * 4 * 8 * work.key_positions / 20e12 * 1e3
     assert step["memory"] == pytest.approx(weights_ms)
     assert step["compute"] == pytest.approx(max(linear_ms - weights_ms, 0) + attention_ms)
@@ -464,3 +466,36 @@ def test_a_local_decode_step_adds_each_sequence_s_products_and_layer_work_to_the
     gpu = replace(setup, gpu=plan.get_gpu("h100-80gb-sxm"), efficiency=plan.Efficiency())
     g = plan.forward_buckets(gpu, plan.batch_work(spec, [1] * 8, [context] * 8))
     assert g["compute"] == 0
+
+
+def test_the_output_head_runs_on_each_sequence_s_last_row_in_a_prefill_and_on_every_row_of_a_verification():
+    s = toy()
+    head = 100 * 4096
+    work = plan.batch_work(s.model.spec, [50, 30], [0, 0])  # two prefills in one forward
+    prefill = plan.forward_buckets(s, work)
+    assert prefill["_flops"] - prefill["_attention_flops"] == pytest.approx(2 * ((1e6 - head) * 80 + head * 2))
+    verify = plan.step_buckets(s, 5, 10, every_logit=True)
+    assert verify["_flops"] - verify["_attention_flops"] == pytest.approx(2 * 1e6 * 5)
+
+
+def test_a_local_prefill_multiplies_at_the_rate_its_calibration_timed_at_its_rows():
+    """The body's products of a prefill-shaped forward run at the calibrated rate of the model's layer products
+    at its rows (interpolated, the nearest beyond the rows timed); the head's one row and decode steps at the peak."""
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0, "prefill_gflops": {"float32": {"16": 40.0, "128": 20.0}}}
+    model = plan.resolve_model("default")
+    spec, head = model.spec, plan.head_params(model)
+
+    def compute(cal, rows):
+        setup = plan.Setup(model=model, gpu=plan.local_device(cal), weights="fp32", kv_dtype="fp32",
+                           efficiency=plan.local_efficiency(cal))
+        work = plan.batch_work(spec, [rows], [0])
+        attention = 4 * spec.layers * spec.attention_heads * spec.head_dim * work.key_positions
+        return plan.forward_buckets(setup, work)["compute"] - (attention + 2 * head) / 50e9 * 1e3
+
+    body = 2 * (model.read_params() - head)
+    for rows, gflops in ((72, 30.0), (16, 40.0), (8, 40.0), (128, 20.0), (300, 20.0)):
+        assert compute(calibration, rows) == pytest.approx(body * rows / (gflops * 1e9) * 1e3)
+    without = {k: v for k, v in calibration.items() if k != "prefill_gflops"}
+    assert compute(without, 72) == pytest.approx(body * 72 / 50e9 * 1e3)
+    assert compute(calibration, 1) == pytest.approx(compute(without, 1))  # a decode step: the peak

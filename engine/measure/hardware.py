@@ -20,7 +20,11 @@ from engine import OPENMP_WAIT
 
 # 2: the memory and matmul peaks are the best of several methods and shapes
 # 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
-CALIBRATION_VERSION = 3
+# 4: adds the rate of the default model's layer products at prefill chunk rows
+CALIBRATION_VERSION = 4
+# versions still read from a database: a version 3 calibration lacks only the prefill rates, where
+# the planner then takes the matmul peak
+READABLE_VERSIONS = (3, 4)
 
 
 def _cpu_model() -> str:
@@ -286,6 +290,63 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, f
     return figures
 
 
+# rows of the prefill chunks whose products are timed (the engine's chunks hold at most 128 prompt tokens)
+PREFILL_ROWS = (16, 32, 64, 128)
+# a pass takes milliseconds, and two threads sharing cores with other work meet in step only now and then
+PREFILL_ROUNDS = 20
+
+
+def default_layer_shapes() -> list[tuple[int, int]] | None:
+    """(inputs, outputs) of one decoder layer's products in the default model as the engine runs them (fused
+    q/k/v, attention output, fused gate/up, down), from its config; None where the model is not here yet."""
+    from engine.paths import DEFAULT_MODEL_NAME, models_dir
+
+    try:
+        config = json.loads((models_dir() / DEFAULT_MODEL_NAME / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    return [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * inner),
+            (inner, hidden)]
+
+
+def measure_prefill_products(device: torch.device, shapes: list[tuple[int, int]],
+                             rows: tuple[int, ...] = PREFILL_ROWS) -> dict[str, float]:
+    """GFLOP/s of one layer's float32 products (`shapes`, as (inputs, outputs)) over a prefill chunk of each
+    count of rows, keyed by the rows, on the threads torch is set to. The products run through the engine's
+    own linear module (LeanLinear: the project's kernel up to a few rows, PyTorch's GEMM beyond), so the
+    figures follow what a prefill runs. One layer's weights stay in the caches between its products, as a
+    prefill reads each weight once for all its rows: the weights' trip from memory is the memory bucket's.
+    Each round times every count of rows once and each keeps its best round, so a quiet moment of a busy
+    machine serves them all alike."""
+    from engine.model.lean import LeanLinear
+
+    layers = [LeanLinear(n_in, n_out, bias=False, device=device).requires_grad_(False) for n_in, n_out in shapes]
+    passes = {n: _layer_pass(layers, n, device) for n in rows}
+    best = {n: float("inf") for n in rows}
+    with torch.no_grad():
+        for run in passes.values():
+            run()  # first touches
+        for _ in range(PREFILL_ROUNDS):
+            for n, run in passes.items():
+                best[n] = min(best[n], _pass_seconds(run))
+    return {str(n): 2 * n * sum(a * b for a, b in shapes) / best[n] / 1e9 for n in rows}
+
+
+def _layer_pass(layers: list, rows: int, device: torch.device):
+    """A function that runs each layer's product once over `rows` rows and waits for the device."""
+    inputs = [torch.randn(1, rows, layer.in_features, device=device) for layer in layers]
+
+    def run():
+        for layer, x in zip(layers, inputs):
+            layer(x)
+        sync(device)
+
+    return run
+
+
 def measure_matvec_call_us(device: torch.device, pairs: int = 15) -> float:
     """Microseconds a decode-sized matrix-vector product (1024 x 1024, 4 MB of float32 weights, in the
     kernel fp32 decode steps run) takes beyond its bytes at the rate the same kernel reads 64 MB
@@ -346,6 +407,8 @@ def calibrate(device: torch.device) -> dict:
         reads = measure_read_bandwidth(device)
         method, peak = best_method(reads)
         matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
+        layer_shapes = default_layer_shapes()
+        prefill = {"float32": measure_prefill_products(device, layer_shapes)} if layer_shapes else None
     results = {
         "version": CALIBRATION_VERSION,
         "device_key": device_key(device),
@@ -359,6 +422,8 @@ def calibrate(device: torch.device) -> dict:
         "dispatch_us": measure_dispatch_us(device),
         "matvec_call_us": measure_matvec_call_us(device),
     }
+    if prefill:
+        results["prefill_gflops"] = prefill
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)
     results["seconds"] = time.perf_counter() - start
@@ -443,7 +508,7 @@ def decode_checks(forwards: list[tuple[float, float, float]], calibration: dict)
 
 # what a run keeps of the calibration it used
 RUN_CALIBRATION = ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
-                   "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
+                   "prefill_gflops", "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
 
 
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
@@ -463,12 +528,17 @@ def _headline(calibration: dict) -> dict:
 
 
 def recent_calibrations(store, key: str, n: int = RECENT) -> list[dict]:
-    """This device's last n stored calibrations of the current version, newest first."""
-    frame = store.query("SELECT results, created_at FROM calibration WHERE device_key = ? "
-                        "ORDER BY created_at DESC LIMIT ?", [key, n])
-    rows = [{**json.loads(r.results), "created_at": r.created_at.isoformat(timespec="seconds")}
-            for r in frame.itertuples()]
-    return [r for r in rows if r.get("version") == CALIBRATION_VERSION]
+    """This device's last n stored calibrations of a readable version, newest first."""
+    with store.connect() as con:
+        return _recent_calibrations(con, key, n)
+
+
+def _recent_calibrations(con, key: str, n: int) -> list[dict]:
+    rows = con.execute("SELECT results, created_at FROM calibration WHERE device_key = ? "
+                       "ORDER BY created_at DESC LIMIT ?", [key, n]).fetchall()
+    calibrations = [{**json.loads(results), "created_at": created.isoformat(timespec="seconds")}
+                    for results, created in rows]
+    return [c for c in calibrations if c.get("version") in READABLE_VERSIONS]
 
 
 def disagreement(results: dict, recent: list[dict]) -> str | None:
@@ -639,7 +709,7 @@ VERDICT_RUNS = 20
 def calibration_verdict(store, key: str) -> CalibrationVerdict:
     """The verdict on this device's calibration in use: missing, flagged when taken on a busy machine,
     or beaten by the runs attributed with it (a peak a run exceeds reads low), else trustworthy."""
-    recent = recent_calibrations(store, key) if store is not None else []
+    recent, run_metrics = _verdict_evidence(store, key) if store is not None else ([], [])
     chosen = choose_calibration(recent)
     calibrate = "Calibrate now, on a quiet machine (a few seconds)."
     if chosen is None:
@@ -656,7 +726,7 @@ def calibration_verdict(store, key: str) -> CalibrationVerdict:
         return CalibrationVerdict(False, f"The calibration in use ({figures}) was taken on a busy machine: its "
                                   "peaks read low, so memory and compute estimates read high.", chosen["suspect"],
                                   calibrate, chosen)
-    beaten = [check for check in _peak_checks(store, chosen) if check.get("beyond_peak")]
+    beaten = [check for check in _peak_checks(run_metrics, chosen) if check.get("beyond_peak")]
     if beaten:
         top = max(check["peak_fraction"] for check in beaten)
         return CalibrationVerdict(False, f"The calibration in use ({figures}) reads low: {len(beaten)} recent run(s) "
@@ -689,10 +759,21 @@ def provenance(calibration: dict) -> str:
     return f"{said}."
 
 
-def _peak_checks(store, calibration: dict) -> list[dict]:
-    """The peak checks of the recent runs attributed with this calibration (same memory figure)."""
+def _verdict_evidence(store, key: str) -> tuple[list[dict], list[str]]:
+    """This device's recent calibrations and the metrics JSON of the newest finished local runs (newest first),
+    read over one connection: pages show the verdict on every rerun, and each connection opens the file anew."""
+    with store.connect() as con:
+        recent = _recent_calibrations(con, key, RECENT)
+        metrics = con.execute("SELECT metrics FROM runs WHERE status = 'ok' AND metrics IS NOT NULL AND "
+                              "coalesce(backend, 'local') = 'local' ORDER BY run_id DESC LIMIT ?",
+                              [VERDICT_RUNS]).fetchall()
+    return recent, [row[0] for row in metrics]
+
+
+def _peak_checks(run_metrics: list[str], calibration: dict) -> list[dict]:
+    """The peak checks of the runs (their metrics JSON) attributed with this calibration (same memory figure)."""
     checks = []
-    for text in store.recent_run_metrics(VERDICT_RUNS):
+    for text in run_metrics:
         metrics = json.loads(text) if text else {}
         if (metrics.get("calibration") or {}).get("memory_gbps") == calibration["memory_gbps"] and \
                 metrics.get("peak_check"):

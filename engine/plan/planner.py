@@ -24,7 +24,8 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                  step while the GPU runs this one)
     decision = speculative work thrown away (rejected drafts and their share of the verification)
 
-Product FLOPs = batch x 2 x linear parameters, attention FLOPs = batch x 4 x layers x heads x head_dim x C; weight
+Product FLOPs = batch x 2 x linear parameters (a prefill computes the output head's logits for each sequence's last
+row only; a verification of drafts for every row), attention FLOPs = batch x 4 x layers x heads x head_dim x C; weight
 bytes count the parameters one token reads (an untied input embedding is only looked up; a mixture of experts
 reads the experts its tokens touch)."""
 from __future__ import annotations
@@ -327,12 +328,15 @@ def pipeline_send_us(setup: Setup, message_bytes: float) -> float:
 @dataclass(frozen=True)
 class Work:
     """What one forward of a batch does, summed over its sequences: new tokens (rows), cached token-layers
-    read (after sliding windows), attention key positions, sequences and the largest new-token count."""
+    read (after sliding windows), attention key positions, sequences and the largest new-token count.
+    `logits`: the rows the output head computes (None: each sequence's last row, as a prefill or a decode step
+    needs; a verification of drafts needs every row)."""
     rows: int
     kv_token_layers: int
     key_positions: int
     sequences: int
     widest: int
+    logits: int | None = None
 
 
 def batch_work(spec: kvcalc.AttentionSpec, new_tokens, contexts) -> Work:
@@ -347,11 +351,13 @@ def batch_work(spec: kvcalc.AttentionSpec, new_tokens, contexts) -> Work:
                 widest=max(new_tokens, default=0))
 
 
-def step_buckets(setup: Setup, tokens: int, context: int) -> dict:
-    """The five buckets (ms) of one forward over `tokens` new tokens per sequence after `context` cached ones."""
+def step_buckets(setup: Setup, tokens: int, context: int, every_logit: bool = False) -> dict:
+    """The five buckets (ms) of one forward over `tokens` new tokens per sequence after `context` cached ones;
+    every_logit: the output head runs on every new token (a verification of drafts), else on the last."""
     one = batch_work(setup.model.spec, [tokens], [context])
     b = setup.batch
-    return forward_buckets(setup, Work(one.rows * b, one.kv_token_layers * b, one.key_positions * b, b, tokens))
+    return forward_buckets(setup, Work(one.rows * b, one.kv_token_layers * b, one.key_positions * b, b, tokens,
+                                       logits=one.rows * b if every_logit else None))
 
 
 def forward_buckets(setup: Setup, work: Work) -> dict:
@@ -364,10 +370,14 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
                * kvcalc.bits_per_value(setup.kv_dtype) / 8)
     bandwidth = gpu["bandwidth_gbps"] * 1e9 / 1e3  # bytes per ms
     weights_ms, kv_ms = weight_bytes / eff.bandwidth / bandwidth, kv_read / eff.kv_bandwidth / bandwidth
-    linear = 2 * m.read_params() * work.rows / t
+    head = head_params(m)
+    body_flops = 2 * (m.read_params() - head) * work.rows / t
+    head_flops = 2 * head * (work.sequences if work.logits is None else work.logits) / t
+    linear = body_flops + head_flops
     attention = 4 * m.spec.layers * m.spec.attention_heads * m.spec.head_dim * work.key_positions / t
     compute_eff = eff.compute if work.widest <= 1 else eff.prefill_compute
-    linear_ms = linear / (peak_tflops(gpu, compute_format(setup)) * compute_eff * 1e9)
+    peak = peak_tflops(gpu, compute_format(setup)) * compute_eff
+    linear_ms = body_flops / (product_tflops(setup, work, peak) * 1e9) + head_flops / (peak * 1e9)
     attention_ms = attention / (peak_tflops(gpu, attention_format(setup)) * compute_eff * 1e9)
     memory, flops = weights_ms + kv_ms, linear + attention
     # the products overlap their weights' reads and attention its cache's, but the two run as kernels of their own
@@ -390,6 +400,26 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
             "time": fixed_ms + host_wait, "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_attention_flops": attention,
             "_host_wait_ms": host_wait, "_roofline_ms": memory + compute}
+
+
+def head_params(m: Model) -> float:
+    """The output head's parameters (vocab x hidden, at most all read_params); 0 where the vocabulary is not known."""
+    return min(float(m.vocab * m.hidden), m.read_params()) if m.vocab else 0.0
+
+
+def product_tflops(setup: Setup, work: Work, peak: float) -> float:
+    """The rate a forward's layer products reach: on a device whose calibration timed the model's layer products
+    at prefill chunk rows (this machine, in float32), that rate at the forward's rows for a prefill-shaped
+    forward (interpolated between the rows timed, the nearest figure beyond them); else `peak`."""
+    curve = setup.gpu.get("prefill_tflops", {}).get(compute_format(setup))
+    if not curve or work.widest <= 1:
+        return peak
+    points = sorted(curve.items())
+    rows = min(max(work.rows, points[0][0]), points[-1][0])
+    for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+        if rows <= high:
+            return low_rate + (high_rate - low_rate) * (rows - low) / (high - low)
+    return points[-1][1]
 
 
 def compute_format(setup: Setup) -> str:
@@ -447,8 +477,8 @@ def speculative(setup: Setup, context: int) -> dict:
     a, k = setup.speculative_acceptance, setup.speculative_draft_length
     emitted = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
     plain = step_buckets(setup, 1, context)
-    verify = step_buckets(setup, k + 1, context)
-    useful = step_buckets(setup, max(1, round(emitted)), context)
+    verify = step_buckets(setup, k + 1, context, every_logit=True)
+    useful = step_buckets(setup, max(1, round(emitted)), context, every_logit=True)
     waste = 1 - useful["_roofline_ms"] / verify["_roofline_ms"] if verify["_roofline_ms"] else 0.0
     draft = k * setup.speculative_draft_cost * sum(plain[b] for b in BUCKETS)
     rejected_share = (k - (emitted - 1)) / k
@@ -659,13 +689,16 @@ def decode_bandwidth_gbps(calibration: dict) -> float:
 
 def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
     """This machine as a planner GPU: the bandwidth its decode kernel reaches, its calibrated matmul
-    peaks and no links."""
+    peaks, the rate of the model's layer products at prefill chunk rows where the calibration timed them
+    (a calibration of version 3 did not: its prefills take the peak), and no links."""
     gflops = calibration["matmul_gflops"]
     peaks = {ENGINE_LEVELS.get(k, k): v / 1e3 for k, v in gflops.items()}
     peaks.setdefault("fp32", gflops.get("float32", 1.0) / 1e3)
+    prefill = {ENGINE_LEVELS.get(k, k): {int(rows): v / 1e3 for rows, v in by_rows.items()}
+               for k, by_rows in (calibration.get("prefill_gflops") or {}).items()}
     return {"id": "local", "name": calibration.get("device_key", "this machine"),
             "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": decode_bandwidth_gbps(calibration),
-            "peak_tflops": peaks,
+            "peak_tflops": peaks, "prefill_tflops": prefill,
             "gpu_link": {"name": "none", "gbps_per_direction": None}, "host_link": {"name": "none",
                                                                                   "gbps_per_direction": None}}
 
