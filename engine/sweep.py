@@ -11,10 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 
 from engine.errors import UserError
-from engine.measure.compare import interleaved
 from engine.paths import workloads
 from engine.spec import LIMITS, GenConfig, RunSpec
-from engine.store.sql import utcnow
 
 SWEEP_TAG = "sweep:"
 MAX_REPEAT = 10  # each setting's runs; the sweep takes this many times longer
@@ -124,6 +122,8 @@ class SweepSpec:
 
     def runs(self, sweep_id: str) -> list[tuple[Arm, RunSpec]]:
         """Every run of the sweep in the order to run them: the arms interleaved, `repeat` times."""
+        from engine.measure.compare import interleaved  # scipy: not for the command line's parser
+
         return [(arm, self.run_spec(arm, sweep_id)) for arm in interleaved(self.grid(), self.repeat)]
 
     def arguments(self) -> list[str]:
@@ -161,6 +161,8 @@ def _whole(value, low: int, high: int) -> bool:
 def start(store, spec: SweepSpec) -> str:
     """Check the sweep, store its specification under a new id (the time it starts, made unique), and return
     the id; bad input raises SweepError before anything is stored."""
+    from engine.store.sql import utcnow  # pandas: not for the command line's parser either
+
     spec.check()
     base = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     taken = set(store.query("SELECT sweep_id FROM sweeps WHERE sweep_id LIKE ?", [base + "%"])["sweep_id"])

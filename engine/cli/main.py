@@ -9,13 +9,23 @@ import signal
 import sys
 
 from engine.cli import serving as served_cli
+from engine.switches import names
 
 from engine.errors import USER_ERROR
 
 
+# Commands that load no model: they run without the model stack (torch, transformers) imported up front.
+WITHOUT_MODEL = {"runs", "kvcalc", "plan", "report", "trace", "serve-vllm"}
+
+
+def loads_a_model(args) -> bool:
+    """Whether the command may load a model: every one but those above, and load and capacity against a server."""
+    if args.command in ("load", "capacity"):
+        return args.local
+    return args.command not in WITHOUT_MODEL
+
+
 def _quiet_libraries() -> None:
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -344,16 +354,31 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def add_weight_args(p) -> None:
-    from engine.switches.quant import INT4_GROUPS, LEVELS
-    from engine.switches.sparsity import ALL_MODES
+def loaded_registry(module: str, registry: str) -> dict | None:
+    """A switch registry where its module is loaded already (with any entry registered since); None where it
+    is not, and the names shipped (engine.switches.names) stand for it: building the parser imports no torch."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, registry) if loaded else None
 
-    p.add_argument("--weights", default="fp32", choices=list(LEVELS), help="weight precision level")
-    p.add_argument("--quant", dest="weights", choices=list(LEVELS), default=argparse.SUPPRESS,
+
+def weight_levels() -> list[str]:
+    return list(loaded_registry("engine.switches.quant", "LEVELS") or names.LEVELS)
+
+
+def speculative_help() -> dict[str, str]:
+    """Each speculative method's help, by name."""
+    methods = loaded_registry("engine.switches.speculative", "METHODS")
+    return {name: m.help for name, m in methods.items()} if methods else dict(names.METHOD_HELP)
+
+
+def add_weight_args(p) -> None:
+    levels = weight_levels()
+    p.add_argument("--weights", default="fp32", choices=levels, help="weight precision level")
+    p.add_argument("--quant", dest="weights", choices=levels, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the earlier name, which stored commands and scripts still use
-    p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, INT4_GROUPS))})")
+    p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, names.INT4_GROUPS))})")
     limited(p, "--sparsity", "sparsity", "target activation sparsity")
-    p.add_argument("--sparsity-mode", default="mask", choices=ALL_MODES,
+    p.add_argument("--sparsity-mode", default="mask", choices=names.ALL_MODES,
                    help="mask: zero small inputs, dense matmul; skip: do not read their weights")
 
 
@@ -418,8 +443,8 @@ def common(p, device=True) -> None:
 def add_generate_parser(sub) -> None:
     """generate: its choices of weight level, KV precision and speculative method come from the registries."""
     from engine.dtypes import KV_CHOICES
-    from engine.switches.speculative import METHODS
 
+    methods = speculative_help()
     g = sub.add_parser("generate", help="generate text token by token and record the run")
     g.add_argument("--prompt", help="the text to continue (required unless --from-run)")
     g.add_argument("--from-run", type=run_id, help="make this stored run again, with every setting it had")
@@ -440,9 +465,9 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as plain text")
     g.add_argument("--stop", action="append", help="stop when this string appears (repeatable)")
     g.add_argument("--tokens", action="store_true", help="with --json: per-token and per-step rows")
-    g.add_argument("--speculative", default="none", choices=list(METHODS),
-                   help="speculative decoding: " + "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
-    g.add_argument("--spec", dest="speculative", choices=list(METHODS), default=argparse.SUPPRESS,
+    g.add_argument("--speculative", default="none", choices=list(methods),
+                   help="speculative decoding: " + "; ".join(f"{name}: {help}" for name, help in methods.items()))
+    g.add_argument("--spec", dest="speculative", choices=list(methods), default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the earlier name, which stored commands and scripts still use
     g.add_argument("--speculative-k", type=int, help="tokens drafted per step (default 4)")
     g.add_argument("--spec-k", dest="speculative_k", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -567,10 +592,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _cancelled)  # until a command can record a cancellation, as Ctrl-C
     try:
         args = build_parser().parse_args(argv)
-        from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)
         from engine.errors import UserError
 
-        _quiet_libraries()
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if loads_a_model(args):
+            from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)
+
+            _quiet_libraries()
     finally:
         signal.signal(signal.SIGINT, previous)
     _cancel_on_sigterm()

@@ -5,14 +5,13 @@ import sys
 from pathlib import Path
 
 from engine.errors import USER_ERROR
-from engine.report.html import ReportError, runs_report
-from engine.store.db import Store, StoreError
 
 
 def cmd_report(args) -> int:
     """python -m engine report: write the report file; bad input is one sentence and exit code 2."""
-    from engine.report import story  # loaded only for this command: it pulls in the planner
+    from engine.report import story  # loaded only for this command, as the rest: they pull in pandas and the planner
     from engine.report import sweeps as sweep_report
+    from engine.report.html import runs_report
 
     if args.story:
         return _write(args, story.story_report, "the latest story runs")
@@ -32,6 +31,9 @@ def cmd_report(args) -> int:
 
 def _write(args, build, what: str) -> int:
     """Build the report from the store and write it; bad input is one sentence and exit code 2."""
+    from engine.report.html import ReportError
+    from engine.store.db import Store, StoreError
+
     try:
         page = build(Store(args.db))
         Path(args.out).write_text(page, encoding="utf-8")

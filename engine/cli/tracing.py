@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from engine.report.trace import trace_json, write_trace
-from engine.store.db import Store
-
 
 def cmd_trace(args) -> int:
     """Write the trace file; bad input (an unknown id, nothing chosen, an unwritable path) is a TraceError."""
+    from engine.report.trace import trace_json, write_trace
+    from engine.store.db import Store
+
     text = trace_json(Store(args.db), args.run or [], args.load_sweep or [])
     write_trace(args.out, text)
     what = [f"run #{i}" for i in args.run or []] + [f"load sweep #{i}" for i in args.load_sweep or []]

@@ -7,8 +7,9 @@ the most bytes of any single layer; the head is untied from the input embedding 
 embedding keeps full precision for its row lookups. int4-wo keeps the head at int8: at 4 bits the
 head alone costs several points of top-1 agreement. Norms keep the model's precision.
 
-Adding a level is one subclass of WeightLevel and one register() call; the command line's choices,
-the pages' selects and the level table read LEVELS."""
+Adding a level is one subclass of WeightLevel and one register() call; the pages' selects and the level
+table read LEVELS, and so does the command line where this module is loaded; elsewhere it reads the shipped
+levels' names in engine.switches.names, to parse its arguments without importing torch."""
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,8 @@ from engine.model.loader import LoadedModel
 from engine.paths import CALIBRATION_TEXT
 from engine.switches.qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear,
                       Int8WeightOnlyLinear, smoothing_plan)
+from engine.switches.names import INT4_GROUPS
 
-INT4_GROUPS = (32, 64, 128, 256)
 MAX_VARIANTS = 2
 
 

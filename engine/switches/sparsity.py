@@ -27,9 +27,7 @@ from engine.errors import UserError
 from engine.model.lean import SMALL_ROWS
 from engine.model.loader import LoadedModel
 from engine.paths import CALIBRATION_TEXT
-
-MODES = ("mask", "skip")  # activation sparsity; "2:4" (weights, CUDA only) lives in engine.switches.sparse24
-ALL_MODES = (*MODES, "2:4")  # every mode a run may name, as the command line and the Live page offer them
+from engine.switches.names import ALL_MODES, MODES
 
 
 class SparsityError(UserError):

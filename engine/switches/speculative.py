@@ -6,8 +6,9 @@ the target agrees with and adds the target's own next token, so the output is ex
 With sampling and a draft model, speculative sampling keeps the target's distribution instead. The KV
 cache is cropped back past the first rejected position.
 
-Each method is one registry entry (METHODS): its help text, how it builds its drafter, whether it also
-samples, and the settings a sweep runs it with. The command line's choices and the pages read METHODS."""
+Each method is one registry entry (METHODS): how it builds its drafter, whether it also samples, and the
+settings a sweep runs it with. Its name and help text are also in engine.switches.names, where the command
+line reads them without importing torch; the pages read METHODS."""
 from __future__ import annotations
 
 import statistics
@@ -21,6 +22,7 @@ from engine.switches.drafters import (DraftModel, Drafter, EarlyExitDraft, Jacob
                        early_exit, same_tokenizer)
 from engine.model.lean import LeanLlama
 from engine.model.loader import LoadedModel
+from engine.switches.names import METHOD_HELP
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,15 @@ def _draft_model(target: LoadedModel, cfg, load) -> Drafter:
     return DraftModel(model)
 
 
-register(Method("none", "plain decoding: one target forward per token", lambda target, cfg, load: None))
-register(Method("prompt-lookup", "drafts the continuation of the latest earlier match of the last n tokens; "
-                "no second model", lambda target, cfg, load: PromptLookup(cfg.max_ngram),
+register(Method("none", METHOD_HELP["none"], lambda target, cfg, load: None))
+register(Method("prompt-lookup", METHOD_HELP["prompt-lookup"], lambda target, cfg, load: PromptLookup(cfg.max_ngram),
                 sweep=dict(speculative_k=4, adaptive=True)))
-register(Method("draft", "a smaller draft model (self-int8, self-exit:K, or a model sharing the tokenizer) "
-                "guesses K tokens", _draft_model, samples=True,
+register(Method("draft", METHOD_HELP["draft"], _draft_model, samples=True,
                 sweep=dict(draft_model="self-int8", speculative_k=3, adaptive=True)))
-register(Method("lookahead", "lookahead decoding: Jacobi trajectories collect n-grams that are verified in "
-                "the same forward", _lookahead, sweep=dict(window=4, max_ngram=3, guesses=4, adaptive=True)))
-register(Method("jacobi", "the target's own predictions from the last verification are the next guesses",
-                lambda target, cfg, load: Jacobi(), sweep=dict(speculative_k=4, adaptive=True)))
+register(Method("lookahead", METHOD_HELP["lookahead"], _lookahead,
+                sweep=dict(window=4, max_ngram=3, guesses=4, adaptive=True)))
+register(Method("jacobi", METHOD_HELP["jacobi"], lambda target, cfg, load: Jacobi(),
+                sweep=dict(speculative_k=4, adaptive=True)))
 
 
 def method(name: str) -> Method:

@@ -1,0 +1,59 @@
+"""The command line parses before it imports the model stack: help, refused arguments and the commands that
+load no model import none of torch, transformers, scipy; the names it offers are the registries' own."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import build_parser
+from engine.switches import names, quant, sparsity, speculative
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers", "scipy")
+SHOW_HEAVY = ("import json, runpy, sys\nsys.argv = ['engine', *sys.argv[1:]]\ntry:\n    runpy.run_module('engine', "
+              "run_name='__main__')\nexcept SystemExit as end:\n    code = end.code\n"
+              f"print('heavy:', json.dumps([[m for m in {HEAVY!r} if m in sys.modules], code]), file=sys.stderr)")
+
+
+def heavy_imports(tmp_path, *argv) -> list:
+    """The heavy modules `python -m engine ARGV` imported, and its exit code, from one real process ({tmp} in an
+    argument is the test's own folder)."""
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    done = subprocess.run([sys.executable, "-c", SHOW_HEAVY, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TOKENPATH_DB": str(tmp_path / "runs.duckdb")})
+    *_, last = done.stderr.strip().splitlines()
+    assert last.startswith("heavy: "), done.stderr
+    return json.loads(last.removeprefix("heavy: "))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["generate", "--prompt", "x", "--weights", "int3"],
+                                  ["generate", "--prompt", "x", "--speculative", "nope"], ["runs", "--limit", "0"],
+                                  ["plan", "--help"], ["sweep", "--help"], ["no-such-command"]],
+                         ids=" ".join)
+def test_help_and_refused_arguments_import_no_model_stack(tmp_path, argv):
+    found, code = heavy_imports(tmp_path, *argv)
+    assert found == [] and code == (0 if "--help" in argv else 2)
+
+
+@pytest.mark.parametrize("argv", [["runs"], ["kvcalc", "--preset", "llama-3.1-8b"], ["plan", "--model", "llama-3.1-8b"],
+                                  ["trace", "--run", "1", "--out", "{tmp}/t.json"]], ids=" ".join)
+def test_commands_that_load_no_model_import_none_of_its_stack(tmp_path, argv):
+    found, _ = heavy_imports(tmp_path, *argv)
+    assert not {"torch", "transformers"} & set(found)
+
+
+def test_the_names_shipped_are_the_registries():
+    assert list(quant.LEVELS) == list(names.LEVELS)
+    assert {name: m.help for name, m in speculative.METHODS.items()} == names.METHOD_HELP
+    assert quant.INT4_GROUPS == names.INT4_GROUPS and sparsity.ALL_MODES == names.ALL_MODES
+
+
+def test_the_parser_offers_the_registries_choices():
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    options = {action.dest: action for action in generate._actions if action.option_strings}
+    assert options["weights"].choices == list(quant.LEVELS)
+    assert options["speculative"].choices == list(speculative.METHODS)
+    assert options["sparsity_mode"].choices == sparsity.ALL_MODES
