@@ -155,25 +155,22 @@ def served_runner(n: int, threads: int):
     """A call giving one greedy streamed request's result from a vLLM server (or how it failed) while the block
     runs, the server started before it and stopped after it; None (with a line saying why) where vLLM is not
     installed or does not start."""
-    if not vllm_python().exists():
-        print("vLLM is not a peer in this run: its CPU build is not installed (`make vllm`).")
-        yield None
-        return
-    server = VLLMServer(dtype=VLLM_DTYPE, threads=threads)
     try:
+        vllm_python()  # says how to install it where it is not
+        server = VLLMServer(dtype=VLLM_DTYPE, threads=threads)
         server.start()
     except VLLMError as exc:
         print(f"vLLM is not a peer in this run: {exc}")
         yield None
         return
-    client = make_client(server.url)
-
-    def one() -> tuple | str:
-        try:
-            return served_request(client, server.model_name, n)
-        except (openai.APIError, httpx2.HTTPError) as exc:  # costs its row of the round, not the table
-            return f"failed: {explain(exc, server.url)}"
     try:
+        client = make_client(server.url)
+
+        def one() -> tuple | str:
+            try:
+                return served_request(client, server.model_name, n)
+            except (openai.APIError, httpx2.HTTPError) as exc:  # costs its row of the round, not the table
+                return f"failed: {explain(exc, server.url)}"
         one()  # warm up
         print(f"{SERVED} started; idle, it takes {idle_cpu_share(server.process.pid):.2f} cores while the others run")
         yield one
