@@ -226,10 +226,14 @@ def test_a_budget_that_runs_out_mid_decode_preempts_the_newest_which_recomputes_
 
 
 def test_the_default_model_decodes_a_preempted_sequence_as_it_does_alone(default_lm, calibration):
+    """Two prompts of about 110 tokens (in the chat template) outgrow their first cache room within a few dozen new
+    tokens, where the budget holds two and a half: the newer is preempted, recomputed, and decodes as it does alone."""
     per_position = BatchEngine(default_lm, calibration=calibration).shape.kv_bytes_per_token
     engine = BatchEngine(default_lm, max_batch=2, calibration=calibration,
                          kv_budget_bytes=(2 * CACHE_ROOM + CACHE_ROOM // 2) * per_position)
-    seqs = [engine.submit(greedy(p, tokens=CACHE_ROOM + 12)) for p in PROMPTS[1:3]]
+    preamble = f"{PROMPTS[3]} " * 5
+    seqs = [engine.submit(greedy(preamble + p, tokens=32)) for p in PROMPTS[1:3]]
+    assert all(len(s.prompt_ids) < CACHE_ROOM < len(s.prompt_ids) + 32 for s in seqs)
     stepped_within_budget(engine)
     assert seqs[1].preemptions >= 1 and seqs[0].preemptions == 0
     for seq in seqs:
