@@ -165,10 +165,10 @@ def test_cli_kvcalc_json(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_calculator_equals_the_default_models_real_cache(calibration, dtype):
+def test_calculator_equals_the_default_models_real_cache(default_lm, calibration, dtype):
     from engine.model.loader import load_model
 
-    lm = load_model(dtype=dtype)
+    lm = default_lm if dtype == "fp32" else load_model(dtype=dtype)  # the session's fp32 model, not a second copy
     s = kvcalc.spec_from_model_folder("default")
     assert (s.layers, s.kv_heads, s.head_dim, s.kind) == (30, 3, 64, "GQA")
     assert s.params == sum(p.numel() for p in lm.model.parameters())
