@@ -166,9 +166,9 @@ def real_kv_bytes(seq) -> int:
 
 
 def stepped_within_budget(engine) -> None:
-    """Run the engine to the end, checking after every step that its count of KV bytes is what each cache's
-    tensors occupy once decoded (a prefill's concatenated tensors, exactly its positions, take no more than
-    the count reserves) and never above the budget."""
+    """Run the engine to the end and write its runs, checking after every step that its count of KV bytes is what
+    each cache's tensors occupy once decoded (a prefill's concatenated tensors, exactly its positions, take no more
+    than the count reserves) and never above the budget."""
     per_position = engine.shape.kv_bytes_per_token
     while engine.step():
         assert engine.reserved_bytes <= engine.kv_budget_bytes
@@ -179,6 +179,7 @@ def stepped_within_budget(engine) -> None:
             else:
                 assert real == seq.filled * per_position <= held
     assert not engine.running and not engine.queued
+    engine.write()
 
 
 def test_an_exhausted_kv_budget_queues_arrivals_instead_of_failing_them(tiny_lm, calibration):
@@ -259,7 +260,7 @@ def test_a_hundred_requests_against_a_cap_of_eight_and_a_tight_budget_are_preemp
     engine = BatchEngine(tiny_lm, store, max_batch=8, calibration=calibration, prefill_chunk=8 * CACHE_ROOM,
                          kv_budget_bytes=12 * CACHE_ROOM * per_position)
     preamble = f"{PROMPTS[3]} " * 6  # about 90 tokens: a few dozen more take a cache past its first 128 positions
-    seqs = [engine.submit(sampled(f"{preamble}{PROMPTS[i % 4]} {i}", 12 + i % 30, i)) for i in range(100)]
+    seqs = [engine.submit(sampled(f"{preamble}{PROMPTS[i % 4]} {i}", 6 + i % 15, i)) for i in range(100)]
     stepped_within_budget(engine)
     assert max(engine.batch_sizes) == 8 and engine.preemptions > 0 and len({s.text for s in seqs}) == 100
     _finished_with_their_own_text_and_runs(tiny_lm, seqs, store, calibration)

@@ -12,7 +12,8 @@ over several steps), and one batched decode of every sequence past its prefill. 
 steps; a cancelled one frees its slot and its cache at the next step. A request too long for the budget even alone
 is refused before it is queued.
 
-Every sequence is its own recorded run with its own journal. Its rows share each step it took part in: its
+Every sequence is its own recorded run with its own journal; the engine's Writer (engine.store.writer) writes the
+runs' rows together, off the stepping thread. A sequence's rows share each step it took part in: its
 memory estimate carries 1/batch of the weights' trip (engine.store.rows), its own KV bytes and FLOPs stay its own,
 and the rest of the step, like the time it waited to be admitted or while another sequence's prefill ran, is
 the time distance; its steps tile its timeline, so its buckets sum to its measured time. A preempted sequence's
@@ -38,6 +39,7 @@ from engine.measure.metrics import run_metrics
 from engine.model.lean import LeanLlama
 from engine.run.generate import TokenEvent, collector_spared
 from engine.store.record import Recorder
+from engine.store.writer import Writer
 from engine.store.rows import Attribution, Outcome, account, columns
 from engine.spec import LIMITS, MAX_BATCH, GenConfig, check_batchable
 from engine.run.step import select_token
@@ -154,6 +156,8 @@ class BatchEngine:
                  kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None):
         check_cap(max_batch)
         self.lm, self.store, self.max_batch = lm, store, max_batch
+        # the runs' rows are written together, off the stepping thread (engine.store.writer)
+        self.writer = Writer(store, ids_ahead=max_batch) if store is not None else None
         self.kv_budget_bytes, self.prefill_chunk = kv_budget_bytes, prefill_chunk
         self.kv_dtype_name = kv_dtype
         self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)
@@ -208,7 +212,7 @@ class BatchEngine:
         is stored in the run's config (what makes the batch again: engine.run.reproduce)."""
         seq = Sequence(self, cfg, self.check(cfg), tag, t_request or time.perf_counter_ns(), sink)
         if self.store is not None:
-            seq.recorder = Recorder(self.store)
+            seq.recorder = Recorder(self.store, self.writer)
             seq.run_id = seq.recorder.start(
                 model=self.lm.name, device=str(self.lm.device), dtype=self._dtype(), config=self._config(cfg, batch),
                 hardware=hardware.hardware_summary(self.lm.device), prompt=cfg.prompt,
@@ -217,10 +221,12 @@ class BatchEngine:
         return seq
 
     def run(self) -> list[Sequence]:
-        """Step until every submitted sequence is done; the sequences in the order they finished."""
+        """Step until every submitted sequence is done and its run is written; the sequences in the order they
+        finished."""
         with collector_spared():
             while self.step():
                 pass
+        self.write()
         return self.finished
 
     def step(self) -> bool:
@@ -248,9 +254,20 @@ class BatchEngine:
         return True
 
     def close(self, status: str = "cancelled") -> None:
-        """End every sequence still queued or running (a stop of the whole engine)."""
+        """End every sequence still queued or running (a stop of the whole engine) and write every ended run."""
+        self.end_all(status)
+        self.write()
+
+    def end_all(self, status: str = "cancelled") -> None:
+        """End every sequence still queued or running."""
         for seq in self.running + self.queued:
             self._end(seq, status, status)
+
+    def write(self) -> None:
+        """Write the rows of every run that started or ended so far, now (they are otherwise written together,
+        at most FLUSH_S after they come); RecordDeferred when they cannot be, and they wait in their journals."""
+        if self.writer is not None:
+            self.writer.write()
 
     def _make_room(self) -> bool:
         """Grow each decoding sequence's count to the room its next position takes, preempting the newest-admitted

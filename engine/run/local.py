@@ -87,10 +87,13 @@ class LocalEngine:
         return handle
 
     def close(self) -> None:
+        """End what is still queued or running, stop the thread and write every run (RecordDeferred when the
+        database cannot be written: the runs wait in their journals)."""
         with self._wake:
             self._closing = True
             self._wake.notify()
         self._thread.join()
+        self.engine.write()
 
     def _loop(self) -> None:
         while True:
@@ -103,7 +106,7 @@ class LocalEngine:
                 if handle._cancel:
                     seq.cancel()
             if closing:
-                self.engine.close()
+                self.engine.end_all()
                 return
             try:
                 busy = self.engine.step()
@@ -202,14 +205,16 @@ class BatchRun:
                         taken[user] = len(seq.tokens)
             self.status = "ok" if all(s.status == "ok" for s in self.sequences) else "incomplete"
         except (GeneratorExit, KeyboardInterrupt):
-            self.engine.close()  # every sequence still running is recorded as cancelled
             self.status = "cancelled"
             raise
         except Exception:  # the engine ended every sequence's run with the error
             self.status = "error"
             raise
         finally:
-            self.result = self._summary(time.perf_counter() - start)
+            try:
+                self.engine.close()  # every sequence still running is recorded as cancelled; every run is written
+            finally:
+                self.result = self._summary(time.perf_counter() - start)
 
     def _summary(self, wall_s: float) -> dict:
         own = (self.sequences[0].result if self.sequences else None) or {}

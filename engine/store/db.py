@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
-import psutil
 
 from engine.store import recovery
 from engine.errors import UserError
 from engine.paths import default_db_path
 from engine.store.schema import MIGRATIONS, SCHEMA_VERSION
-from engine.store.sql import complete_run, insert_batches, utcnow
+from engine.store.sql import complete_run, insert_batches, start_row, utcnow
 
 # One thread at a time holds a connection in this process. DuckDB shares one database instance among a
 # process's connections to a file and registers its pandas scan just after creating it, so a thread that
@@ -130,20 +128,19 @@ class Store:
         """Fold in the runs whose process died (engine.store.recovery); returns how many changed."""
         return recovery.recover(self)
 
-    def start_run(self, *, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str,
-                  tag: str | None = None) -> int:
-        me = psutil.Process()
+    def start_run(self, **run) -> int:
+        """Write a local run's row as it starts (engine.store.sql.start_row takes the settings); its run_id."""
+        row = start_row(**run)
         with self.connect() as con:
-            return con.execute(
-                """INSERT INTO runs (started_at, status, model, device, dtype, kv_cache, temperature, weights, sparsity,
-                   sparsity_mode, speculative, config, hardware, prompt, tag, host, pid, pid_started)
-                   VALUES (?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
-                [utcnow(), model, device, dtype, bool(config.get("kv_cache", True)),
-                 float(config.get("temperature", 0.0)), config.get("weights", "fp32"), float(config.get("sparsity", 0.0)),
-                 config.get("sparsity_mode"), config.get("speculative", "none"), json.dumps(config),
-                 json.dumps(hardware), prompt, tag,
-                 socket.gethostname(), me.pid, me.create_time()],
-            ).fetchone()[0]
+            return con.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)}) "
+                               "RETURNING run_id", list(row.values())).fetchone()[0]
+
+    def reserve_run_ids(self, n: int, con=None) -> list[int]:
+        """n run ids taken from the sequence for rows written later (engine.store.writer); in con when given."""
+        if con is None:
+            with self.connect() as con:
+                return self.reserve_run_ids(n, con)
+        return [row[0] for row in con.execute("SELECT nextval('run_ids') FROM range(?)", [n]).fetchall()]
 
     def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
                    error: str | None = None, batches: dict[str, list[dict]] | None = None,

@@ -3,7 +3,9 @@
 Every step and token goes to the journal (engine.store.journal) as it happens, so neither a kill nor a
 database that another process holds loses them; the database is written once, at the end, so no
 token waits for it. Local and served runs keep their records the same way; a local run also keeps the energy
-its device's counters measured from its start to its end (engine.measure.energy)."""
+its device's counters measured from its start to its end (engine.measure.energy). A Recorder given a Writer
+(engine.store.writer) hands the run's row and its ending to it, to be written with other runs' rows, and its
+journal, which then holds the row as well, stays until they are."""
 from __future__ import annotations
 
 import signal
@@ -17,6 +19,7 @@ from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
 from engine.store.rows import columns
 from engine.store.db import Store, StoreError
+from engine.store.sql import start_row
 
 
 class RecordDeferred(StoreError):
@@ -43,26 +46,35 @@ def signals_deferred():
 
 
 class Recorder:
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self, store: Store, writer=None):
+        self.store, self.writer = store, writer
         self.run_id: int | None = None
         self.journal: Journal | None = None
         self.written = False  # the run's ending is in the database
         self.energy: EnergyMeter | None = None  # a local run's, from its start
 
     def start(self, *, n_prompt_tokens: int, **run) -> int:
-        """Write a local run's row, open its journal and read its device's energy counters."""
+        """Write a local run's row (or hand it to the writer), open its journal and read its device's energy
+        counters."""
         with signals_deferred():
-            run_id = self.attach(self.store.start_run(**run), n_prompt_tokens)
+            if self.writer is None:
+                run_id = self.attach(self.store.start_run(**run), n_prompt_tokens)
+            else:
+                row = {"run_id": self.writer.run_id(), **start_row(**run)}
+                run_id = self.attach(row["run_id"], n_prompt_tokens, row)
+                self.writer.start(row)
         self.energy = EnergyMeter(torch.device(run["device"]))
         return run_id
 
-    def attach(self, run_id: int, n_prompt_tokens: int | None) -> int:
-        """Open the journal of a run whose row is written (by start, or by the served backend's own insert)."""
+    def attach(self, run_id: int, n_prompt_tokens: int | None, row: dict | None = None) -> int:
+        """Open the journal of a run whose row is written (by start, or by the served backend's own insert), or,
+        given the row, is still to be written (by the writer; recovery writes it from the journal if the process
+        dies first)."""
         with signals_deferred():
             self.run_id = run_id
             self.journal = Journal(journal_path(self.store.path, run_id))
-            self.journal.write("run", {"run_id": run_id, "n_prompt_tokens": n_prompt_tokens})
+            self.journal.write("run", {"run_id": run_id, "n_prompt_tokens": n_prompt_tokens,
+                                       **({"row": row} if row else {})})
             self.journal.flush()
         return run_id
 
@@ -75,8 +87,9 @@ class Recorder:
 
     def finish(self, *, status: str, output: str, token_ids: list[int], metrics: dict, error: str | None,
                steps: list[dict], tokens: list[dict], telemetry: list[dict], run_columns: dict | None = None) -> None:
-        """Write the run's rows and ending in one transaction. If the database cannot be reached, or a
-        Ctrl-C or SIGTERM cuts the write short, the ending stays in the journal and RecordDeferred says so."""
+        """Write the run's rows and ending in one transaction (with a writer: hand them to it). If the database
+        cannot be reached, or a Ctrl-C or SIGTERM cuts the write short, the ending stays in the journal and
+        RecordDeferred says so."""
         if self.energy is not None:
             run_columns = {**(run_columns or {}), **self.energy.stop()}
         ending = {"status": status, "output": output, "token_ids": list(token_ids), "metrics": metrics,
@@ -85,6 +98,9 @@ class Recorder:
         self.journal.flush()
         batches = {name: [{"run_id": self.run_id, **r} for r in rows]
                    for name, rows in (("steps", steps), ("tokens", tokens), ("telemetry", telemetry))}
+        if self.writer is not None:
+            self.writer.end(self, batches, ending)
+            return
         try:
             self.store.finish_run(self.run_id, batches=batches, **ending)
         except (StoreError, KeyboardInterrupt, duckdb.InterruptException) as exc:
@@ -94,5 +110,9 @@ class Recorder:
                 f"Run {self.run_id} ended ({status}, {len(token_ids)} tokens) but is not in the database yet: {why}; "
                 f"its rows are kept in {self.journal.path} and go into the database the next time Tokenpath opens "
                 "it.") from None
+        self.stored()
+
+    def stored(self) -> None:
+        """The run's rows and ending are in the database: its journal goes."""
         self.written = True
         self.journal.close(remove=True)

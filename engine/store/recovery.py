@@ -1,6 +1,7 @@
 """Runs whose process ended before the run did: folded in from their journals when a store opens.
 
-A journal with no live owner goes into the database in one transaction: its steps and tokens, and
+A journal with no live owner goes into the database in one transaction: the run's row if it was not written
+yet, its steps and tokens, and
 either the run's own ending (when the process wrote it to the journal but could not reach the
 database) or status 'interrupted' with the totals its rows add up to. Runs left 'running' without a
 journal (a kill before the first step) become 'interrupted' when their process is gone."""
@@ -43,11 +44,15 @@ def recover(store) -> int:
 
 
 def fold(con, run_id: int, kept: dict) -> int:
-    """Write one journal's rows and the run's ending in one transaction; 0 if the run had ended."""
+    """Write one journal's rows and the run's ending in one transaction; 0 if the run had ended. A run whose row
+    was still to be written (engine.store.writer) gets it from the journal."""
     status = con.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    if not status or status[0] != "running":
+    row = kept["run"].get("row")
+    if (status is None and row is None) or (status is not None and status[0] != "running"):
         return 0
     con.execute("BEGIN")
+    if status is None:
+        insert_batches(con, {"runs": [row]})
     for table in ("steps", "tokens", "telemetry"):
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
     finish = kept["finish"]

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import socket
 from datetime import datetime, timezone
 
 import pandas as pd
+import psutil
 
 from engine.measure.distances import BUCKETS
 
@@ -20,6 +22,18 @@ def utcnow() -> datetime:
 EXTRA_COLUMNS = ("provenance", "server_work_ms", "dns_ms", "connect_ms", "tls_ms", "send_ms", "first_byte_ms",
                  "headers_ms", "connection", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
                  "energy_j", "energy_source", "energy_note")  # a local run's energy (engine.measure.energy)
+
+
+def start_row(*, model: str, device: str, dtype: str, config: dict, hardware: dict, prompt: str,
+              tag: str | None = None) -> dict:
+    """A local run's row as it starts: its settings, status running, and the host and process recording it."""
+    me = psutil.Process()
+    return {"started_at": utcnow(), "status": "running", "model": model, "device": device, "dtype": dtype,
+            "kv_cache": bool(config.get("kv_cache", True)), "temperature": float(config.get("temperature", 0.0)),
+            "weights": config.get("weights", "fp32"), "sparsity": float(config.get("sparsity", 0.0)),
+            "sparsity_mode": config.get("sparsity_mode"), "speculative": config.get("speculative", "none"),
+            "config": json.dumps(config), "hardware": json.dumps(hardware), "prompt": prompt, "tag": tag,
+            "host": socket.gethostname(), "pid": me.pid, "pid_started": me.create_time()}
 
 
 def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metrics: dict | None,
