@@ -29,9 +29,9 @@ def heavy_imports(tmp_path, *argv) -> list:
     return json.loads(last.removeprefix("heavy: "))
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["generate", "--prompt", "x", "--weights", "int3"],
-                                  ["generate", "--prompt", "x", "--speculative", "nope"], ["runs", "--limit", "0"],
-                                  ["plan", "--help"], ["sweep", "--help"], ["no-such-command"]],
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["plan", "--help"], ["sweep", "--help"],
+                                  ["generate", "--prompt", "x", "--weights", "int3"], ["runs", "--limit", "0"],
+                                  ["generate", "--prompt", "x", "--speculative", "nope"], ["no-such-command"]],
                          ids=" ".join)
 def test_help_and_refused_arguments_import_no_model_stack(tmp_path, argv):
     found, code = heavy_imports(tmp_path, *argv)

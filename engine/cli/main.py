@@ -376,7 +376,8 @@ def add_weight_args(p) -> None:
     p.add_argument("--weights", default="fp32", choices=levels, help="weight precision level")
     p.add_argument("--quant", dest="weights", choices=levels, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the earlier name, which stored commands and scripts still use
-    p.add_argument("--group-size", type=int, default=32, help=f"int4 group size ({', '.join(map(str, names.INT4_GROUPS))})")
+    p.add_argument("--group-size", type=int, default=32,
+                   help=f"int4 group size ({', '.join(map(str, names.INT4_GROUPS))})")
     limited(p, "--sparsity", "sparsity", "target activation sparsity")
     p.add_argument("--sparsity-mode", default="mask", choices=names.ALL_MODES,
                    help="mask: zero small inputs, dense matmul; skip: do not read their weights")
