@@ -189,13 +189,6 @@ class Store:
         return self.query("SELECT * FROM runs WHERE status = 'ok' AND kv_cache AND n_new_tokens > 1 AND "
                           "coalesce(speculative, 'none') = 'none' ORDER BY run_id DESC LIMIT ?", [limit])
 
-    def recent_run_metrics(self, limit: int) -> list[str]:
-        """The metrics JSON of the newest finished local runs, newest first."""
-        frame = self.query("SELECT metrics FROM runs WHERE status = 'ok' AND metrics IS NOT NULL AND "
-                           "coalesce(backend, 'local') = 'local' "
-                           "ORDER BY run_id DESC LIMIT ?", [limit])
-        return list(frame["metrics"])
-
     def run(self, run_id: int) -> dict | None:
         frame = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
         return None if frame.empty else frame.iloc[0].to_dict()
