@@ -58,14 +58,15 @@ def test_a_sweep_of_users_takes_each_batch_as_one_repeat_with_every_users_tokens
         open_run(run_spec, store).run()
     runs = store.query("SELECT run_id, decode_tokens_per_s FROM runs ORDER BY run_id")
     assert len(runs) == 2 * (1 + 2)  # each repeat: a lone run, then a batch of two sequences' runs
-    rates = list(runs["decode_tokens_per_s"])
+    rates, ids = list(runs["decode_tokens_per_s"]), list(runs["run_id"])  # a batch's ids come from the sequence ahead
     results = sweep_results(store, sweep_id)
     assert [(r["label"], r["repeats"], r["run_ids"]) for r in results] == [
-        ("fp32, KV on", 2, [1, 4]), ("fp32, KV on, 2 users", 2, [2, 5])]
+        ("fp32, KV on", 2, [ids[0], ids[3]]), ("fp32, KV on, 2 users", 2, [ids[1], ids[4]])]
     assert results[1]["decode_rates"] == pytest.approx([rates[1] + rates[2], rates[4] + rates[5]])
     assert results[1]["decode vs baseline"] == compare(results[0]["decode_rates"], results[1]["decode_rates"]).text()
     page = sweep_report(store, sweep_id)  # its table of settings keeps a batch's sequences apart from lone runs
-    assert "· batch of up to 2</td><td>#2, #3, #5, #6</td><td class=n>4</td>" in page
+    batch = ", ".join(f"#{ids[i]}" for i in (1, 2, 4, 5))
+    assert f"· batch of up to 2</td><td>{batch}</td><td class=n>4</td>" in page
 
 
 def test_a_load_sweep_report_has_its_levels_and_curve(store, tmp_path):
