@@ -31,7 +31,7 @@ FLUSH_S = float(os.environ.get("TOKENPATH_WRITE_EVERY_S", "1"))
 class Writer:
     """The rows of one engine's runs, written together. Recorder(store, writer) hands it a run's row as the run
     starts (start) and its rows and ending as it ends (end); a thread writes them, and write() does now. It keeps
-    ids_ahead run ids in hand, taken when it is made and topped up by each write, so that starting a run takes no
+    ids_ahead run ids in hand, taken when it is made and topped up by each write of its thread, so that starting a run takes no
     connection of its own."""
 
     def __init__(self, store: Store, ids_ahead: int):
@@ -65,10 +65,12 @@ class Writer:
         self._queue(self._ends, (recorder, batches, ending))
 
     def write(self) -> None:
-        """Write what waits now, in this thread. RecordDeferred when the database cannot be reached or the write
-        is interrupted: the ended runs not written stay in their journals, for the next store opened on the file."""
+        """Write what waits now, in this thread, taking no run ids ahead: its callers write as their runs end, and
+        ids taken then and never used would leave gaps in the runs' numbering. RecordDeferred when the database
+        cannot be reached or the write is interrupted: the ended runs not written stay in their journals, for the
+        next store opened on the file."""
         try:
-            self._flush()
+            self._flush(top_up=False)
         except (duckdb.Error, StoreError, KeyboardInterrupt) as exc:
             with self._state:  # the ended runs are left to their journals; the rows of runs still going wait
                 ends, self._ends = self._ends, []
@@ -102,19 +104,19 @@ class Writer:
             if due > 0:
                 time.sleep(due)
             try:
-                self._flush()
+                self._flush(top_up=True)
             except Exception:  # tried again FLUSH_S later (write() says what still fails); the journals hold the rows
                 continue
 
-    def _flush(self) -> None:
+    def _flush(self, top_up: bool) -> None:
         with self._writing:
-            self._write()
+            self._write(top_up)
 
-    def _write(self) -> None:
+    def _write(self, top_up: bool) -> None:
         with self._state:
             rows, ends = self._rows, self._ends
             self._rows, self._ends, self._since = [], [], None
-            short = max(0, self.ids_ahead - len(self._ids))
+            short = max(0, self.ids_ahead - len(self._ids)) if top_up else 0
         if not rows and not ends:
             return
         try:
