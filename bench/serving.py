@@ -3,7 +3,7 @@ ITL against vLLM's own histograms for the same requests, and a load sweep; write
 
 vLLM starts once (its idle CPU use is printed); then each round runs every workload through the local engine and
 through vLLM in turn, the order alternating from round to round (A B, B A), so a drift of the shared machine falls
-on both. vLLM against the local engine is the ratio of their speeds over the rounds (decode: one over the time per
+on both; each run starts once vLLM's threads have stopped spinning after the last request. vLLM against the local engine is the ratio of their speeds over the rounds (decode: one over the time per
 output token; first token: one over the time to it) with its 95% interval (bench/common.py ratio).
 
 python bench/serving.py [--tokens 32] [--rounds 3] [--levels 1,2,4,8] [--requests 8] [--dtype float32] [--threads 1]"""
@@ -47,18 +47,35 @@ def served_run(url: str, prompt: str, store, tokens: int) -> dict:
     return run.result
 
 
-def both_rounds(lm, calibration, url: str, store, tokens: int, rounds: int) -> dict:
-    """{workload: [(local result, served result) per round]}, the two engines in turn, the order alternating."""
+# after a request the server's threads may still spin for a while, taking a core from whatever runs next
+SETTLED_CORES = 0.1
+SETTLE_MAX_S = 15.0
+
+
+def settle(pid: int) -> float:
+    """Wait until the server takes under SETTLED_CORES over half a second (at most SETTLE_MAX_S); the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < SETTLE_MAX_S and idle_cpu_share(pid, 0.5) > SETTLED_CORES:
+        pass
+    return time.monotonic() - start
+
+
+def both_rounds(lm, calibration, url: str, pid: int, store, tokens: int, rounds: int) -> tuple[dict, list[float]]:
+    """{workload: [(local result, served result) per round]}, the two engines in turn, the order alternating, each
+    run started once the server has settled; and the seconds each settling took."""
     shipped = workloads()
-    pairs = {name: [] for name in WORKLOADS}
+    pairs, waits = {name: [] for name in WORKLOADS}, []
     for r in range(rounds):
         for name in WORKLOADS:
             prompt = shipped[name]["prompt"]
             runs = {"local": lambda: local_run(lm, calibration, prompt, tokens),
                     "served": lambda: served_run(url, prompt, store, tokens)}
-            done = {k: runs[k]() for k in (("local", "served") if r % 2 == 0 else ("served", "local"))}
+            done = {}
+            for k in ("local", "served") if r % 2 == 0 else ("served", "local"):
+                waits.append(settle(pid))
+                done[k] = runs[k]()
             pairs[name].append((done["local"], done["served"]))
-    return pairs
+    return pairs, waits
 
 
 def median(values) -> float | None:
@@ -92,7 +109,7 @@ def fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
-def report(args, rows, sweep, seconds, start_s, idle) -> str:
+def report(args, rows, sweep, seconds, start_s, idle, waits) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO_ROOT).stdout.strip()
     cpu = hardware.cpu_facts()
@@ -104,8 +121,9 @@ def report(args, rows, sweep, seconds, start_s, idle) -> str:
         f"- command: `python bench/serving.py {' '.join(sys.argv[1:])}`",
         f"- vLLM {args.dtype}, {args.threads} OpenMP thread(s), started in {start_s:.0f} s, taking {idle:.2f} cores "
         f"while idle (so while the local engine runs); local engine fp32; greedy, {args.tokens} new tokens; "
-        f"{args.rounds} rounds, each workload through both engines in turn, the order alternating; the machine's "
-        "cores are shared with other work", "",
+        f"{args.rounds} rounds, each workload through both engines in turn, the order alternating, each run started "
+        f"once vLLM took under {SETTLED_CORES} cores over half a second (waits of {min(waits):.1f}-{max(waits):.1f} s); "
+        "the machine's cores are shared with other work", "",
         "## Same prompts, both engines (ms, medians over the rounds)", "",
         "| workload | same tokens | tokens | local TTFT | local TPOT | served TTFT | served TPOT | vLLM TTFT | "
         "client ITL mean | vLLM ITL mean | ITL diff | TTFT diff | round trip |",
@@ -156,7 +174,7 @@ def main() -> None:
         url = server.start()
         start_s = time.monotonic() - t0
         idle = idle_cpu_share(server.process.pid)
-        pairs = both_rounds(lm, calibration, url, store, args.tokens, args.rounds)
+        pairs, waits = both_rounds(lm, calibration, url, server.process.pid, store, args.tokens, args.rounds)
         rows = [workload_row(name, pairs[name]) for name in WORKLOADS]
         t1 = time.monotonic()
         sweep = Sweep(SweepConfig(url, parse_concurrency(args.levels), args.requests, args.tokens,
@@ -164,7 +182,7 @@ def main() -> None:
         seconds = time.monotonic() - t1
     finally:
         server.stop()
-    text = report(args, rows, sweep, seconds, start_s, idle)
+    text = report(args, rows, sweep, seconds, start_s, idle, waits)
     out = REPO_ROOT / "bench" / "results" / "serving.md"
     out.parent.mkdir(exist_ok=True)
     out.write_text(text)
