@@ -119,6 +119,16 @@ def test_telemetry_counts_from_its_start_and_never_reports_an_unmeasured_cpu_sha
     assert later["t_ms"] >= 300
 
 
+def test_a_sampler_stopped_before_its_thread_started_raises_nothing():
+    # a Ctrl-C or SIGTERM inside __enter__'s start() leaves the run's cleanup to stop a thread that never said it ran
+    sampler = hardware.TelemetrySampler(torch.device("cpu"))
+    sampler.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert sampler.samples == []
+    with hardware.TelemetrySampler(torch.device("cpu"), interval_s=0.01) as running:
+        time.sleep(0.1)
+    assert not running._thread.is_alive()
+
+
 def test_the_memory_and_matmul_peaks_are_the_best_of_their_methods(calibration):
     methods = calibration["memory_methods_gbps"]
     assert {"gemv", "stream_sum", "copy"} <= set(methods)

@@ -819,7 +819,10 @@ class TelemetrySampler:
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join(timeout=2)
+        # A Ctrl-C or SIGTERM can land inside __enter__'s start(), before the thread says it runs: joining it
+        # then would raise over the interruption. Once the stop is set, such a thread ends before its first sample.
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
 
     def _cpu_percent(self) -> float | None:
         """Busy share of all cores since this sampler's previous reading. Each sampler keeps its own
