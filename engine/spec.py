@@ -5,10 +5,12 @@ prepare(spec) (engine.run.prepare) turns it into a loaded model and Generation r
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from engine.dtypes import KV_CHOICES
 from engine.errors import UserError
+from engine.switches import names
 
 MAX_NEW_TOKENS_CAP = 4096
 MAX_TEMPERATURE = 100.0
@@ -92,8 +94,10 @@ class GenConfig:
 
     def check(self) -> None:
         """Raise GenerationError with one sentence for the first setting that cannot run."""
-        from engine.switches.drafters import MAX_K
-        from engine.switches.speculative import METHODS
+        # the shipped names stand for the registry until it is loaded, so a refusal imports no torch
+        registry = getattr(sys.modules.get("engine.switches.speculative"), "METHODS", None)
+        methods = list(registry) if registry else list(names.METHOD_HELP)
+        sampling = [n for n, m in registry.items() if m.samples] if registry else list(names.SAMPLING_METHODS)
 
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise GenerationError("The prompt is empty: type something for the model to continue.")
@@ -103,12 +107,12 @@ class GenConfig:
             LIMITS[name].check(getattr(self, name))
         if self.seed is not None:
             LIMITS["seed"].check(self.seed)
-        if self.speculative not in METHODS:
-            raise GenerationError(f"Unknown speculative method '{self.speculative}': use one of {', '.join(METHODS)}.")
-        _check_int("The draft length K", self.speculative_k, 1, MAX_K)
+        if self.speculative not in methods:
+            raise GenerationError(f"Unknown speculative method '{self.speculative}': use one of {', '.join(methods)}.")
+        _check_int("The draft length K", self.speculative_k, 1, names.MAX_K)
         if self.kv_dtype not in KV_CHOICES:
             raise GenerationError(f"Unknown KV-cache precision '{self.kv_dtype}': use one of {', '.join(KV_CHOICES)}.")
-        if not METHODS[self.speculative].samples and self.speculative != "none" and self.temperature != 0:
+        if self.speculative not in sampling and self.speculative != "none" and self.temperature != 0:
             raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
                                   "to 0, or sample with a draft model.")
 

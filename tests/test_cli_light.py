@@ -31,7 +31,10 @@ def heavy_imports(tmp_path, *argv) -> list:
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["plan", "--help"], ["sweep", "--help"],
                                   ["generate", "--prompt", "x", "--weights", "int3"], ["runs", "--limit", "0"],
-                                  ["generate", "--prompt", "x", "--speculative", "nope"], ["no-such-command"]],
+                                  ["generate", "--prompt", "x", "--speculative", "nope"], ["no-such-command"],
+                                  ["generate", "--prompt", "x", "--temperature", "nan"],
+                                  ["generate", "--prompt", "x", "--speculative", "jacobi", "--temperature", "1"],
+                                  ["generate", "--prompt", "x", "--speculative", "draft", "--speculative-k", "17"]],
                          ids=" ".join)
 def test_help_and_refused_arguments_import_no_model_stack(tmp_path, argv):
     found, code = heavy_imports(tmp_path, *argv)
@@ -48,6 +51,7 @@ def test_commands_that_load_no_model_import_none_of_its_stack(tmp_path, argv):
 def test_the_names_shipped_are_the_registries():
     assert list(quant.LEVELS) == list(names.LEVELS)
     assert {name: m.help for name, m in speculative.METHODS.items()} == names.METHOD_HELP
+    assert [name for name, m in speculative.METHODS.items() if m.samples] == list(names.SAMPLING_METHODS)
     assert quant.INT4_GROUPS == names.INT4_GROUPS and sparsity.ALL_MODES == names.ALL_MODES
 
 

@@ -41,8 +41,7 @@ SPECULATIVE_FLAGS = {"speculative_k": "--speculative-k", "adaptive": "--adaptive
 
 def spec_from_args(args):
     """The RunSpec the command line describes; speculative flags without --speculative are refused."""
-    from engine.run.generate import GenerationError
-    from engine.spec import GenConfig, RunSpec
+    from engine.spec import GenConfig, GenerationError, RunSpec
 
     given = [flag for dest, flag in SPECULATIVE_FLAGS.items()
              if getattr(args, dest, None) is not None and getattr(args, dest) is not False]
@@ -597,6 +596,12 @@ def main(argv=None) -> int:
 
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if args.command == "generate" and args.from_run is None and args.prompt is not None:
+            try:  # a spec that cannot run is refused before the heavy imports (generate_once checks it again)
+                spec_from_args(args).check()
+            except UserError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return USER_ERROR
         if loads_a_model(args):
             from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)
 

@@ -1,6 +1,7 @@
 """The switches' names without their machinery: what the command line offers and refuses before it
 imports torch. The registries (engine.switches.quant.LEVELS, engine.switches.speculative.METHODS)
-register the same names in the same order, the speculative methods with the help written here."""
+register the same names in the same order, the speculative methods with the help written here (and
+GenConfig.check refuses a run with these facts, so a refused command never loads the machinery)."""
 
 LEVELS = ("fp32", "bf16", "fp16", "int8-wo", "int8-dyn", "int4-wo", "int4-dyn")  # the weight levels shipped
 INT4_GROUPS = (32, 64, 128, 256)
@@ -14,3 +15,5 @@ METHOD_HELP = {
     "lookahead": "lookahead decoding: Jacobi trajectories collect n-grams that are verified in the same forward",
     "jacobi": "the target's own predictions from the last verification are the next guesses",
 }  # the speculative methods shipped
+SAMPLING_METHODS = ("draft",)  # the methods that also run with temperature > 0 (speculative sampling)
+MAX_K = 16  # the most tokens drafted per step

@@ -22,7 +22,7 @@ from engine.switches.drafters import (DraftModel, Drafter, EarlyExitDraft, Jacob
                        early_exit, same_tokenizer)
 from engine.model.lean import LeanLlama
 from engine.model.loader import LoadedModel
-from engine.switches.names import METHOD_HELP
+from engine.switches.names import METHOD_HELP, SAMPLING_METHODS
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _draft_model(target: LoadedModel, cfg, load) -> Drafter:
 register(Method("none", METHOD_HELP["none"], lambda target, cfg, load: None))
 register(Method("prompt-lookup", METHOD_HELP["prompt-lookup"], lambda target, cfg, load: PromptLookup(cfg.max_ngram),
                 sweep=dict(speculative_k=4, adaptive=True)))
-register(Method("draft", METHOD_HELP["draft"], _draft_model, samples=True,
+register(Method("draft", METHOD_HELP["draft"], _draft_model, samples="draft" in SAMPLING_METHODS,
                 sweep=dict(draft_model="self-int8", speculative_k=3, adaptive=True)))
 register(Method("lookahead", METHOD_HELP["lookahead"], _lookahead,
                 sweep=dict(window=4, max_ngram=3, guesses=4, adaptive=True)))
