@@ -2,17 +2,24 @@
 planner's queueing simulation first predicts, on this machine's calibration (the planner's local step, as every
 run's prediction uses it), the TTFT and TPOT p50/p90, goodput and attainment at each request rate and the
 capacity at the SLO (the prompts as the engine prefills them, in their chat template, and the engine's own
-step: each prefill chunk a forward of its own beside one batched decode); then the load tools measure the same rates (Poisson arrivals, requests sent straight into
-the engine) and search the capacity (bracket from the predicted capacity, then bisect). Each figure is printed
-planned beside measured with the planned one's error. Nothing of the measurement goes into the prediction.
+step: each prefill chunk a forward of its own beside one batched decode); then the load tools measure the same rates
+(Poisson arrivals, requests sent straight into the engine) and search the capacity (bracket from the predicted
+capacity, then bisect). Each figure is printed planned beside measured with the planned one's error. Nothing of the
+measurement goes into the prediction.
 
-With --vllm, vLLM's CPU build (started once) is measured the same way; the planner has no model of its step
-(its CPU kernels, scheduler and threads are not calibrated here), so only its measurement is printed.
-Writes bench/results/capacity.md (not with --predict-only, which prints the prediction alone).
+With --vllm (or --only vllm), vLLM's CPU build (started once) is predicted and measured the same way. Its step is
+not calibrated here, so a short probe (engine/serve/probe.py: single requests at two prompt lengths, the decode step
+at batch 1 and at --probe-batch, nothing of the rate sweep) is fitted as physics (engine/plan/probe.py: weights at
+this machine's calibrated read bandwidth, products and attention each at a FLOP rate of its own, a fixed cost and
+host work per sequence per step, the delay before the engine's queue) into a planner device; the same simulation,
+with vLLM's fused step and its scheduler's limits, predicts; the same sweep and capacity search measure.
+Writes bench/results/capacity.md (not with --predict-only, which prints the predictions alone: vLLM's still needs
+its probe).
 
     .venv/bin/python bench/capacity.py [--rates 0.5,1,2,4] [--requests 16] [--input-tokens 64] [--output-tokens 32]
         [--slo ttft_ms=1000,tpot_ms=100] [--attainment 0.9] [--duration 16] [--steps 2] [--max-batch 8]
-        [--calibrate] [--vllm] [--dtype bfloat16] [--threads 2] [--predict-only]
+        [--calibrate] [--vllm | --only vllm|local] [--dtype float32] [--threads 2] [--probe-batch 8]
+        [--probe-long 512] [--predict-only]
 """
 import argparse
 import sys
@@ -22,6 +29,7 @@ from pathlib import Path
 
 
 from common import error_pct, idle_cpu_share, local_target, recorded  # first: the engine sets OpenMP's wait policy before torch loads
+import torch
 from engine.cli.serving import level_table
 from engine.measure import hardware
 from engine.measure.slo import format_slo, parse_slo
@@ -31,9 +39,10 @@ from engine.plan import simulate as sim
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.load_target import planned_setup
 from engine.serve import capacity
+from engine.serve import probe
 from engine.serve.arrivals import parse_rates
 from engine.serve.load import Sweep, SweepConfig
-from engine.serve.vllm import VLLMServer
+from engine.serve.vllm import MAX_BATCHED_TOKENS, MAX_NUM_SEQS, VLLMServer
 from engine.store.db import Store
 
 FIGURES = (("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p90 ms", "ttft_ms", "p90"),
@@ -133,7 +142,12 @@ def local_part(args, store: Store) -> None:
                                planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
     finally:
         target.close()
-    print(f"\nMeasured ({time.monotonic() - t0:.0f} s): Poisson arrivals, {args.requests} requests per rate\n\n```\n"
+    compare(args, planned, planned_cap, sweep, found, time.monotonic() - t0)
+
+
+def compare(args, planned: list[dict], planned_cap: dict, sweep: dict, found: dict | None, seconds: float) -> None:
+    """The measured sweep and search, then planned beside measured with the errors and the capacity's error."""
+    print(f"\nMeasured ({seconds:.0f} s): Poisson arrivals, {args.requests} requests per rate\n\n```\n"
           f"{level_table(sweep['levels'])}\n```\n\n{search_text(args, found)}\n")
     measured_cap = found["capacity_requests_per_s"] if found else None
     print(f"Planned beside measured (error = (planned - measured) / measured):\n\n```\n"
@@ -143,20 +157,41 @@ def local_part(args, store: Store) -> None:
 
 
 def vllm_part(args, store: Store) -> None:
-    print(f"\n## vLLM's CPU build, {args.dtype}, {args.threads} OpenMP thread(s)\n\nNo prediction: the planner has no "
-          "model of vLLM's CPU step (its kernels, scheduler and threads are not calibrated here), so only the "
-          "measurement is printed.")
+    calibration = hardware.calibration_for(torch.device("cpu"), store, fresh=args.calibrate)  # before vLLM's threads
+    bandwidth = planner.decode_bandwidth_gbps(calibration)
     server = VLLMServer(dtype=args.dtype, threads=args.threads)
+    print(f"\n## vLLM's CPU build, {args.dtype}, {args.threads} OpenMP thread(s), at most {MAX_NUM_SEQS} sequences "
+          f"and {MAX_BATCHED_TOKENS} tokens a step\n\n{calibration_line(calibration)}")
     t0 = time.monotonic()
     try:
         url = server.start()
         started = time.monotonic() - t0
         idle = idle_cpu_share(server.process.pid)
-        sweep, found = measure(args, store, url, None, parse_rates(args.rates)[0])
+        t0 = time.monotonic()
+        cfg = probe.ProbeConfig(url, input_tokens=args.input_tokens, long_tokens=args.probe_long,
+                                output_tokens=args.output_tokens, batch=args.probe_batch)
+        found = probe.measure(cfg, store)
+        print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores)\n\nProbe ({time.monotonic() - t0:.0f} s;"
+              f" single requests at {args.input_tokens} and {args.probe_long} prompt words, {args.output_tokens} "
+              f"output tokens; {args.probe_batch} at once):\n\n```\n{probe.describe(found)}\n```")
+        setup, scheduler, fitted = probe.planned_setup(found, bandwidth, args.output_tokens, dtype=args.dtype)
+        t0 = time.monotonic()
+        planned, planned_cap = predict(args, setup, scheduler)
+        print(f"\nFitted: {fitted.describe()}."
+              f"\n\n{args.input_tokens} prompt words are {found['prompt_tokens']:.0f} tokens as vLLM counts them (its "
+              f"chat template included), {setup.prompt_tokens} of them prefilled; each step is one forward of every "
+              "prefill chunk and decode together."
+              f"\n\nPredicted capacity (the planner's simulation on that fit, {time.monotonic() - t0:.1f} s): "
+              f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
+              f"{side_by_side(planned, [{} for _ in planned])}\n```")
+        if args.predict_only:
+            return
+        t0 = time.monotonic()
+        sweep, found_cap = measure(args, store, url, None,
+                                   planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
     finally:
         server.stop()
-    print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores); measured sweep:\n\n```\n"
-          f"{level_table(sweep['levels'])}\n```\n\n{search_text(args, found)}")
+    compare(args, planned, planned_cap, sweep, found_cap, time.monotonic() - t0)
 
 
 def main() -> None:
@@ -172,17 +207,25 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's calibration now instead of reusing a recent one (on a quiet machine)")
-    p.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU build (needs .venv-vllm)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--vllm", action="store_true", help="also predict and measure vLLM's CPU build (needs .venv-vllm)")
+    p.add_argument("--only", choices=["local", "vllm"], help="one engine alone (vllm implies --vllm)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="vLLM's dtype; float32 by default: on a CPU without AVX-512 BF16 its bf16 products fall back "
+                        "to a path many times slower")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--probe-batch", type=int, default=8,
+                   help="vLLM's probe: requests at once for the second decode step")
+    p.add_argument("--probe-long", type=int, default=512, help="vLLM's probe: the long prompt's words")
     p.add_argument("--predict-only", action="store_true",
-                   help="print the local engine's prediction alone, measure nothing and write no result file")
+                   help="print the predictions alone (vLLM's after its probe), measure no sweep, write no result file")
     args = p.parse_args()
     store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "capacity.duckdb")
-    print(f"Synthetic prompts of {args.input_tokens} tokens, {args.output_tokens} output tokens (ignore_eos); "
-          f"SLO {format_slo(parse_slo(args.slo))} for {args.attainment:.0%} of requests\n")
-    local_part(args, store)
-    if args.vllm and not args.predict_only:
+    print(f"Synthetic prompts of {args.input_tokens} tokens ({args.input_tokens} words to a server whose tokenizer is "
+          f"not here), {args.output_tokens} output tokens (ignore_eos); SLO {format_slo(parse_slo(args.slo))} for "
+          f"{args.attainment:.0%} of requests\n")
+    if args.only != "vllm":
+        local_part(args, store)
+    if args.only == "vllm" or (args.vllm and args.only != "local"):
         vllm_part(args, store)
 
 

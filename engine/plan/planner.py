@@ -10,7 +10,8 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                + max(attention FLOPs / t / (peak in the cache's format x compute_efficiency) - KV read time, 0)
                  (each a roofline of its own: the products overlap their weights' reads and attention its
                  cache's, but the two run as separate kernels; on a CPU, whose cores both load and multiply,
-                 the products' and attention's time adds to the reads' instead: no max)
+                 the products' and attention's time adds to the reads' instead: no max; a device whose attention
+                 was timed apart from its products, a probed server's, gives attention that achieved rate instead)
                + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
                  unpack each weight on the vector units between loads, which adds to the step)
     physical = 2 x layers x all-reduce(t, batch x hidden x 2 bytes)   + (p - 1) pipeline sends
@@ -21,7 +22,7 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                (+ sequences x layers x one layer's own work, where a decode step runs its layers in one call:
                  norms, rotary, the cache append and attention are done for each sequence)
                + max(sequences x host work per sequence - the GPU's step, 0)   (the host prepares the next
-                 step while the GPU runs this one)
+                 step while the GPU runs this one; on a CPU, whose cores do both, it adds: no max)
     decision = speculative work thrown away (rejected drafts and their share of the verification)
 
 Product FLOPs = batch x 2 x linear parameters (a prefill computes the output head's logits for each sequence's last
@@ -378,7 +379,9 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     compute_eff = eff.compute if work.widest <= 1 else eff.prefill_compute
     peak = peak_tflops(gpu, compute_format(setup)) * compute_eff
     linear_ms = body_flops / (product_tflops(setup, work, peak) * 1e9) + head_flops / (peak * 1e9)
-    attention_ms = attention / (peak_tflops(gpu, attention_format(setup)) * compute_eff * 1e9)
+    # a device whose attention was timed apart from its products (a probed server's) gives its achieved rate
+    attention_ms = (attention / (gpu["attention_tflops"] * 1e9) if gpu.get("attention_tflops")
+                    else attention / (peak_tflops(gpu, attention_format(setup)) * compute_eff * 1e9))
     memory, flops = weights_ms + kv_ms, linear + attention
     # the products overlap their weights' reads and attention its cache's, but the two run as kernels of their own
     compute = (max(linear_ms - weights_ms, 0.0) + max(attention_ms - kv_ms, 0.0) if eff.overlap
@@ -394,8 +397,10 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     matvecs = m.spec.layers * eff.matvecs_per_layer + 1
     fixed_ms = (eff.step_fixed_us + kernels * eff.launch_us + matvecs * eff.matvec_us + layers_us) / 1e3
     gpu_ms = physical_us / 1e3 + memory + compute + dequant + fixed_ms
-    # the engine prepares the next step on the host while the GPU runs this one: the GPU waits for what is left over
-    host_wait = max(work.sequences * eff.host_us_per_sequence / 1e3 - gpu_ms, 0.0)
+    # the engine prepares the next step on the host while the GPU runs this one: the GPU waits for what is left over;
+    # where the same cores compute (no overlap), the host work adds to the step instead
+    host_ms = work.sequences * eff.host_us_per_sequence / 1e3
+    host_wait = max(host_ms - gpu_ms, 0.0) if eff.overlap else host_ms
     return {"physical": physical_us / 1e3, "memory": memory, "compute": compute + dequant,
             "time": fixed_ms + host_wait, "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_attention_flops": attention,

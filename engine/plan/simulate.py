@@ -47,13 +47,16 @@ class Scheduler:
     and how it claims KV blocks: as a sequence grows, preempting when they run out (vLLM), or `reserve_full`, its whole
     prompt and output at admission so nothing is ever evicted (TensorRT-LLM's default GUARANTEED_NO_EVICT).
     `separate_prefills`: a step runs each sequence's prefill chunk as a forward of its own, then one forward of every
-    decoding sequence (engine/run/batch.py); the token budget counts prefill tokens only."""
+    decoding sequence (engine/run/batch.py); the token budget counts prefill tokens only. `admission_ms`: the time
+    from a request's sending to its entry into the queue (an API server's parsing and tokenizing, the request's trip),
+    apart from every step: it counts in the request's TTFT and, as waiting, in its time distance."""
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     chunked_prefill: bool = True
     memory_utilization: float = 0.9
     reserve_full: bool = False
     separate_prefills: bool = False
+    admission_ms: float = 0.0
 
 
 def check_rate(rate: float, name: str = "rate") -> float:
@@ -138,6 +141,7 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
     pending = iter(requests)
     upcoming = next(pending, None)
     free_blocks, now, step = total_blocks, 0.0, 0
+    delay = scheduler.admission_ms / 1e3
     cumulative = [np.zeros(len(BUCKETS))]  # bucket sums after each step
     busy = batch_time = 0.0
     preemptions = finished = 0
@@ -160,11 +164,11 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
     while finished < len(requests):
         if step >= max_steps:
             raise PlanError("The simulation ran past its step limit: give fewer requests or a lower rate.")
-        while upcoming is not None and upcoming.arrival <= now:
+        while upcoming is not None and upcoming.arrival + delay <= now:
             waiting.append(upcoming)
             upcoming = next(pending, None)
         if not running and not waiting:
-            now = upcoming.arrival
+            now = upcoming.arrival + delay
             continue
         batch = schedule(running, waiting, scheduler, preempt, blocks_free=lambda: free_blocks)
         for r in waiting:
@@ -176,7 +180,7 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
         if not batch:
             if upcoming is None:
                 raise PlanError("A request cannot be scheduled: its prompt exceeds the token budget per step.")
-            now = max(now, upcoming.arrival)
+            now = max(now, upcoming.arrival + delay)
             continue
         buckets = step_buckets(setup, batch, scheduler)
         duration = buckets.sum() / 1e3

@@ -21,6 +21,11 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0
 DTYPES = ("bfloat16", "float32")
 MAX_THREADS = 1024
+# the scheduler's limits, given explicitly so a plan of this server knows them: vLLM's own defaults for its CPU build's
+# API server (vllm/engine/arg_utils.py, get_batch_defaults), with chunked prefill and prefix caching on (its defaults)
+MAX_NUM_SEQS = 128
+MAX_BATCHED_TOKENS = 2048
+KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: the KV cache's room, kept small beside what else runs here
 
 
 class VLLMError(UserError):
@@ -43,9 +48,9 @@ def free_port() -> int:
 def server_env(threads: int) -> dict:
     """The environment vLLM's CPU build needs here: offline, a small KV cache, OpenMP threads not
     pinned (the cores are shared), tcmalloc and Intel's OpenMP preloaded."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     preload = [p for p in (_tcmalloc(), VLLM_VENV / "lib" / "libiomp5.so") if p and Path(p).exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
@@ -89,6 +94,7 @@ class VLLMServer:
         return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
                 "--served-model-name", self.model_name, "--host", HOST, "--port", str(self.port),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+                "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
                 "--disable-uvicorn-access-log", *self.extra_args]
 
     def start(self, timeout_s: float = START_TIMEOUT_S, on_wait=None) -> str:
