@@ -3,7 +3,6 @@ on a tiny model (each chapter's button makes stored, tagged runs and a picture),
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from engine.run.generate import Generation
 from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.store.db import Store
 from browser import free_port
+from test_served import wait_for_port
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_COMPARISONS = 6  # every comparison of the three local chapters
@@ -138,7 +138,7 @@ def test_a_served_run_is_measured_with_its_network_share(story_page, page_db):
     port = free_port()
     server = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.01"])
     try:
-        time.sleep(1.5)
+        wait_for_port(port, server)
         at = story_page()
         at.text_input[0].set_value(f"http://127.0.0.1:{port}").run()
         click(at, "Play chapter 4")

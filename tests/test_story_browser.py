@@ -3,32 +3,25 @@ a small streaming server on loopback; a screenshot of each chapter goes to test-
 story report opens with every request but the file itself refused and holds every chapter's runs and the
 capacity chapter's search."""
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from browser import CHROMIUM, REPO, browser_page, free_port, open_offline, serve_app
+from browser import CHROMIUM, REPO, browser_page, open_offline, serve_app
 from engine.report import story
 from engine.report import story_capacity
 from engine.store.db import Store
+from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")]
 ARTIFACTS = REPO / "test-artifacts"
-SERVER = Path(__file__).with_name("stream_server.py")
 
 
 @pytest.fixture
-def server_url():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), str(port), "ok", "0.01"])
-    time.sleep(1.5)
-    yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait(timeout=30)
+def server_url(stream_server):
+    url, _ = stream_server("ok", delay=0.01)  # returns once the server takes connections
+    return url
 
 
 def chapter_shot(page, number: int, title: str, key: str) -> Path:
