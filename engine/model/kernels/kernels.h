@@ -250,13 +250,13 @@ constexpr int kRowsAtOnce = 8;
 constexpr int kRowsAtOnce = 4;
 #endif
 
-// g(std::integral_constant<int, R>{}, r) for rows [r, r + R) of M rows, R in kRowsAtOnce and the smaller
+// g(std::integral_constant<int, R>{}, r) for rows [r, r + R) of M rows, R in Widest (8 or 4) and the smaller
 // powers of two: as many of the widest groups as fit, then one each of the narrower ones the rest needs.
-template <typename G>
+template <int Widest = kRowsAtOnce, typename G>
 static inline void in_row_groups(int64_t M, const G& g) {
   int64_t r = 0;
-  for (; r + kRowsAtOnce <= M; r += kRowsAtOnce) g(std::integral_constant<int, kRowsAtOnce>{}, r);
-  if constexpr (kRowsAtOnce > 4)
+  for (; r + Widest <= M; r += Widest) g(std::integral_constant<int, Widest>{}, r);
+  if constexpr (Widest > 4)
     if (r + 4 <= M) g(std::integral_constant<int, 4>{}, r), r += 4;
   if (r + 2 <= M) g(std::integral_constant<int, 2>{}, r), r += 2;
   if (r < M) g(std::integral_constant<int, 1>{}, r);
