@@ -83,10 +83,19 @@ def calibration_line(calibration: dict) -> str:
             f"us, one matrix-vector call {calibration.get('matvec_call_us', 0):.0f} us")
 
 
-def measure(args, store: Store, endpoint: str | None, target, start_rate: float) -> tuple[dict, dict | None]:
-    """The rate sweep and the capacity search from start_rate, both through the load tools, sent to `target`
-    (the local engine) or, where it is None, to the server at `endpoint`. No search where even the lowest
-    rate measured failed: halving from there would wait for arrivals minutes apart."""
+def prediction_text(args, planned: list[dict], planned_cap: dict, basis: str, seconds: float) -> str:
+    """The predicted capacity and the predicted levels, before anything is measured."""
+    return (f"\n\nPredicted capacity (the planner's simulation on {basis}, {seconds:.1f} s): {planned_cap['text']}"
+            f"\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
+            f"{side_by_side(planned, [{} for _ in planned])}\n```")
+
+
+def measure(args, store: Store, endpoint: str | None, target, planned_cap: dict) -> tuple[dict, dict | None]:
+    """The rate sweep and the capacity search from the predicted capacity (the lowest rate where none was
+    predicted), both through the load tools, sent to `target` (the local engine) or, where it is None, to the
+    server at `endpoint`. No search where even the lowest rate measured failed: halving from there would wait for
+    arrivals minutes apart."""
+    start_rate = planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0]
     sweep = Sweep(config(args, endpoint, rates=parse_rates(args.rates)), store, target=target).run()
     if not capacity.holds(sweep["levels"][0], args.attainment):
         return sweep, None
@@ -132,14 +141,11 @@ def local_part(args, store: Store) -> None:
               f"\n\n{args.input_tokens} prompt tokens are {setup.prompt_tokens} in the chat template the engine "
               f"prefills; each step runs every prefill chunk ({PREFILL_CHUNK} prompt tokens in all at most) as a "
               "forward of its own, then one batched decode."
-              f"\n\nPredicted capacity (the planner's simulation on that calibration, {time.monotonic() - t0:.1f} s): "
-              f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
-              f"{side_by_side(planned, [{} for _ in planned])}\n```")
+              f"{prediction_text(args, planned, planned_cap, 'that calibration', time.monotonic() - t0)}")
         if args.predict_only:
             return
         t0 = time.monotonic()
-        sweep, found = measure(args, store, None, target,
-                               planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
+        sweep, found = measure(args, store, None, target, planned_cap)
     finally:
         target.close()
     compare(args, planned, planned_cap, sweep, found, time.monotonic() - t0)
@@ -181,14 +187,11 @@ def vllm_part(args, store: Store) -> None:
               f"\n\n{args.input_tokens} prompt words are {found['prompt_tokens']:.0f} tokens as vLLM counts them (its "
               f"chat template included), {setup.prompt_tokens} of them prefilled; each step is one forward of every "
               "prefill chunk and decode together."
-              f"\n\nPredicted capacity (the planner's simulation on that fit, {time.monotonic() - t0:.1f} s): "
-              f"{planned_cap['text']}\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
-              f"{side_by_side(planned, [{} for _ in planned])}\n```")
+              f"{prediction_text(args, planned, planned_cap, 'that fit', time.monotonic() - t0)}")
         if args.predict_only:
             return
         t0 = time.monotonic()
-        sweep, found_cap = measure(args, store, url, None,
-                                   planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0])
+        sweep, found_cap = measure(args, store, url, None, planned_cap)
     finally:
         server.stop()
     compare(args, planned, planned_cap, sweep, found_cap, time.monotonic() - t0)
