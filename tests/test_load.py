@@ -14,9 +14,8 @@ from engine.serve import arrivals
 from engine.measure.arrivals import schedule
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig
-from engine.serve.vllm import free_port
 
-from test_served import wait_for_port
+from test_served import ScriptServers
 
 SERVER = Path(__file__).with_name("load_server.py")
 SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "chat_and_documents.jsonl"
@@ -26,20 +25,13 @@ SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "chat_
 def known_server():
     """start(slots, step_s, die_after=None, extra=()) -> URL of a server that serves `slots` requests at once, one
     chunk per step; extra are more of its options (its prefill time per token, a log of the prompts)."""
-    procs = []
+    servers = ScriptServers(SERVER)
 
     def start(slots=1, step_s=0.02, die_after=None, extra=()):
-        port = free_port()
-        extra = ([str(die_after)] if die_after is not None else []) + list(extra)
-        proc = subprocess.Popen([sys.executable, str(SERVER), str(port), str(slots), str(step_s), *extra])
-        procs.append(proc)
-        wait_for_port(port, proc)
-        return f"http://127.0.0.1:{port}"
+        return servers.start(slots, step_s, *([die_after] if die_after is not None else []), *extra)
 
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
+    servers.close()
 
 
 def rate_config(url, rates, **kw):

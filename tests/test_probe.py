@@ -3,8 +3,6 @@ from a known setup come back as that setup; a probe through the load tools again
 batched step time is known (tests/probe_server.py, on load_server.py) recovers that step; figures the fit cannot
 read as physics are refused in one sentence."""
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,10 +15,9 @@ from engine.plan import probe
 from engine.plan import simulate as sim
 from engine.plan.probe import Decode, Figures, Prefill, ProbeError
 from engine.serve import probe as served_probe
-from engine.serve.vllm import free_port
 from engine.store.db import Store
 
-from test_served import wait_for_port
+from test_served import ScriptServers
 
 SERVER = Path(__file__).with_name("probe_server.py")
 MODEL = planner.resolve_model("default")
@@ -152,19 +149,9 @@ def test_a_bad_bandwidth_is_one_sentence():
 @pytest.fixture
 def batched_server():
     """start(fixed_ms, per_sequence_ms, prefill_ms_per_token) -> URL of tests/probe_server.py."""
-    procs = []
-
-    def start(*timing):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(SERVER), str(port), *map(str, timing)])
-        procs.append(proc)
-        wait_for_port(port, proc)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
+    servers = ScriptServers(SERVER)
+    yield servers.start
+    servers.close()
 
 
 def test_a_probe_of_a_server_with_a_known_step_recovers_it(batched_server, tmp_path):

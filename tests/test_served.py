@@ -37,6 +37,26 @@ def wait_for_port(port, proc, timeout=60):
     raise AssertionError("the test server did not start")
 
 
+class ScriptServers:
+    """Test servers run from `script` on free ports: start(*args) -> the URL of one that takes connections;
+    close() kills every one started."""
+
+    def __init__(self, script):
+        self.script, self.procs = script, []
+
+    def start(self, *args) -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, str(self.script), str(port), *map(str, args)])
+        self.procs.append(proc)
+        wait_for_port(port, proc)
+        return f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 @pytest.fixture
 def stream_server():
     procs = []
