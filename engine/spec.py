@@ -5,6 +5,7 @@ prepare(spec) (engine.run.prepare) turns it into a loaded model and Generation r
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from engine.dtypes import KV_CHOICES
@@ -93,8 +94,11 @@ class GenConfig:
 
     def check(self) -> None:
         """Raise GenerationError with one sentence for the first setting that cannot run."""
-        # the shipped names (the registry registers the same), so a refusal imports no torch
-        methods = list(names.METHOD_HELP)
+        # the shipped names stand for the registry until it is loaded, so a refusal imports no torch
+        registry = getattr(sys.modules.get("engine.switches.speculative"), "METHODS", None)
+        methods = list(registry) if registry else list(names.METHOD_HELP)
+        sampling = [n for n, m in registry.items() if m.samples] if registry else list(names.SAMPLING_METHODS)
+
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise GenerationError("The prompt is empty: type something for the model to continue.")
         for text in [self.prompt, *self.stop]:
@@ -108,7 +112,7 @@ class GenConfig:
         _check_int("The draft length K", self.speculative_k, 1, names.MAX_K)
         if self.kv_dtype not in KV_CHOICES:
             raise GenerationError(f"Unknown KV-cache precision '{self.kv_dtype}': use one of {', '.join(KV_CHOICES)}.")
-        if self.speculative not in names.SAMPLING_METHODS and self.speculative != "none" and self.temperature != 0:
+        if self.speculative not in sampling and self.speculative != "none" and self.temperature != 0:
             raise GenerationError("Prompt lookup, lookahead and Jacobi decoding run greedy here: set the temperature "
                                   "to 0, or sample with a draft model.")
 
