@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from engine.measure.distances import BUCKETS
 from engine.plan import planner
 from engine.plan.planner import PlanError, Setup
@@ -201,9 +203,9 @@ def fit(figures: Figures, model, weights: str = "bf16", kv_dtype: str | None = N
                                                                                            attention)], left)
         per_decode = per_product
         if per_attention < 0:  # a longer prompt cheaper per FLOP: attention at the products' rate, admission left over
-            fixed, host, per_product = solve([[1, n, p + a] for n, p, a in zip(sequences[:3], products, attention)],
-                                             [left[0], left[1], left[3] - left[2]], difference=True,
-                                             long=(products[3] + attention[3], products[2] + attention[2]))
+            work = [p + a for p, a in zip(products, attention)]  # the long prefill's row: its excess over the short's
+            fixed, host, per_product = solve([[1, sequences[0], work[0]], [1, sequences[1], work[1]],
+                                              [0, 0, work[3] - work[2]]], [left[0], left[1], left[3] - left[2]])
             per_attention = per_decode = per_product
             admission = short.ttft_ms - rows[2]["memory"] - fixed - host - per_product * (products[2] + attention[2])
             notes.append("a longer prompt cost no more per FLOP: attention runs at the products' rate")
@@ -241,14 +243,10 @@ def fit(figures: Figures, model, weights: str = "bf16", kv_dtype: str | None = N
     return Fit(setup=setup, admission_ms=max(admission, 0.0), figures=figures, notes=tuple(notes))
 
 
-def solve(rows: list[list[float]], values: list[float], difference: bool = False, long=None) -> list[float]:
-    """The unknowns of a square linear system (for `difference`, the last row is the long prefill's less the
-    short one's: only the FLOP column differs); one sentence where the figures do not determine them."""
-    import numpy as np
-
+def solve(rows: list[list[float]], values: list[float]) -> list[float]:
+    """The unknowns of a square linear system (columns: fixed, sequences, then FLOP counts); one sentence where the
+    figures do not determine them."""
     a = np.array(rows, dtype=float)
-    if difference:
-        a[2] = [0.0, 0.0, long[0] - long[1]]
     a[:, 2:] *= 1e-9  # FLOPs in GFLOP, so the columns are of a size
     try:
         x = np.linalg.solve(a, np.array(values, dtype=float))

@@ -28,7 +28,6 @@ from engine.serve.load import Sweep, SweepConfig
 from engine.store.db import Store
 
 
-
 @dataclass(frozen=True)
 class ProbeConfig:
     endpoint: str
