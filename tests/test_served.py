@@ -12,6 +12,7 @@ import duckdb
 import pytest
 
 from engine.serve import client as served
+from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts, parse_concurrency
@@ -112,6 +113,35 @@ def test_request_metrics_follow_vllm_bench_serve():
     assert m["ttft_ms"] == 100 and m["e2e_ms"] == 190 and m["itl_ms"] == [30.0, 60.0]
     assert m["n_output_tokens"] == 4 and m["tpot_ms"] == pytest.approx(90 / 3)
     assert request_metrics([100.0, 130.0], [1, 1], usage_tokens=5)["tpot_ms"] == pytest.approx(30 / 4)
+
+
+VLLM_PAGE = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 3.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1504.0
+vllm:prompt_tokens_total{engine="1",model_name="m"} 6.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.796402076315736e+09
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 9.5
+"""
+
+
+def test_a_scrape_of_some_families_reads_them_as_the_whole_page_does():
+    whole = server_metrics.parse(VLLM_PAGE)
+    assert whole["vllm:prompt_tokens"] == 1510 and whole["vllm:e2e_request_latency_seconds"]["sum"] == 9.5
+    for families in (["vllm:num_requests_waiting"], ["vllm:prompt_tokens"], ["vllm:num_requests_waiting",
+                                                                               "vllm:prompt_tokens", "vllm:absent"]):
+        assert server_metrics.parse(VLLM_PAGE, families) == {f: whole[f] for f in families if f in whole}
 
 
 def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):

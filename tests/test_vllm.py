@@ -70,6 +70,9 @@ def test_metrics_carry_vllms_histograms_and_gauges(vllm_url):
         assert family in snapshot, family
     text = httpx2.get(f"{vllm_url}/metrics", timeout=30).text
     assert "vllm:time_to_first_token_seconds_bucket" in text
+    whole = server_metrics.parse(text)
+    for families in (server_metrics.VLLM_GAUGES.values(), server_metrics.VLLM_COUNTERS.values()):
+        assert server_metrics.parse(text, families) == {f: whole[f] for f in families if f in whole}
 
 
 def test_two_level_load_sweep_is_stored(vllm_url, store):

@@ -187,7 +187,10 @@ class ServerTarget:
             raise ServedError(f"The server at {self.root} has no model '{cfg.served_model}'; it serves: "
                               f"{', '.join(models[:8])}.")
         self.model = cfg.served_model or models[0]
-        self.vllm = server_metrics.is_vllm(server_metrics.scrape(self.root))
+        # one client for /metrics, whose scrapes run beside the requests every poll: a client made per scrape
+        # builds a TLS context each time, CPU the measured server shares on a small machine
+        self.scraper = httpx2.Client()
+        self.vllm = server_metrics.is_vllm(server_metrics.scrape(self.root, self.scraper))
         self.kind = "vllm" if self.vllm else "openai-compatible"
         self.tokenizer = None if self.vllm else tokenizer_for(self.model)
         self._streams: set = set()
@@ -206,14 +209,16 @@ class ServerTarget:
 
     def close(self) -> None:
         self.client.close()
+        self.scraper.close()
 
     def snapshot(self) -> dict | None:
         """The server's /metrics now, or None without them."""
-        return server_metrics.scrape(self.root)
+        return server_metrics.scrape(self.root, self.scraper)
 
     def gauges(self, timeout_s: float) -> dict:
         """Its queue and KV-cache gauges now (empty for a server without vLLM's)."""
-        return server_metrics.gauges(server_metrics.scrape(self.root, timeout_s=timeout_s))
+        return server_metrics.gauges(server_metrics.scrape(self.root, self.scraper, timeout_s,
+                                                           server_metrics.VLLM_GAUGES.values()))
 
     def why_down(self) -> str | None:
         """None while the server still answers GET /v1/models, else why not in one sentence."""

@@ -27,10 +27,13 @@ PREFIX_CACHE = {"queries": "vllm:prefix_cache_queries", "hits": "vllm:prefix_cac
 PREFIX_CACHE_COLUMNS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
 
 
-def parse(text: str) -> dict:
+def parse(text: str, families=None) -> dict:
     """{family: {'sum': s, 'count': c} for histograms, a number for gauges and counters}, summed over
-    label sets (one per model and engine)."""
+    label sets (one per model and engine); `families`: those alone (a gauge sampled every second need not
+    parse vLLM's whole page of histograms on the machine it measures)."""
     out: dict = {}
+    if families is not None:
+        text = only_families(text, set(families))
     for family in text_string_to_metric_families(text):
         if family.type in ("histogram", "summary"):
             entry = out.setdefault(family.name, {"sum": 0.0, "count": 0.0})
@@ -45,8 +48,23 @@ def parse(text: str) -> dict:
     return out
 
 
-def scrape(root: str, client: httpx2.Client | None = None, timeout_s: float = 5.0) -> dict | None:
-    """The parsed /metrics of the server at root (scheme://host:port), or None when it has none."""
+def only_families(text: str, families: set[str]) -> str:
+    """The lines of a Prometheus text page that describe or sample one of `families` (gauges and counters: a
+    sample's name is its family's, a counter's with _total after it; the counters' _created samples, which
+    parse drops anyway, are left out)."""
+    def family(line: str) -> str:
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
+        return name.removesuffix("_total")
+    return "\n".join(line for line in text.splitlines() if family(line) in families) + "\n"
+
+
+def scrape(root: str, client: httpx2.Client | None = None, timeout_s: float = 5.0, families=None) -> dict | None:
+    """The parsed /metrics of the server at root (scheme://host:port), or None when it has none; `families`:
+    those alone (see parse). A client kept open spares each scrape a new connection and TLS context."""
     try:
         if client is not None:
             response = client.get(f"{root}/metrics", timeout=timeout_s)
@@ -54,7 +72,7 @@ def scrape(root: str, client: httpx2.Client | None = None, timeout_s: float = 5.
             response = httpx2.get(f"{root}/metrics", timeout=timeout_s)
         if response.status_code != 200:
             return None
-        return parse(response.text)
+        return parse(response.text, families)
     except (httpx2.HTTPError, ValueError):  # no server, or a body that is not Prometheus text
         return None
 
