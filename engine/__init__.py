@@ -7,11 +7,13 @@ sleeping one costs tens of microseconds each time; on cores that other work hold
 take the time the next region needs, and a step can take several times as long. So the engine spins
 briefly (GOMP_SPINCOUNT) when the machine is quiet as it starts (1-minute load average below the
 core count) and sleeps between regions otherwise. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user
-are kept. OPENMP_WAIT says which, and why; runs and benchmarks record it."""
+are kept. OPENMP_WAIT says which, and why; runs and benchmarks record it. Processes this one starts
+inherit the choice; another engine's server measured here gets foreign_env(), which leaves it out."""
 import os
 import sys
 
 SPIN_COUNT = "30000"  # tens of microseconds: the gaps between a step's regions, not the gaps between steps
+SET_HERE = "TOKENPATH_OPENMP_SET"  # names the variable the engine set itself, for the processes it starts
 
 
 def _choose_openmp_wait() -> str:
@@ -24,13 +26,23 @@ def _choose_openmp_wait() -> str:
     if chosen:
         why = "as set: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
     elif load < cores:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        os.environ["GOMP_SPINCOUNT"], os.environ[SET_HERE] = SPIN_COUNT, "GOMP_SPINCOUNT"
         why = f"spin briefly (GOMP_SPINCOUNT={SPIN_COUNT}): load average {load:.1f} at start, {cores} cores"
     else:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["OMP_WAIT_POLICY"], os.environ[SET_HERE] = "PASSIVE", "OMP_WAIT_POLICY"
         why = f"sleep (OMP_WAIT_POLICY=PASSIVE): load average {load:.1f} at start, {cores} cores"
     os.environ["TOKENPATH_OPENMP_WAIT"] = why
     return why
+
+
+def foreign_env() -> dict:
+    """This process's environment for another engine's server: without the OpenMP wait the engine chose for
+    itself (a server under measurement runs with its own defaults, not with a choice that depends on how busy
+    the machine was when Tokenpath started), with any the user set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENPATH_OPENMP_WAIT", SET_HERE)}
+    if os.environ.get(SET_HERE):
+        env.pop(os.environ[SET_HERE], None)
+    return env
 
 
 OPENMP_WAIT = _choose_openmp_wait()

@@ -440,3 +440,22 @@ def test_the_client_does_the_librarys_one_time_work_before_a_request_and_sends_n
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True", "True"]  # nothing answers on port 9: nothing was sent there
+
+
+def openmp_env_of_vllm(**env) -> dict:
+    """In a fresh process with `env` for its OpenMP settings: the engine's own and vLLM's server's."""
+    script = ("import json, os; from engine.serve.vllm import server_env; "
+              "keys = ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT'); "
+              "print(json.dumps([{k: e[k] for k in keys if k in e} for e in (os.environ, server_env(2))]))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+            and not k.startswith("TOKENPATH_OPENMP")}
+    out = subprocess.run([sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return dict(zip(("engine", "vllm"), json.loads(out.stdout)))
+
+
+def test_vllm_runs_with_its_own_openmp_wait_not_the_engines():
+    chosen = openmp_env_of_vllm()
+    assert len(chosen["engine"]) == 1 and chosen["vllm"] == {}  # spin or sleep, whichever the load chose
+    assert openmp_env_of_vllm(OMP_WAIT_POLICY="ACTIVE") == {"engine": {"OMP_WAIT_POLICY": "ACTIVE"},
+                                                           "vllm": {"OMP_WAIT_POLICY": "ACTIVE"}}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx2
 
+from engine import foreign_env
 from engine.errors import UserError
 from engine.paths import DEFAULT_MODEL_NAME, REPO_ROOT
 
@@ -47,8 +48,9 @@ def free_port() -> int:
 
 def server_env(threads: int) -> dict:
     """The environment vLLM's CPU build needs here: offline, a small KV cache, OpenMP threads not
-    pinned (the cores are shared), tcmalloc and Intel's OpenMP preloaded."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    pinned (the cores are shared), tcmalloc and Intel's OpenMP preloaded, and OpenMP's wait between regions
+    its own (or the user's), not the one Tokenpath chose for itself."""
+    env = {**foreign_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     preload = [p for p in (_tcmalloc(), VLLM_VENV / "lib" / "libiomp5.so") if p and Path(p).exists()]
