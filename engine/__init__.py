@@ -12,6 +12,7 @@ inherit the choice; another engine's server measured here gets foreign_env(), wh
 import os
 import sys
 
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 SPIN_COUNT = "30000"  # tens of microseconds: the gaps between a step's regions, not the gaps between steps
 SET_HERE = "TOKENPATH_OPENMP_SET"  # names the variable the engine set itself, for the processes it starts
 
@@ -21,7 +22,7 @@ def _choose_openmp_wait() -> str:
         return os.environ["TOKENPATH_OPENMP_WAIT"]
     if "torch" in sys.modules:  # OpenMP has read its settings already
         return "OpenMP's own default (torch was imported before the engine)"
-    chosen = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    chosen = {k: os.environ[k] for k in OPENMP_WAIT_VARIABLES if k in os.environ}
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     if chosen:
         why = "as set: " + ", ".join(f"{k}={v}" for k, v in chosen.items())

@@ -98,7 +98,6 @@ class GenConfig:
         registry = getattr(sys.modules.get("engine.switches.speculative"), "METHODS", None)
         methods = list(registry) if registry else list(names.METHOD_HELP)
         sampling = [n for n, m in registry.items() if m.samples] if registry else list(names.SAMPLING_METHODS)
-
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise GenerationError("The prompt is empty: type something for the model to continue.")
         for text in [self.prompt, *self.stop]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from engine import OPENMP_WAIT_VARIABLES
 from engine.serve import client as served
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
@@ -45,12 +46,16 @@ class ScriptServers:
     def __init__(self, script):
         self.script, self.procs = script, []
 
-    def start(self, *args) -> str:
+    def launch(self, *args) -> tuple[str, subprocess.Popen]:
+        """The URL of a new server and its process (for a test that ends it)."""
         port = free_port()
         proc = subprocess.Popen([sys.executable, str(self.script), str(port), *map(str, args)])
         self.procs.append(proc)
         wait_for_port(port, proc)
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{port}", proc
+
+    def start(self, *args) -> str:
+        return self.launch(*args)[0]
 
     def close(self) -> None:
         for proc in self.procs:
@@ -60,19 +65,10 @@ class ScriptServers:
 
 @pytest.fixture
 def stream_server():
-    procs = []
-
-    def start(mode="ok", delay=0.01):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, str(SERVER), str(port), mode, str(delay)])
-        procs.append(proc)
-        wait_for_port(port, proc)
-        return f"http://127.0.0.1:{port}", proc
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
+    """start(mode, delay) -> (URL, process) of tests/stream_server.py."""
+    servers = ScriptServers(SERVER)
+    yield lambda mode="ok", delay=0.01: servers.launch(mode, delay)
+    servers.close()
 
 
 def served_run(url, store=None, *, prompt="Say something.", max_new_tokens=8, temperature=0.0, **fields):
@@ -444,10 +440,10 @@ def test_the_client_does_the_librarys_one_time_work_before_a_request_and_sends_n
 
 def openmp_env_of_vllm(**env) -> dict:
     """In a fresh process with `env` for its OpenMP settings: the engine's own and vLLM's server's."""
-    script = ("import json, os; from engine.serve.vllm import server_env; "
-              "keys = ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT'); "
+    script = ("import json, os; from engine import OPENMP_WAIT_VARIABLES as keys; "
+              "from engine.serve.vllm import server_env; "
               "print(json.dumps([{k: e[k] for k in keys if k in e} for e in (os.environ, server_env(2))]))")
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARIABLES
             and not k.startswith("TOKENPATH_OPENMP")}
     out = subprocess.run([sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True,
                          timeout=300, check=True)
