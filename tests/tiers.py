@@ -37,8 +37,15 @@ def _names(source: str) -> set[str]:
     return {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
 
 
+def _is_test_code(obj) -> bool:
+    """A function or class written in the tests (a test module or conftest), whichever module uses it."""
+    return ((inspect.isfunction(obj) or inspect.isclass(obj))
+            and str(obj.__module__).split(".")[-1].startswith(("test_", "conftest")))
+
+
 def _function_source(fn, module, seen: set) -> str:
-    """fn's source and, recursively, that of the functions of its own module it names."""
+    """fn's source (a function's or a class's) and, recursively, that of the functions and classes of the tests
+    it names, so a helper imported from another test module (a class that starts servers) counts too."""
     if fn in seen:
         return ""
     seen.add(fn)
@@ -49,8 +56,8 @@ def _function_source(fn, module, seen: set) -> str:
     parts = [source]
     for name in _names(source):
         helper = getattr(module, name, None)
-        if inspect.isfunction(helper) and helper.__module__ == module.__name__:
-            parts.append(_function_source(helper, module, seen))
+        if _is_test_code(helper) or (inspect.isfunction(helper) and helper.__module__ == module.__name__):
+            parts.append(_function_source(helper, sys.modules.get(helper.__module__, module), seen))
     return "\n".join(parts)
 
 

@@ -1,0 +1,20 @@
+"""The tiers read a test's cost from the helpers it uses, classes imported from other test modules included."""
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+
+
+def fast_tier(*files) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not slow",
+                          "-p", "no:cacheprovider", *map(str, files)], capture_output=True, text=True, timeout=600,
+                         cwd=TESTS.parent)
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_a_server_started_through_a_class_of_another_test_module_is_not_in_the_fast_tier():
+    fast = fast_tier(TESTS / "test_load.py", TESTS / "test_faults.py")
+    assert "tests/test_load.py::test_arrival_schedule_keeps_its_rate_and_burstiness_and_repeats_with_its_seed" in fast
+    assert not any("goodput_and_throughput_follow_a_server_of_known_service_time" in t for t in fast)
+    assert not any(t.startswith("tests/test_faults.py::") for t in fast)
