@@ -2,10 +2,12 @@
 planner's queueing simulation first predicts, on this machine's calibration (the planner's local step, as every
 run's prediction uses it), the TTFT and TPOT p50/p90, goodput and attainment at each request rate and the
 capacity at the SLO (the prompts as the engine prefills them, in their chat template, and the engine's own
-step: each prefill chunk a forward of its own beside one batched decode); then the load tools measure the same rates
-(Poisson arrivals, requests sent straight into the engine) and search the capacity (bracket from the predicted
-capacity, then bisect). Each figure is printed planned beside measured with the planned one's error. Nothing of the
-measurement goes into the prediction.
+step: each prefill chunk a forward of its own beside one batched decode), and plays the capacity search on the
+simulation; then the load tools measure the same rates (Poisson arrivals, requests sent straight into the engine) and
+search the capacity (bracket from the predicted capacity, then bisect). Each simulated level sends the arrivals the
+measured level of the same number sends (the sweep's seed), so the two differ by the engine alone, not by the luck of
+16 draws. Each figure is printed planned beside measured with the planned one's error. Nothing of the measurement goes
+into the prediction.
 
 With --vllm (or --only vllm), vLLM's CPU build (started once) is predicted and measured the same way. Its step is
 not calibrated here, so a short probe (engine/serve/probe.py: single requests at two prompt lengths, the decode step
@@ -22,6 +24,7 @@ its probe).
         [--probe-long 512] [--predict-only]
 """
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -32,6 +35,7 @@ from common import error_pct, idle_cpu_share, local_target, recorded  # first: t
 import torch
 from engine.cli.serving import level_table
 from engine.measure import hardware
+from engine.measure import slo as slos
 from engine.measure.slo import format_slo, parse_slo
 from engine.plan import capacity as cap
 from engine.plan import planner
@@ -41,7 +45,7 @@ from engine.run.load_target import planned_setup
 from engine.serve import capacity
 from engine.serve import probe
 from engine.serve.arrivals import parse_rates
-from engine.serve.load import Sweep, SweepConfig
+from engine.serve.load import MAX_REQUESTS, Sweep, SweepConfig
 from engine.serve.vllm import MAX_BATCHED_TOKENS, MAX_NUM_SEQS, VLLMServer
 from engine.store.db import Store
 
@@ -54,25 +58,57 @@ def config(args, endpoint, **levels) -> SweepConfig:
                        output_tokens=args.output_tokens, slo=parse_slo(args.slo), seed=1, poll_s=0.5, **levels)
 
 
-def workload(args, prompt_tokens: int, rate: float = float("inf")) -> sim.Workload:
-    return sim.Workload(requests=args.requests, rate=rate, prompt_tokens=prompt_tokens,
-                        new_tokens=args.output_tokens, seed=1)
+def workload(args, prompt_tokens: int, rate: float = float("inf"), level: int = 0,
+             requests: int | None = None) -> sim.Workload:
+    """The traffic of level `level` of a sweep with the benchmark's seed (at a finite rate, the arrivals it sends)."""
+    return sim.Workload(requests=requests or args.requests, rate=rate, prompt_tokens=prompt_tokens,
+                        new_tokens=args.output_tokens, seed=1, level=level)
 
 
-def predict(args, setup, scheduler) -> tuple[list[dict], dict]:
-    """The simulated level at each rate (at_rate, p90) and the simulated capacity search's answer, for the
+def predict(args, setup, scheduler) -> tuple[list[dict], dict, dict]:
+    """The simulated level at each rate (at_rate, p90; each the arrivals the sweep's level at that rate sends),
+    the planner's capacity at the SLO, and the capacity search that starts there played on the simulation, for the
     engine as planned_setup plans it."""
     prompt_tokens = setup.prompt_tokens
     slo = parse_slo(args.slo)
-    levels = [cap.at_rate(setup, workload(args, prompt_tokens, r), scheduler, slo, q=90) for r in parse_rates(args.rates)]
+    levels = [cap.at_rate(setup, workload(args, prompt_tokens, r, level=i), scheduler, slo, q=90)
+              for i, r in enumerate(parse_rates(args.rates))]
     try:
         rate, best, top, metric, bucket = cap.highest_rate(setup, workload(args, prompt_tokens), scheduler, slo, q=None,
                                                            attainment=args.attainment)
     except cap.Unreachable as exc:
-        return levels, {"capacity_requests_per_s": None, "text": f"none: {str(exc).rstrip('.')}"}
-    batch = best["summary"]["mean_batch"]
-    return levels, {"capacity_requests_per_s": rate, "text": f"{rate:.3g} req/s ({metric} fails first, {bucket} the "
-                    f"largest bucket there; mean batch {batch:.1f}; saturated at {top:.3g} req/s)"}
+        planned_cap = {"capacity_requests_per_s": None, "text": f"none: {str(exc).rstrip('.')}"}
+    else:
+        batch = best["summary"]["mean_batch"]
+        planned_cap = {"capacity_requests_per_s": rate, "text": f"{rate:.3g} req/s ({metric} fails first, {bucket} "
+                       f"the largest bucket there; mean batch {batch:.1f}; saturated at {top:.3g} req/s)"}
+    return levels, planned_cap, planned_search(args, setup, scheduler, start_rate(args, planned_cap))
+
+
+def start_rate(args, planned_cap: dict) -> float:
+    """Where the capacity search starts: the predicted capacity, or the lowest rate where none was predicted."""
+    return planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0]
+
+
+def planned_search(args, setup, scheduler, start_rate: float) -> dict:
+    """The measured capacity search played on the simulation before it runs: the same start, doublings or halvings
+    and bisections, each level the arrivals the measured search's level of that number sends (its duration's worth,
+    at least --requests), held as a measured level is (the attainment, and requests leaving as fast as they come)."""
+    slo, rates = parse_slo(args.slo), []
+
+    def run_level(rate: float) -> dict:
+        n = min(MAX_REQUESTS, max(args.requests, math.ceil(rate * args.duration)))
+        rows = sim.simulate(setup, workload(args, setup.prompt_tokens, rate, len(rates), n), scheduler)["requests"]
+        rates.append(rate)
+        kept = slos.kept_up([r["arrival_s"] + r["e2e_ms"] / 1e3 for r in rows], rate)[1]
+        return {"status": "ok", "error": None, "rate": rate, "attainment": slos.attainment(rows, slo), "kept_up": kept}
+
+    good, bad, _ = capacity.find_edge(run_level, lambda level: capacity.holds(level, args.attainment), start_rate,
+                                      args.steps)
+    found = good["rate"] if good else None
+    tried = ", ".join(f"{r:.3g}" for r in rates)
+    return {"capacity_requests_per_s": found,
+            "text": f"{f'{found:.3g} req/s' if found else 'none held'} (levels at {tried} req/s)"}
 
 
 def calibration_line(calibration: dict) -> str:
@@ -83,9 +119,12 @@ def calibration_line(calibration: dict) -> str:
             f"us, one matrix-vector call {calibration.get('matvec_call_us', 0):.0f} us")
 
 
-def prediction_text(args, planned: list[dict], planned_cap: dict, basis: str, seconds: float) -> str:
-    """The predicted capacity and the predicted levels, before anything is measured."""
+def prediction_text(args, planned: list[dict], planned_cap: dict, search: dict, basis: str, seconds: float) -> str:
+    """The predicted capacity, the predicted outcome of the capacity search and the predicted levels, before
+    anything is measured."""
     return (f"\n\nPredicted capacity (the planner's simulation on {basis}, {seconds:.1f} s): {planned_cap['text']}"
+            f"\n\nPredicted outcome of the capacity search from there ({args.duration:g} s of arrivals a level, "
+            f"{args.steps} bisections): {search['text']}"
             f"\n\nPredicted at each rate ({args.requests} Poisson arrivals, p90):\n\n```\n"
             f"{side_by_side(planned, [{} for _ in planned])}\n```")
 
@@ -95,12 +134,12 @@ def measure(args, store: Store, endpoint: str | None, target, planned_cap: dict)
     predicted), both through the load tools, sent to `target` (the local engine) or, where it is None, to the
     server at `endpoint`. No search where even the lowest rate measured failed: halving from there would wait for
     arrivals minutes apart."""
-    start_rate = planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0]
+    start = start_rate(args, planned_cap)
     sweep = Sweep(config(args, endpoint, rates=parse_rates(args.rates)), store, target=target).run()
     if not capacity.holds(sweep["levels"][0], args.attainment):
         return sweep, None
-    cfg = config(args, endpoint, rates=[start_rate], duration_s=args.duration)
-    found = capacity.search(Sweep(cfg, store, target=target), attainment=args.attainment, start_rate=start_rate,
+    cfg = config(args, endpoint, rates=[start], duration_s=args.duration)
+    found = capacity.search(Sweep(cfg, store, target=target), attainment=args.attainment, start_rate=start,
                             steps=args.steps)
     return sweep, found
 
@@ -136,30 +175,33 @@ def local_part(args, store: Store) -> None:
         t0 = time.monotonic()
         setup, scheduler = planned_setup(calibration, args.input_tokens, args.output_tokens, args.max_batch,
                                          tokenizer=lm.tokenizer)
-        planned, planned_cap = predict(args, setup, scheduler)
+        planned, planned_cap, planned_found = predict(args, setup, scheduler)
         print(f"## The local engine, fp32, at most {args.max_batch} sequences a step\n\n{calibration_line(calibration)}"
               f"\n\n{args.input_tokens} prompt tokens are {setup.prompt_tokens} in the chat template the engine "
               f"prefills; each step runs every prefill chunk ({PREFILL_CHUNK} prompt tokens in all at most) as a "
               "forward of its own, then one batched decode."
-              f"{prediction_text(args, planned, planned_cap, 'that calibration', time.monotonic() - t0)}")
+              f"{prediction_text(args, planned, planned_cap, planned_found, 'that calibration', time.monotonic() - t0)}")
         if args.predict_only:
             return
         t0 = time.monotonic()
         sweep, found = measure(args, store, None, target, planned_cap)
     finally:
         target.close()
-    compare(args, planned, planned_cap, sweep, found, time.monotonic() - t0)
+    compare(args, planned, planned_cap, planned_found, sweep, found, time.monotonic() - t0)
 
 
-def compare(args, planned: list[dict], planned_cap: dict, sweep: dict, found: dict | None, seconds: float) -> None:
-    """The measured sweep and search, then planned beside measured with the errors and the capacity's error."""
+def compare(args, planned: list[dict], planned_cap: dict, planned_found: dict, sweep: dict, found: dict | None,
+            seconds: float) -> None:
+    """The measured sweep and search, then planned beside measured with the errors, and the capacity search's
+    outcome predicted beside measured."""
     print(f"\nMeasured ({seconds:.0f} s): Poisson arrivals, {args.requests} requests per rate\n\n```\n"
           f"{level_table(sweep['levels'])}\n```\n\n{search_text(args, found)}\n")
     measured_cap = found["capacity_requests_per_s"] if found else None
     print(f"Planned beside measured (error = (planned - measured) / measured):\n\n```\n"
-          f"{side_by_side(planned, sweep['levels'])}\n```\n\ncapacity: planned {planned_cap['text']}; measured "
-          f"{f'{measured_cap:.3g} req/s' if measured_cap else 'none found'}; error "
-          f"{error_pct(planned_cap['capacity_requests_per_s'], measured_cap)}")
+          f"{side_by_side(planned, sweep['levels'])}\n```\n\ncapacity: planned {planned_cap['text']}; the search "
+          f"predicted {planned_found['text']}; measured {f'{measured_cap:.3g} req/s' if measured_cap else 'none found'}"
+          f"; error of the predicted search {error_pct(planned_found['capacity_requests_per_s'], measured_cap)}, of the "
+          f"planner's capacity {error_pct(planned_cap['capacity_requests_per_s'], measured_cap)}")
 
 
 def vllm_part(args, store: Store) -> None:
@@ -182,19 +224,19 @@ def vllm_part(args, store: Store) -> None:
               f"output tokens; {args.probe_batch} at once):\n\n```\n{probe.describe(found)}\n```")
         setup, scheduler, fitted = probe.planned_setup(found, bandwidth, args.output_tokens, dtype=args.dtype)
         t0 = time.monotonic()
-        planned, planned_cap = predict(args, setup, scheduler)
+        planned, planned_cap, planned_found = predict(args, setup, scheduler)
         print(f"\nFitted: {fitted.describe()}."
               f"\n\n{args.input_tokens} prompt words are {found['prompt_tokens']:.0f} tokens as vLLM counts them (its "
               f"chat template included), {setup.prompt_tokens} of them prefilled; each step is one forward of every "
               "prefill chunk and decode together."
-              f"{prediction_text(args, planned, planned_cap, 'that fit', time.monotonic() - t0)}")
+              f"{prediction_text(args, planned, planned_cap, planned_found, 'that fit', time.monotonic() - t0)}")
         if args.predict_only:
             return
         t0 = time.monotonic()
         sweep, found_cap = measure(args, store, url, None, planned_cap)
     finally:
         server.stop()
-    compare(args, planned, planned_cap, sweep, found_cap, time.monotonic() - t0)
+    compare(args, planned, planned_cap, planned_found, sweep, found_cap, time.monotonic() - t0)
 
 
 def main() -> None:

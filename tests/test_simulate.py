@@ -10,6 +10,7 @@ from engine.measure.distances import BUCKETS
 from engine.plan import planner
 from engine.plan import simulate as sim
 from engine.plan.planner import PlanError
+from engine.serve.load import SweepConfig, level_items
 
 
 def setup(**kw):
@@ -37,6 +38,22 @@ def test_a_fixed_seed_gives_the_same_schedule_and_results_twice():
     a, b = sim.simulate(setup(), w), sim.simulate(setup(), w)
     assert a == b
     assert sim.simulate(setup(), replace(w, seed=8))["requests"] != a["requests"]
+
+
+def test_a_simulated_level_replays_the_traffic_of_the_same_level_of_a_load_sweep():
+    rates = [0.5, 2.0, 2.0]
+    cfg = SweepConfig("http://127.0.0.1:9", rates=rates, requests=12, input_tokens=40, output_tokens=20,
+                      length_spread=0.5, burstiness=0.5, seed=5)
+    seen = []
+    for index, rate in enumerate(rates):
+        items = level_items(cfg, {"kind": "rate", "rate": rate, "arrival": "gamma"}, index)
+        sent, prompts, outputs = sim.traffic(sim.Workload(requests=12, rate=rate, burstiness=0.5, prompt_tokens=40,
+                                                          new_tokens=20, length_spread=0.5, seed=5, level=index))
+        assert sent.tolist() == [item.offset_s for item in items]
+        assert prompts.tolist() == [item.input_tokens for item in items]
+        assert outputs.tolist() == [item.max_tokens for item in items]
+        seen.append(sent.tolist())
+    assert seen[1] != seen[2]  # each level its own arrivals, even at the same rate
 
 
 def test_one_request_at_a_time_waits_as_an_md1_queue_says():

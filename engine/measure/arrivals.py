@@ -17,3 +17,10 @@ def lengths(n: int, mean: int, spread: float, rng: np.random.Generator) -> list[
     """n lengths uniform in [mean (1 - spread), mean (1 + spread)], at least 1 (spread 0: all mean)."""
     low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
     return rng.integers(low, high + 1, size=n).tolist()
+
+
+def level_rng(seed: int, level: int) -> np.random.Generator:
+    """The generator of a sweep's level: one stream per seed and level number, so a level's traffic is the same
+    however many levels ran before it, and a simulation of level k replays what the sweep sends at level k."""
+    return np.random.default_rng([seed, level])
+

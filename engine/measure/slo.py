@@ -13,6 +13,7 @@ from engine.errors import UserError
 # largest gap between tokens (tpot already holds the mean gap); e2e: send to last token. All in ms.
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 EXAMPLE = "ttft_ms=500,tpot_ms=50"
+KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the arrival rate is overloaded
 
 
 class SLOError(UserError):
@@ -104,3 +105,12 @@ def meets(requests: list[dict], slo: dict[str, float], q: float | None = None,
     if target_attainment is not None:
         ok = ok and attainment(requests, slo) >= target_attainment
     return ok
+
+
+def kept_up(ends_s: list[float], rate: float | None) -> tuple[float | None, bool | None]:
+    """(departures per second, whether they kept up with `rate` arrivals per second) of a level whose requests ended
+    at ends_s: a server that keeps up lets requests leave as fast as they arrive; one that does not, at its own pace.
+    None for either where fewer than three ended or no rate was set."""
+    ends = sorted(ends_s)
+    departures = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) >= 3 and ends[-1] > ends[0] else None
+    return departures, departures >= KEPT_UP * rate if departures and rate else None

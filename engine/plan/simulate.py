@@ -30,7 +30,9 @@ PERCENTILES = (50, 90, 99)
 class Workload:
     """Arrivals and lengths: `rate` requests/s (inf: all at time 0, the offline scenario), gamma gaps of shape
     `burstiness` (1 = Poisson), mean prompt and output tokens spread uniformly by +/- `length_spread`. `prefilled`:
-    each request arrives with its prompt's KV cache and its first token (from a prefill pool), so it only decodes."""
+    each request arrives with its prompt's KV cache and its first token (from a prefill pool), so it only decodes.
+    `level`: the number of a load sweep's level with the same seed; at a finite rate the simulation then replays the
+    arrival offsets and lengths that level of the sweep sends (engine.measure.arrivals.level_rng)."""
     requests: int = 200
     rate: float = math.inf
     burstiness: float = 1.0
@@ -39,6 +41,7 @@ class Workload:
     length_spread: float = 0.0
     seed: int = 0
     prefilled: bool = False
+    level: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,11 @@ def check_rate(rate: float, name: str = "rate") -> float:
     return float(rate)
 
 
-def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
+                  rng: np.random.Generator | None = None) -> np.ndarray:
     """Send times (s) as `vllm bench serve` makes them: gamma gaps with shape b and scale 1 / (rate x b), summed and
-    scaled so the last request goes at n / rate; all zero at an infinite rate."""
+    scaled so the last request goes at n / rate; all zero at an infinite rate. Drawn from rng, else from the
+    generator of level 0 of a sweep with this seed."""
     rate = check_rate(rate)
     if not burstiness > 0 or math.isnan(burstiness):
         raise PlanError(f"The burstiness must be a positive number (1 is Poisson), not {burstiness}.")
@@ -77,9 +82,18 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     if math.isinf(burstiness):
         gaps = np.full(n, 1.0 / rate)
     else:
-        return np.asarray(arrivals.schedule(n, rate, burstiness, np.random.default_rng(seed)))
+        return np.asarray(arrivals.schedule(n, rate, burstiness, rng or arrivals.level_rng(seed, 0)))
     times = np.cumsum(gaps)
     return times * (n / rate / times[-1])
+
+
+def traffic(workload: Workload) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(send times, prompt lengths, output lengths), drawn in a load sweep's order from its level's generator: at a
+    finite rate of gamma gaps, what that level of a sweep with the same seed sends."""
+    n, rng = workload.requests, arrivals.level_rng(workload.seed, workload.level)
+    sent = arrival_times(n, workload.rate, workload.burstiness, rng=rng)
+    outputs = np.asarray(arrivals.lengths(n, workload.new_tokens, workload.length_spread, rng))
+    return sent, np.asarray(arrivals.lengths(n, workload.prompt_tokens, workload.length_spread, rng)), outputs
 
 
 def kv_blocks(setup: Setup, scheduler: Scheduler) -> int:
@@ -119,10 +133,7 @@ class _Request:
 def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(), max_steps: int = 2_000_000) -> dict:
     """Run the workload through the scheduler on this setup; per-request metrics and the level's summary."""
     planner.check_setup(setup)
-    rng = np.random.default_rng(workload.seed + 1)
-    sent = arrival_times(workload.requests, workload.rate, workload.burstiness, workload.seed)
-    prompts = np.asarray(arrivals.lengths(workload.requests, workload.prompt_tokens, workload.length_spread, rng))
-    outputs = np.asarray(arrivals.lengths(workload.requests, workload.new_tokens, workload.length_spread, rng))
+    sent, prompts, outputs = traffic(workload)
     total_blocks = kv_blocks(setup, scheduler)
     widest = int(prompts.max() + outputs.max())
     if total_blocks * BLOCK_TOKENS < widest:

@@ -31,30 +31,13 @@ def search(sweep: Sweep, *, attainment: float = 0.9, start_rate: float = 1.0, st
     """Bracket, then bisect `steps` times; the answer with Little's law's users and the first metric to fail."""
     arrival = "trace scaled" if sweep.cfg.trace else arrivals.arrival_kind(sweep.cfg.burstiness)
     sweep.open(kind="capacity")
-    good = bad = None
     status, error, result = "ok", None, None
     try:
-        rate = start_rate
-        for _ in range(MAX_BRACKET_LEVELS):
-            level = _level(sweep, rate, arrival)
-            if level["status"] != "ok":
-                status, error = "error", f"the level at {rate:.3g} req/s broke: {level['error']}"
-                break
-            if holds(level, attainment):
-                good, rate = level, rate * 2
-            else:
-                bad, rate = level, rate / 2
-            if (good and bad) or sweep.stopping.is_set() or not 0 < rate <= arrivals.MAX_RATE:
-                break
-        for _ in range(steps if good and bad and status == "ok" else 0):
-            if sweep.stopping.is_set():
-                break
-            level = _level(sweep, (good["rate"] + bad["rate"]) / 2, arrival)
-            if level["status"] != "ok":
-                status, error = "error", f"the level at {level['rate']:.3g} req/s broke: {level['error']}"
-                break
-            good, bad = (level, bad) if holds(level, attainment) else (good, level)
-        if status == "ok" and sweep.stopping.is_set():
+        good, bad, error = find_edge(lambda rate: _level(sweep, rate, arrival), lambda level: holds(level, attainment),
+                                     start_rate, steps, sweep.stopping.is_set)
+        if error:
+            status = "error"
+        elif sweep.stopping.is_set():
             status = "stopped"
         result = answer(good, bad, attainment=attainment, think_time_s=think_time_s, slo=sweep.cfg.slo)
     except BaseException as exc:
@@ -63,6 +46,32 @@ def search(sweep: Sweep, *, attainment: float = 0.9, start_rate: float = 1.0, st
     finally:
         sweep.close(status, error, result)
     return sweep.summary(status, error, **result)
+
+
+def find_edge(run_level, level_holds, start_rate: float, steps: int, stopped=lambda: False):
+    """(the highest level that held, the lowest that failed above it, why a level broke or None): levels at
+    doubling (or halving) rates from start_rate until one holds and one fails, then `steps` bisections between
+    them. run_level(rate) gives a level (with its status, error and rate); the search ends early when stopped()."""
+    good = bad = None
+    rate = start_rate
+    for _ in range(MAX_BRACKET_LEVELS):
+        level = run_level(rate)
+        if level["status"] != "ok":
+            return good, bad, f"the level at {rate:.3g} req/s broke: {level['error']}"
+        if level_holds(level):
+            good, rate = level, rate * 2
+        else:
+            bad, rate = level, rate / 2
+        if (good and bad) or stopped() or not 0 < rate <= arrivals.MAX_RATE:
+            break
+    for _ in range(steps if good and bad else 0):
+        if stopped():
+            break
+        level = run_level((good["rate"] + bad["rate"]) / 2)
+        if level["status"] != "ok":
+            return good, bad, f"the level at {level['rate']:.3g} req/s broke: {level['error']}"
+        good, bad = (level, bad) if level_holds(level) else (good, level)
+    return good, bad, None
 
 
 def _level(sweep: Sweep, rate: float, arrival: str) -> dict:

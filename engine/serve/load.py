@@ -20,7 +20,7 @@ import openai
 
 from engine.measure import slo as slos
 from engine.serve import arrivals
-from engine.measure.arrivals import lengths, schedule
+from engine.measure.arrivals import lengths, level_rng, schedule
 from engine.serve import network
 from engine.serve import records as served_store
 from engine.serve import scrape as server_metrics
@@ -35,7 +35,6 @@ from engine.store.db import Store
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = arrivals.MAX_REQUESTS
 MAX_WARMUP = 100
-KEPT_UP = 0.8  # a rate level whose requests leave at under this share of the arrival rate is overloaded
 SHARED_PREFIX_STREAM = 2**20  # the random stream the shared prefix's words come from, apart from the levels'
 
 
@@ -335,6 +334,25 @@ def slo_figures(records: list[dict], slo: dict, wall_s: float) -> dict:
             "metric_attainment": {m: slos.attainment(views, {m: t}) for m, t in slo.items()}}
 
 
+def level_items(cfg: SweepConfig, spec: dict, index: int) -> list[arrivals.Item]:
+    """Level `index`'s requests, the same for the same seed: prompts, output lengths, arrival offsets."""
+    if cfg.trace:
+        return arrivals.trace_items(cfg.trace, spec["rate"] if spec["arrival"] == "trace scaled" else None)
+    rng = level_rng(cfg.seed, index)
+    n = cfg.requests
+    if spec["kind"] == "rate" and cfg.duration_s:
+        n = min(MAX_REQUESTS, max(n, math.ceil(spec["rate"] * cfg.duration_s)))
+    offsets = schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
+    outs = (lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
+            else [cfg.max_new_tokens] * n)
+    if cfg.input_tokens:
+        ins = lengths(n, cfg.input_tokens, cfg.length_spread, rng)
+        return [arrivals.Item(f"{k} tokens", None, out, input_tokens=k, offset_s=t)
+                for k, out, t in zip(ins, outs, offsets)]
+    return [arrivals.Item(*cfg.prompts[i % len(cfg.prompts)], out, offset_s=t)
+            for i, (out, t) in enumerate(zip(outs, offsets))]
+
+
 class Sweep:
     """One sweep: run() goes level by level and stores as it goes; stop() from any thread (or a
     signal handler) ends it after cutting the requests in flight, keeping what finished. For a search
@@ -359,7 +377,7 @@ class Sweep:
         self.levels: list[dict] = []
         self.specs = cfg.levels()
         self.prefix = self._shared_prefix()
-        self.total = sum(len(self._items(s, i)) for i, s in enumerate(self.specs)) + cfg.warmup
+        self.total = sum(len(level_items(self.cfg, s, i)) for i, s in enumerate(self.specs)) + cfg.warmup
 
     def _connections(self) -> int:
         if self.cfg.concurrency:
@@ -416,7 +434,7 @@ class Sweep:
     def run_level(self, spec: dict, index: int | None = None) -> dict:
         """Send one level's requests, store them with its samples, append and store its summary."""
         index = len(self.levels) if index is None else index
-        items = self._items(spec, index)
+        items = level_items(self.cfg, spec, index)
         if index >= len(self.specs):
             self.total += len(items)
         self.level_now = level_label(spec)
@@ -462,25 +480,6 @@ class Sweep:
                 futures.append(pool.submit(self._request, spec, index, i, item, due))
         return [r for r in (f.result() for f in futures) if r is not None]
 
-    def _items(self, spec: dict, index: int) -> list[arrivals.Item]:
-        """The level's requests, the same for the same seed: prompts, output lengths, arrival offsets."""
-        cfg = self.cfg
-        if cfg.trace:
-            return arrivals.trace_items(cfg.trace, spec["rate"] if spec["arrival"] == "trace scaled" else None)
-        rng = np.random.default_rng([cfg.seed, index])
-        n = cfg.requests
-        if spec["kind"] == "rate" and cfg.duration_s:
-            n = min(MAX_REQUESTS, max(n, math.ceil(spec["rate"] * cfg.duration_s)))
-        offsets = schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
-        outs = (lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
-                else [cfg.max_new_tokens] * n)
-        if cfg.input_tokens:
-            ins = lengths(n, cfg.input_tokens, cfg.length_spread, rng)
-            return [arrivals.Item(f"{k} tokens", None, out, input_tokens=k, offset_s=t)
-                    for k, out, t in zip(ins, outs, offsets)]
-        return [arrivals.Item(*cfg.prompts[i % len(cfg.prompts)], out, offset_s=t)
-                for i, (out, t) in enumerate(zip(outs, offsets))]
-
     def _shared_prefix(self) -> str:
         """The preamble every prompt starts with ('' without one): the same words for the same seed."""
         if not self.cfg.shared_prefix_tokens:
@@ -497,7 +496,7 @@ class Sweep:
     def _warmup(self) -> None:
         """Requests sent one at a time before the first level, stored as warm-up and left out of every figure."""
         spec = self.specs[0]
-        items = self._items(spec, 0)
+        items = level_items(self.cfg, spec, 0)
         for i in range(self.cfg.warmup):
             self._request(spec, -1, i, items[i % len(items)], None)
 
@@ -535,9 +534,7 @@ class Sweep:
     def _summarise(self, spec: dict, index: int, records: list[dict], wall: float, samples: list[dict]) -> dict:
         done = [r for r in records if r["status"] == "ok"]
         in_flight = [s["in_flight"] for s in samples]
-        ends = sorted(r["sent_ms"] + r["e2e_ms"] for r in done)
-        # a server that keeps up lets requests leave as fast as they arrive; one that does not, at its own pace
-        departures = (len(ends) - 1) / (ends[-1] - ends[0]) * 1e3 if len(ends) >= 3 and ends[-1] > ends[0] else None
+        departures, kept_up = slos.kept_up([(r["sent_ms"] + r["e2e_ms"]) / 1e3 for r in done], spec.get("rate"))
         return {"level": index, "label": level_label(spec), **spec, "burstiness": self.cfg.burstiness,
                 "max_concurrency": self.cfg.max_concurrency, "requests": len(records),
                 **level_summary(records, wall),
@@ -546,7 +543,7 @@ class Sweep:
                 "e2e_mean_ms": sum(r["e2e_ms"] for r in done) / len(done) if done else None,
                 "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else None,
                 "departures_per_s": departures,
-                "kept_up": departures >= KEPT_UP * spec["rate"] if departures and spec.get("rate") else None,
+                "kept_up": kept_up,
                 **slo_figures(records, self.cfg.slo, wall),
                 "physical_ms": spread(r["physical_ms"] for r in done),  # each request's own network time
                 "connections_reused": sum(r["connection"] == network.REUSED for r in records),
