@@ -25,6 +25,13 @@ def models_dir() -> Path:
     return Path(os.environ.get("TOKENPATH_MODELS", STATE / "models"))
 
 
+def cache_dir() -> Path:
+    """What is measured or fitted once per machine or model and reused ($TOKENPATH_CACHE, default
+    $XDG_CACHE_HOME/tokenpath, ~/.cache/tokenpath)."""
+    return Path(os.environ.get("TOKENPATH_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenpath")
+
+
 def default_db_path() -> Path:
     """The run store ($TOKENPATH_DB, default data/runs.duckdb, or runs.duckdb in the user folder)."""
     return Path(os.environ.get("TOKENPATH_DB", STATE / "runs.duckdb"))

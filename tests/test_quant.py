@@ -245,3 +245,24 @@ def test_every_level_says_its_kernel():
         info = level_info(level, torch.device("cpu"))
         assert info.kernel and info.note
     assert not level_info("int8-wo", torch.device("cuda")).accelerated
+
+
+def test_smoothing_factors_are_fitted_once_per_weights_and_kept(tiny_lm, monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENPATH_CACHE", str(tmp_path))
+    model, ids = copy.deepcopy(tiny_lm.model), list(range(5, 300))
+    fits, fit = [], qlinear.smoothing_plan
+    monkeypatch.setattr(qlinear, "smoothing_plan", lambda *a: fits.append(a) or fit(*a))
+    fitted = qlinear.kept_smoothing_plan(model, ids)
+    kept = list((tmp_path / "smoothing").iterdir())
+    assert len(fits) == 1 and len(kept) == 1
+    again = qlinear.kept_smoothing_plan(model, ids)
+    assert len(fits) == 1 and again.keys() == fitted.keys()
+    for name, (factors, norm) in fitted.items():
+        assert torch.equal(again[name][0], factors) and again[name][1] == norm
+    kept[0].write_bytes(b"cut short")  # a file that cannot be read is fitted again and replaced
+    assert all(torch.equal(qlinear.kept_smoothing_plan(model, ids)[n][0], f) for n, (f, _) in fitted.items())
+    assert len(fits) == 2 and torch.load(kept[0], weights_only=True).keys() == fitted.keys()
+    with torch.no_grad():
+        next(model.parameters()).mul_(2)  # other weights, another plan
+    qlinear.kept_smoothing_plan(model, ids)
+    assert len(fits) == 3 and len(list((tmp_path / "smoothing").iterdir())) == 2

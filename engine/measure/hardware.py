@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from engine import OPENMP_WAIT
+from engine.paths import cache_dir
 
 # 2: the memory and matmul peaks are the best of several methods and shapes
 # 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
@@ -627,14 +628,13 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False, measu
 # cache folder, so a new database on the same machine reuses a recent one instead of spending
 # seconds of the first run on measuring again. Older than MAX_AGE, a calibration is neither reused
 # nor trusted: the machine, its memory or the torch that ran the kernels may have changed since.
-CACHE_ENV = "TOKENPATH_CACHE"
+CACHE_ENV = "TOKENPATH_CACHE"  # the variable engine.paths.cache_dir reads
 MAX_AGE = timedelta(days=30)
 
 
 def calibration_cache_path() -> Path:
     """$TOKENPATH_CACHE/calibrations.json, default in $XDG_CACHE_HOME/tokenpath (~/.cache/tokenpath)."""
-    folder = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenpath"
-    return Path(folder) / "calibrations.json"
+    return cache_dir() / "calibrations.json"
 
 
 def machine_key(device: torch.device) -> str:

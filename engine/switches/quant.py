@@ -25,7 +25,7 @@ from engine.errors import UserError
 from engine.model.loader import LoadedModel
 from engine.paths import CALIBRATION_TEXT
 from engine.switches.qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear,
-                      Int8WeightOnlyLinear, smoothing_plan)
+                      Int8WeightOnlyLinear, kept_smoothing_plan)
 from engine.switches.names import INT4_GROUPS
 
 MAX_VARIANTS = 2
@@ -140,7 +140,7 @@ class Int8Dynamic(IntegerLevel):
 
     def layer_maker(self, lm, model, group_size):
         # SmoothQuant: factors fitted on the calibration text; a norm that feeds a layer absorbs the division
-        plan = smoothing_plan(model, lm.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"])
+        plan = kept_smoothing_plan(model, lm.tokenizer(CALIBRATION_TEXT.read_text())["input_ids"])
         names = {id(m): n for n, m in model.named_modules()}
         modules = dict(model.named_modules())
         for factors, norm in {v[1]: v for v in plan.values() if v[1]}.values():
