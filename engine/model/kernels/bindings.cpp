@@ -1,5 +1,6 @@
 // The Python module: every kernel the sources beside this file define, by the name engine code calls.
-#include <torch/extension.h>
+// pybind11 with the tensor type casters, not the whole C++ frontend that torch/extension.h brings
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 
