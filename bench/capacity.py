@@ -90,7 +90,7 @@ def start_rate(args, planned_cap: dict) -> float:
     return planned_cap["capacity_requests_per_s"] or parse_rates(args.rates)[0]
 
 
-def planned_search(args, setup, scheduler, start_rate: float) -> dict:
+def planned_search(args, setup, scheduler, start: float) -> dict:
     """The measured capacity search played on the simulation before it runs: the same start, doublings or halvings
     and bisections, each level the arrivals the measured search's level of that number sends (its duration's worth,
     at least --requests), held as a measured level is (the attainment, and requests leaving as fast as they come)."""
@@ -103,7 +103,7 @@ def planned_search(args, setup, scheduler, start_rate: float) -> dict:
         kept = slos.kept_up([r["arrival_s"] + r["e2e_ms"] / 1e3 for r in rows], rate)[1]
         return {"status": "ok", "error": None, "rate": rate, "attainment": slos.attainment(rows, slo), "kept_up": kept}
 
-    good, bad, _ = capacity.find_edge(run_level, lambda level: capacity.holds(level, args.attainment), start_rate,
+    good, bad, _ = capacity.find_edge(run_level, lambda level: capacity.holds(level, args.attainment), start,
                                       args.steps)
     found = good["rate"] if good else None
     tried = ", ".join(f"{r:.3g}" for r in rates)

@@ -6,11 +6,26 @@ import pytest
 
 from engine.cli.main import main
 from engine.serve import records as served_store
-from engine.serve.capacity import answer, limiting_metric
+from engine.serve.capacity import answer, find_edge, limiting_metric
 from engine.serve.load import Sweep, SweepConfig
 from engine.store.db import Store
 
 from test_load import known_server  # noqa: F401 (the fixture)
+
+
+def test_the_search_doubles_until_a_level_fails_then_bisects_towards_the_edge():
+    tried = []
+
+    def level(rate):
+        tried.append(rate)
+        return {"status": "error" if rate > 100 else "ok", "error": "it stopped answering", "rate": rate}
+
+    good, bad, error = find_edge(level, lambda lv: lv["rate"] <= 3.0, 1.0, steps=3)
+    assert tried == [1.0, 2.0, 4.0, 3.0, 3.5, 3.25] and (good["rate"], bad["rate"], error) == (3.0, 3.25, None)
+    good, bad, error = find_edge(level, lambda lv: True, 50.0, steps=3)  # a level that breaks ends the search
+    assert (good["rate"], bad, error) == (100.0, None, "the level at 200 req/s broke: it stopped answering")
+    tried.clear()
+    assert find_edge(level, lambda lv: True, 1.0, steps=3, stopped=lambda: True)[0]["rate"] == 1.0 and tried == [1.0]
 
 
 @pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine
