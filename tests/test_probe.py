@@ -73,7 +73,7 @@ def test_a_step_shorter_than_the_calibrated_read_raises_the_bandwidth_and_leaves
     truth = known(bandwidth=40.0, fixed_ms=0.0)
     fitted = probe.fit(figures_of(truth), MODEL, "bf16", bandwidth_gbps=20.0)
     s = fitted.summary()
-    assert close(s["bandwidth_gbps"], 40.0, 1e-4) and s["step_fixed_ms"] == 0.0
+    assert close(s["bandwidth_gbps"], 40.0, 1e-4) and abs(s["step_fixed_ms"]) < 1e-9  # a linear solve's rounding
     assert close(s["per_sequence_ms"], 1.5, 1e-4) and "40.0 GB/s" in fitted.describe()
 
 
