@@ -1,5 +1,13 @@
-import engine  # noqa: F401  (first: it chooses how OpenMP threads wait, before torch loads OpenMP)
 import os
+
+# pytest-xdist's workers share the cores: each takes its share of them for its OpenMP threads (and the commands
+# and servers it starts inherit that), since two workers each running as many threads as there are cores wait
+# on one another's threads. A thread count set by the user stands; the kernels' tests set their own counts.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
+import engine  # noqa: E402,F401  (before torch: it chooses how OpenMP threads wait, before torch loads OpenMP)
 import signal
 import tempfile
 
