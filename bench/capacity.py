@@ -24,7 +24,6 @@ its probe).
         [--probe-long 512] [--predict-only]
 """
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from engine.run.load_target import planned_setup
 from engine.serve import capacity
 from engine.serve import probe
 from engine.serve.arrivals import parse_rates
-from engine.serve.load import MAX_REQUESTS, Sweep, SweepConfig
+from engine.serve.load import Sweep, SweepConfig, level_requests
 from engine.serve.vllm import MAX_BATCHED_TOKENS, MAX_NUM_SEQS, VLLMServer
 from engine.store.db import Store
 
@@ -97,7 +96,7 @@ def planned_search(args, setup, scheduler, start: float) -> dict:
     slo, rates = parse_slo(args.slo), []
 
     def run_level(rate: float) -> dict:
-        n = min(MAX_REQUESTS, max(args.requests, math.ceil(rate * args.duration)))
+        n = level_requests(args.requests, rate, args.duration)
         rows = sim.simulate(setup, workload(args, setup.prompt_tokens, rate, len(rates), n), scheduler)["requests"]
         rates.append(rate)
         kept = slos.kept_up([r["arrival_s"] + r["e2e_ms"] / 1e3 for r in rows], rate)[1]

@@ -39,6 +39,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 from browser import browser_page, serve_app
 from common import recorded
+from engine.paths import CACHE_ENV
 from engine.measure import hardware
 from engine.model.loader import pick_device
 from engine.store.db import Store
@@ -168,7 +169,7 @@ def first_click(tokens: int, open_after_s: float, read_s: float, empty_cache: bo
     calibration of this device the warm start could reuse."""
     db = Path(tempfile.mkdtemp()) / "first-click.duckdb"
     store = Store(db)
-    env = {hardware.CACHE_ENV: tempfile.mkdtemp()} if empty_cache else {}
+    env = {CACHE_ENV: tempfile.mkdtemp()} if empty_cache else {}
     cached = not empty_cache and hardware.reused_calibration(pick_device("auto")) is not None
     print(f"load average at the start: {os.getloadavg()[0]:.1f}; the machine's calibration cache "
           + ("holds a recent calibration of this device" if cached else "holds none it reuses (the warm start calibrates)"))

@@ -25,10 +25,13 @@ def models_dir() -> Path:
     return Path(os.environ.get("TOKENPATH_MODELS", STATE / "models"))
 
 
+CACHE_ENV = "TOKENPATH_CACHE"
+
+
 def cache_dir() -> Path:
     """What is measured or fitted once per machine or model and reused ($TOKENPATH_CACHE, default
     $XDG_CACHE_HOME/tokenpath, ~/.cache/tokenpath)."""
-    return Path(os.environ.get("TOKENPATH_CACHE")
+    return Path(os.environ.get(CACHE_ENV)
                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenpath")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.paths import CACHE_ENV
 from engine.measure import hardware
 from engine.run.generate import Generation, GenConfig
 from engine.store.db import Store
@@ -176,7 +177,7 @@ def test_a_run_faster_than_the_given_peak_is_flagged_in_its_stored_metrics(tiny_
 def machine_cache(tmp_path, monkeypatch):
     """An empty calibration cache of the machine's own, and no fixed calibration: the process then
     attributes runs as a user's dashboard does."""
-    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV, raising=False)
     monkeypatch.setattr(hardware, "_session_calibrations", {})
     return tmp_path / "cache"

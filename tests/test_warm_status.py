@@ -9,7 +9,7 @@ from streamlit.testing.v1 import AppTest
 
 import ui
 from engine.measure import hardware
-from engine.paths import DATA
+from engine.paths import CACHE_ENV, DATA
 from engine.store.db import Store
 
 
@@ -29,7 +29,7 @@ def test_the_live_page_says_loading_then_ready_with_a_calibration_reused_from_th
         page_db, tiny_folder, tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENPATH_WARM")
     monkeypatch.setenv("TOKENPATH_MODEL", str(tiny_folder))
-    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV)
     device = torch.device("cpu")
     cached = {**json.loads((DATA / "test_calibration.json").read_text()), "device_key": hardware.device_key(device),

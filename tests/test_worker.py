@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from engine.paths import CACHE_ENV
 from engine.run.generate import Generation, GenConfig
 from engine.spec import RunSpec
 from engine.store.db import Store
@@ -178,7 +179,7 @@ def test_a_fresh_database_warms_from_the_machine_cache_and_calibrates_only_where
     from engine.measure import hardware
     from engine.paths import DATA
 
-    monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(hardware.FIXED_CALIBRATION_ENV)  # the worker's process measures as a user's does
     worker = GenerationWorker()  # started now, with this environment
     warm = {"warm": True, "spec": RunSpec(gen=GenConfig("warm"), model=str(tiny_folder), device="cpu").to_dict()}

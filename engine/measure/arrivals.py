@@ -23,4 +23,3 @@ def level_rng(seed: int, level: int) -> np.random.Generator:
     """The generator of a sweep's level: one stream per seed and level number, so a level's traffic is the same
     however many levels ran before it, and a simulation of level k replays what the sweep sends at level k."""
     return np.random.default_rng([seed, level])
-

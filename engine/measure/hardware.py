@@ -628,7 +628,6 @@ def calibration_for(device: torch.device, store=None, fresh: bool = False, measu
 # cache folder, so a new database on the same machine reuses a recent one instead of spending
 # seconds of the first run on measuring again. Older than MAX_AGE, a calibration is neither reused
 # nor trusted: the machine, its memory or the torch that ran the kernels may have changed since.
-CACHE_ENV = "TOKENPATH_CACHE"  # the variable engine.paths.cache_dir reads
 MAX_AGE = timedelta(days=30)
 
 

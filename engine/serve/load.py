@@ -334,14 +334,17 @@ def slo_figures(records: list[dict], slo: dict, wall_s: float) -> dict:
             "metric_attainment": {m: slos.attainment(views, {m: t}) for m, t in slo.items()}}
 
 
+def level_requests(requests: int, rate: float, duration_s: float | None) -> int:
+    """How many requests a rate level sends: `requests`, or more to fill duration_s at that rate."""
+    return min(MAX_REQUESTS, max(requests, math.ceil(rate * duration_s))) if duration_s else requests
+
+
 def level_items(cfg: SweepConfig, spec: dict, index: int) -> list[arrivals.Item]:
     """Level `index`'s requests, the same for the same seed: prompts, output lengths, arrival offsets."""
     if cfg.trace:
         return arrivals.trace_items(cfg.trace, spec["rate"] if spec["arrival"] == "trace scaled" else None)
     rng = level_rng(cfg.seed, index)
-    n = cfg.requests
-    if spec["kind"] == "rate" and cfg.duration_s:
-        n = min(MAX_REQUESTS, max(n, math.ceil(spec["rate"] * cfg.duration_s)))
+    n = level_requests(cfg.requests, spec["rate"], cfg.duration_s) if spec["kind"] == "rate" else cfg.requests
     offsets = schedule(n, spec["rate"], cfg.burstiness, rng) if spec["kind"] == "rate" else [None] * n
     outs = (lengths(n, cfg.output_tokens, cfg.length_spread, rng) if cfg.output_tokens
             else [cfg.max_new_tokens] * n)
