@@ -97,7 +97,9 @@ def test_ctrl_c_in_a_run_s_first_seconds_is_one_line_and_exit_130(tmp_path, afte
     assert process.returncode == 130, err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("cancelled"), err
+    # before the run began, nothing to record; once it began (a fast machine gets there within seconds), it is
+    # recorded as cancelled with the tokens it had
+    assert len(lines) == 1 and lines[0].startswith(("cancelled", "interrupted: run ")), err
 
 
 GENERATE_VALUES = [

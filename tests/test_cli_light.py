@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,27 @@ def test_the_parser_offers_the_registries_choices():
     assert options["weights"].choices == list(quant.LEVELS)
     assert options["speculative"].choices == list(speculative.METHODS)
     assert options["sparsity_mode"].choices == sparsity.ALL_MODES
+
+
+def test_an_interrupt_python_had_to_drop_is_delivered_again(monkeypatch):
+    """A KeyboardInterrupt raised inside a weakref callback (as a Ctrl-C landing in the import machinery's) cannot
+    propagate; the command's hook raises it again at the next line instead of letting the command run on."""
+    import weakref
+
+    from engine.cli.main import _redeliver_dropped_interrupt
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    class Held:
+        pass
+
+    monkeypatch.setattr(sys, "unraisablehook", _redeliver_dropped_interrupt)
+    held = Held()
+    ref = weakref.ref(held, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        del held  # the callback's KeyboardInterrupt is unraisable here
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert ref() is None

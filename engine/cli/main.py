@@ -1,12 +1,14 @@
 """python -m engine COMMAND: everything the pages show, from a terminal."""
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
 import shlex
 import signal
 import sys
+import threading
 
 from engine.cli import serving as served_cli
 from engine.switches import names
@@ -587,7 +589,37 @@ def _cancel_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _redeliver_dropped_interrupt(unraisable) -> None:
+    """sys.unraisablehook: a Ctrl-C (or SIGTERM) whose KeyboardInterrupt landed in code Python cannot raise from
+    (a weakref callback of the import machinery, a finalizer) would be printed and dropped, and the command would
+    run on; it is delivered again in the main thread, at the next line that can raise it. Others as Python does."""
+    in_main = threading.current_thread() is threading.main_thread()
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt) or not in_main:
+        sys.__unraisablehook__(unraisable)
+        return
+    handler = signal.getsignal(signal.SIGINT)
+
+    def again(signum, frame):
+        signal.signal(signal.SIGINT, handler)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, again)
+    # from another thread, a moment later: signalled from inside this hook, the handler would run inside it too,
+    # and be dropped again
+    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,))
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv=None) -> int:
+    hook, sys.unraisablehook = sys.unraisablehook, _redeliver_dropped_interrupt
+    try:
+        return _command(argv)
+    finally:
+        sys.unraisablehook = hook
+
+
+def _command(argv) -> int:
     previous = signal.signal(signal.SIGINT, _cancelled)
     signal.signal(signal.SIGTERM, _cancelled)  # until a command can record a cancellation, as Ctrl-C
     try:
