@@ -65,9 +65,8 @@ def _block_activations(x: torch.Tensor) -> torch.Tensor:
 def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor, magnitude: bool = False) -> torch.Tensor:
     """What int4-dyn computes, in float64 from its stored parts: x quantized per block of 32 to int8,
     times w = q * d + m per block; with `magnitude`, the sum of the products' absolute values instead."""
-    packed = layer.weight_q4.reshape(layer.out_features, -1, 16)
-    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).double()
-    w = q * layer.d.double()[..., None] + layer.m.double()[..., None]
+    q, d, m = layer.unpacked()
+    w = q.double() * d.double()[..., None] + m.double()[..., None]
     xq = _block_activations(x)
     return torch.einsum("rbk,nbk->rn", xq.abs(), w.abs()) if magnitude else torch.einsum("rbk,nbk->rn", xq, w)
 
@@ -79,8 +78,8 @@ def test_int4_dynamic_kernel_computes_its_reference(rows, width):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(width, 1030, bias=True)  # split over threads
     layer = Int4DynamicLinear(linear)
-    assert layer.weight_q4.dtype == torch.uint8 and layer.weight_q4.numel() == 1030 * width // 2
-    assert layer.d.dtype == layer.m.dtype == torch.float16 and layer.d.numel() == 1030 * width // 32
+    assert layer.weight_q4.dtype == torch.uint8 and layer.weight_q4.numel() == 1032 * width // 2  # 8 rows a group
+    assert layer.d.dtype == layer.m.dtype == torch.float16 and layer.d.numel() == 1032 * width // 32
     x = torch.randn(rows, width)
     x[0, :32] = 0  # a block of zeros
     y = layer(x)
@@ -92,12 +91,11 @@ def test_int4_dynamic_kernel_computes_its_reference(rows, width):
 
 def test_int4_dynamic_weights_are_within_half_a_step_of_the_originals():
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 8, bias=False)
+    linear = torch.nn.Linear(64, 13, bias=False)  # a group of eight rows and a padded one
     layer = Int4DynamicLinear(linear)
-    packed = layer.weight_q4.reshape(8, -1, 16)
-    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
-    w = (q * layer.d.float()[..., None] + layer.m.float()[..., None]).reshape(8, 64)
-    step = layer.d.float().repeat_interleave(32, dim=1)
+    q, d, m = layer.unpacked()
+    w = (q.float() * d.float()[..., None] + m.float()[..., None]).reshape(13, 64)
+    step = d.float().repeat_interleave(32, dim=1)
     assert ((w - linear.weight).abs() <= step / 2 + 1e-3).all()
 
 

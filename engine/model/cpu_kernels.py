@@ -25,6 +25,8 @@ SOURCES = tuple(sorted(KERNELS.glob("*.cpp")))
 FILES = tuple(sorted([*SOURCES, *KERNELS.glob("*.h")]))  # all of them name a build
 # the architecture's baseline for a portable build, per machine
 BASELINE = {"x86_64": "-march=x86-64", "AMD64": "-march=x86-64", "aarch64": "-march=armv8-a", "arm64": "-march=armv8-a"}
+# an x86 CPU with AVX2, FMA and F16C but neither AVX-512 nor VNNI: the vector branches most x86 CPUs take
+AVX2 = "-march=haswell"
 LDFLAGS = ("-fopenmp",)
 _kernel = None
 _unavailable: str | None = None
@@ -35,13 +37,15 @@ class KernelBuildError(Exception):
 
 
 def variant() -> str:
-    """native (this CPU's instructions) or portable (TOKENPATH_KERNELS=portable)."""
-    return "portable" if os.environ.get("TOKENPATH_KERNELS") == "portable" else "native"
+    """native (this CPU's instructions), or for tests of the branches other CPUs take, portable
+    (TOKENPATH_KERNELS=portable: the architecture's baseline) or avx2 (TOKENPATH_KERNELS=avx2, on x86)."""
+    chosen = os.environ.get("TOKENPATH_KERNELS")
+    return chosen if chosen in ("portable", "avx2") else "native"
 
 
 def cflags() -> tuple[str, ...]:
+    march = {"portable": BASELINE.get(platform.machine(), "-march=native"), "avx2": AVX2}.get(variant(), "-march=native")
     # without contracted multiply-adds, so that element-wise kernels round as PyTorch's separate operations do
-    march = BASELINE.get(platform.machine(), "-march=native") if variant() == "portable" else "-march=native"
     return ("-O3", march, "-fopenmp", "-ffp-contract=off")
 
 

@@ -178,8 +178,12 @@ class _BlockLinear(torch.nn.Module):
 
 class Int4DynamicLinear(_BlockLinear):
     """4-bit weights, each block with an fp16 scale d and minimum m (w = q * d + m, q in 0..15: the
-    layout of llama.cpp's Q4_1); the kernel sums the products with the int8 activations in integers
-    (engine/model/kernels/int4.cpp)."""
+    arithmetic of llama.cpp's Q4_1); the kernel sums the products with the int8 activations in integers.
+    The output rows are stored in groups of eight, interleaved block by block (the last group padded with
+    zero rows), so that one vector instruction serves eight rows (engine/model/kernels/int4.cpp has the
+    layout); unpacked() gives the parts back in the rows' order."""
+
+    group = 8
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)
@@ -187,17 +191,37 @@ class Int4DynamicLinear(_BlockLinear):
         lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         d = ((hi - lo) / 15).clamp(min=1e-8)
         q = torch.round((blocks - lo) / d).clamp(0, 15).to(torch.uint8)
-        half = self.block // 2
-        self.register_buffer("weight_q4", (q[..., :half] | (q[..., half:] << 4)).reshape(self.out_features, -1))
-        self.register_buffer("d", d[..., 0].to(torch.float16))
-        self.register_buffer("m", lo[..., 0].to(torch.float16))
+        pad = -self.out_features % self.group
+        q, d, lo = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, d, lo))
+        groups, n_blocks = (self.out_features + pad) // self.group, self.in_features // self.block
+        # q[16h + 4k + e] of row i goes to half h of byte (k, i, e) of its group's block
+        nibbles = q.reshape(groups, self.group, n_blocks, 2, 4, 4)
+        packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [group, row, block, k, e]
+        self.register_buffer("weight_q4", packed.permute(0, 2, 3, 1, 4).reshape(groups, -1).contiguous())
+        self.register_buffer("d", self._interleaved(d))
+        self.register_buffer("m", self._interleaved(lo))
+
+    def _interleaved(self, per_block: torch.Tensor) -> torch.Tensor:
+        """[rows, blocks, 1] as fp16 [groups, blocks, 8]: a group's eight values of a block side by side."""
+        return per_block[..., 0].reshape(-1, self.group, per_block.shape[1]).transpose(1, 2).to(torch.float16) \
+            .contiguous()
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored parts in the rows' order, without padding: q [out, in / 32, 32] (0..15), d and m
+        [out, in / 32]."""
+        groups, n_blocks = self.weight_q4.shape[0], self.in_features // self.block
+        packed = self.weight_q4.reshape(groups, n_blocks, 4, self.group, 4).permute(0, 3, 1, 2, 4)
+        q = torch.stack([packed & 0xF, packed >> 4], dim=3).reshape(-1, n_blocks, self.block)
+        d, m = (t.transpose(1, 2).reshape(-1, n_blocks) for t in (self.d, self.m))
+        return q[:self.out_features], d[:self.out_features], m[:self.out_features]
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        return optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m)
+        return optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m, self.out_features)
 
     def decode_form(self) -> tuple:
-        """This layer as the kernels' decode_layers reads it."""
-        return (4, self.weight_q4, self.d, self.m, None, 0, self.bias)
+        """This layer as the kernels' decode_layers reads it (its number of outputs where the others give a
+        group size)."""
+        return (4, self.weight_q4, self.d, self.m, None, self.out_features, self.bias)
 
 
 class Int8BlockLinear(_BlockLinear):

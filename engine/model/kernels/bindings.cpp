@@ -14,7 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
-  m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with Q4_1-format int4 weights, x quantized to int8 per block of 32");
+  m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with int4 weights in blocks (Q4_1 arithmetic) for N outputs, x quantized to int8 per block of 32");
   py::class_<DecodeForms>(m, "DecodeForms", "the embedding, every layer's form and the head's, as decode_layers reads them")
       .def(py::init<at::Tensor, std::vector<LayerForm>, HeadForm>());
   m.def("decode_layers", &decode_layers, "the logits of one new token per sequence: its embedding, every Llama decoder layer, appending to each sequence's KV caches, then the last norm and the head");

@@ -6,7 +6,10 @@ namespace tokenpath {
 
 static int64_t linear_outputs(const LinearForm& form) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
-  return kind == 3 ? scales->size(1) : w.size(0);  // PyTorch's int4 packing keeps N in its scales' shape
+  // PyTorch's int4 packing keeps N in its scales' shape; int4-dyn's groups of eight rows are padded, so its
+  // form says N in the slot kind 3 gives its group size
+  if (kind == 3) return scales->size(1);
+  return kind == 4 ? group : w.size(0);
 }
 
 // y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in

@@ -330,7 +330,9 @@ static inline void scaled_block_sums(const at::Half* d, const float* dx, int64_t
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
 // 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
-// (scales holding d, sums m), 5 int8 weights in blocks and int8 activations (scales holding d). The arithmetic is the layer's own forward.
+// (scales holding d, sums m, and the group size's slot the number of outputs, which its padded weights
+// do not say), 5 int8 weights in blocks and int8 activations (scales holding d). The arithmetic is the
+// layer's own forward.
 using LinearForm = std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                               c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>>;
 
@@ -378,7 +380,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tenso
 at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales);
 at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d);
 bool has_vnni();
-at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m);  // int4.cpp
+at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m, int64_t N);  // int4.cpp
 std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor w_t, double threshold,
                                                       bool skip);  // sparsity.cpp
 std::tuple<at::Tensor, int64_t> mask_small(at::Tensor x, double threshold);
