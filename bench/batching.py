@@ -11,7 +11,8 @@ and compares their median decode tokens.
 
 Under load, the same identical request (the prompt, --tokens new tokens, greedy) goes out at each concurrency of
 --load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
-engine in process (fp32, --load's largest level as its batch cap), and, with --peers, to vLLM's CPU build
+engine in process at each level of --levels (its batch cap --load's largest level, at most the engine's largest
+batch, beyond which requests wait in its queue), and, with --peers, to vLLM's CPU build
 (started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python, `make peers`) on the same
 model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time per output token
 within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the last level before
@@ -140,9 +141,13 @@ def under_load(args) -> None:
     store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "batching.duckdb")
     highest, tables, notes = {}, {}, []
     with contextlib.ExitStack() as stack:
-        local = local_target(load_config(args, None), store, max_batch=max(args.load))
-        stack.callback(local.close)
-        runners = {"Tokenpath fp32": (None, local)}
+        runners = {}
+        for weights in args.levels.split(","):
+            local = local_target(load_config(args, None), store, max_batch=min(max(args.load), MAX_BATCH),
+                                 weights=weights)
+            stack.callback(local.close)
+            runners[f"Tokenpath {weights}"] = (None, local)
+        ours = list(runners)
         runners.update({name: (url, None) for name, url in peer_urls(args, stack).items()})
         names = list(runners)
         for r in range(args.load_rounds):
@@ -161,12 +166,13 @@ def under_load(args) -> None:
     for name in runners:
         print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
               f"highest concurrency holding the target: {highest[name]} (one per round)")
-    ours = highest["Tokenpath fp32"]
-    for name in names[1:]:
-        theirs = highest[name]
-        against = ratio(theirs, ours) if min(ours + theirs) > 0 else "no ratio: a side held no level in some round"
-        print(f"Tokenpath fp32 against {name}: highest concurrency {statistics.median(ours):g} against "
-              f"{statistics.median(theirs):g}, {against}")
+    for mine in ours:
+        for name in names[len(ours):]:
+            held, theirs = highest[mine], highest[name]
+            against = ratio(theirs, held) if min(held + theirs) > 0 else "no ratio: a side held no level in some round"
+            ceiling = " (the highest level tried: a ratio censored there)" if max(args.load) in held + theirs else ""
+            print(f"{mine} against {name}: highest concurrency {statistics.median(held):g} against "
+                  f"{statistics.median(theirs):g}, {against}{ceiling}")
 
 
 def main() -> None:
@@ -184,8 +190,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM and llama.cpp")
     args = parser.parse_args()
     args.load = [int(c) for c in args.load.split(",")]
-    if not all(1 <= c <= MAX_BATCH for c in args.load):
-        parser.error(f"--load levels are concurrencies from 1 to {MAX_BATCH} (the local engine's largest batch)")
+    if not all(1 <= c <= 256 for c in args.load):
+        parser.error("--load levels are concurrencies from 1 to 256")
     args.peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
     unknown = set(args.peers) - set(PEERS)
     if unknown:

@@ -107,12 +107,12 @@ def recorded(name: str):
     (RESULTS / f"{name}.md").write_text("\n".join(stamp) + "\n" + buffer.getvalue().rstrip() + "\n```\n")
 
 
-def local_target(cfg, store, max_batch: int = 8):
-    """The local continuous-batching engine (the default model, fp32) as a load sweep's target, as
+def local_target(cfg, store, max_batch: int = 8, weights: str = "fp32"):
+    """The local continuous-batching engine (the default model at `weights`) as a load sweep's target, as
     `python -m engine load --local` makes it: every request a recorded run in `store`."""
     from engine.run.load_target import LocalTarget
 
-    return LocalTarget.load(cfg, store, max_batch=max_batch)
+    return LocalTarget.load(cfg, store, weights=weights, max_batch=max_batch)
 
 
 def highest_holding(levels: list, holds, again) -> object | None:

@@ -22,6 +22,7 @@ from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
 from engine.spec import MAX_BATCH
+from engine.switches.quant import LEVELS
 from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
 from engine.serve.command import ReproduceError
@@ -60,15 +61,17 @@ else:
                           "server to start.") == TARGETS[1]
 with st.form("sweep"):
     if local:
-        c = st.columns([3, 1, 2])
+        c = st.columns([3, 2, 1, 2])
         model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
                                    + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
                                       else ""))
-        max_batch = whole_number_input(c[1], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
-        kv_budget = c[2].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
+        weights = c[1].selectbox("Weight precision", list(LEVELS), help="the level the whole batch runs at; "
+                                 + "; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
+        max_batch = whole_number_input(c[2], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
+        kv_budget = c[3].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
                                       "batch may reserve; arrivals beyond it wait for a slot")
-        st.caption("The engine runs the model at fp32 weights with its KV cache, as `load --local` does (it takes no "
-                   "weight level); a server's address, model name and key do not apply here.")
+        st.caption("The engine runs the model at this weight level with its KV cache, as `load --local --weights` "
+                   "does; a server's address, model name and key do not apply here.")
     else:
         c = st.columns([3, 2, 2])
         endpoint = c[0].text_input("Server address", "http://127.0.0.1:8000", help="scheme://host:port, with or without /v1")
@@ -108,7 +111,8 @@ def sweep_options() -> list[str]:
     if shared_prefix:
         options += ["--shared-prefix-tokens", str(int(shared_prefix))]
     if local:
-        options += ["--local", "--model", model_id.strip() or "default", "--max-batch", str(int(max_batch))]
+        options += ["--local", "--model", model_id.strip() or "default", "--weights", weights,
+                    "--max-batch", str(int(max_batch))]
         return options + (["--kv-budget-mb", f"{kv_budget:g}"] if kv_budget else [])
     options += ["--endpoint", endpoint]
     if model.strip():

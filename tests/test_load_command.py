@@ -11,7 +11,7 @@ from engine.cli.main import build_parser
 from engine.serve.command import LOAD_OPTIONS, sweep_command
 
 CONFIG = {"endpoint": None, "concurrency": [], "rates": [2.0, 4.5], "requests": 3, "max_new_tokens": 5,
-          "slo": {"ttft_ms": 500.0}, "seed": 0, "local": True, "model": "default", "max_batch": 4,
+          "slo": {"ttft_ms": 500.0}, "seed": 0, "local": True, "model": "default", "weights": "int4-dyn", "max_batch": 4,
           "kv_budget_mb": None, "trace_name": None, "rtt_ms": None}
 
 
@@ -23,9 +23,10 @@ def test_a_rate_sweep_comes_back_with_its_rates_and_every_stored_option(store):
     argv = shlex.split(sweep_command(store, stored(store, CONFIG, "rate"), db="other.duckdb"))
     assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", "other.duckdb"]
     assert "--local" in argv
-    at = {flag: argv[argv.index(flag) + 1] for flag in ("--rate", "--requests", "--slo", "--max-batch", "--model")}
+    at = {flag: argv[argv.index(flag) + 1] for flag in ("--rate", "--requests", "--slo", "--max-batch", "--model",
+                                                        "--weights")}
     assert at == {"--rate": "2.0,4.5", "--requests": "3", "--slo": "ttft_ms=500", "--max-batch": "4",
-                  "--model": "default"}
+                  "--model": "default", "--weights": "int4-dyn"}
     assert set(a for a in argv if a.startswith("--")) <= LOAD_OPTIONS | {"--db"}
     assert "--concurrency" not in argv and "--kv-budget-mb" not in argv  # empty and unset: the defaults
 

@@ -70,6 +70,22 @@ def test_a_concurrency_sweep_on_the_local_engine_shares_steps_between_its_reques
         "kind": "local", "model": again["server_model"], "weights": "fp32", "max_batch": 4, "kv_budget_bytes": None}
 
 
+def test_a_local_sweep_runs_every_request_at_its_weight_level_and_is_made_again_at_it(
+        tiny_folder, calibration, tmp_path, capsys):
+    db = tmp_path / "runs.duckdb"
+    code, out = run_json(capsys, "load", "--local", "--model", str(tiny_folder), "--weights", "int4-dyn",
+                         "--max-batch", "4", "--concurrency", "2", "--requests", "4", *LENGTHS, "--db", str(db),
+                         "--json")
+    assert code == 0 and out["requests_ok"] == 4
+    code, again = run_json(capsys, "load", "--from-sweep", str(out["sweep_id"]), "--db", str(db), "--json")
+    assert code == 0 and again["requests_ok"] == 4
+    store = Store(db)
+    configs = [json.loads(c) for c in store.query("SELECT config FROM runs")["config"]]
+    assert len(configs) == 8 and {c["weights"] for c in configs} == {"int4-dyn"}
+    servers = [json.loads(s) for s in served_store.sweeps(store)["server"]]
+    assert [s["weights"] for s in servers] == ["int4-dyn", "int4-dyn"]
+
+
 def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_run(
         tiny_folder, calibration, tmp_path, capsys):
     db = tmp_path / "runs.duckdb"
@@ -90,6 +106,8 @@ def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_r
     (["--local", "--endpoint", "http://127.0.0.1:9"], "not both"),
     ([], "--local"),
     (["--local", "--requests", "0"], "--requests"),
+    (["--local", "--weights", "int3"], "Unknown quantization level 'int3'"),
+    (["--endpoint", "http://127.0.0.1:9", "--weights", "int4-dyn"], "--weights"),
 ])
 def test_bad_local_load_input_is_one_sentence_exit_2_and_nothing_stored(args, words, tiny_folder, tmp_path, capsys):
     db = tmp_path / "x.duckdb"

@@ -95,6 +95,10 @@ def _start(args, make_levels, on_progress):
         print("error: give the server with --endpoint URL, run the local engine with --local, or make a stored "
               "sweep again with --from-sweep ID.", file=sys.stderr)
         return USER_ERROR
+    if args.endpoint and args.weights != "fp32":
+        print("error: --weights sets the local engine's weight level, and a server runs the weights it loaded: leave "
+              "it out, or use --local.", file=sys.stderr)
+        return USER_ERROR
     target = None
     try:
         cfg = _sweep_config(args, **make_levels())
@@ -114,16 +118,19 @@ def _start(args, make_levels, on_progress):
 
 
 def _local_target(args, cfg):
-    """load/capacity --local: the model loaded per --model and a LocalTarget with --max-batch and --kv-budget-mb,
-    after every setting is checked (nothing is loaded or stored for bad input)."""
+    """load/capacity --local: the model loaded per --model at --weights and a LocalTarget with --max-batch and
+    --kv-budget-mb, after every setting is checked (nothing is loaded or stored for bad input)."""
     from engine.run.batch import budget_bytes, check_cap
     from engine.run.load_target import LocalTarget
     from engine.store.db import Store
+    from engine.switches.quant import level
 
     check_cap(args.max_batch)
     budget = budget_bytes(args.kv_budget_mb)
+    level(args.weights)
     cfg.check()
-    return LocalTarget.load(cfg, Store(args.db), model=args.model, max_batch=args.max_batch, kv_budget_bytes=budget)
+    return LocalTarget.load(cfg, Store(args.db), model=args.model, weights=args.weights, max_batch=args.max_batch,
+                            kv_budget_bytes=budget)
 
 
 def _swept(sweep, run) -> dict:
@@ -276,6 +283,8 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--local", action="store_true", help="send the requests straight into this machine's "
                                                         "continuous-batching engine, each one a recorded run")
     p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
+    p.add_argument("--weights", default="fp32", help="with --local: the weight level the whole batch runs at "
+                                                     "(fp32, int8-dyn, int4-dyn, ...: `generate --help` lists them)")
     p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-16)")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")

@@ -60,12 +60,13 @@ class LocalTarget:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, cfg: SweepConfig, store, model: str = "default", max_batch: int = 8,
+    def load(cls, cfg: SweepConfig, store, model: str = "default", weights: str = "fp32", max_batch: int = 8,
              kv_budget_bytes: int | None = None) -> LocalTarget:
-        """The model loaded per `model` ('default', a Hugging Face id or a local folder; fp32) and the engine
-        over it, as `python -m engine load --local` makes it: every request a recorded run in `store`."""
-        return cls(cfg, prepare(RunSpec(GenConfig(""), model=model), store), store, max_batch=max_batch,
-                   kv_budget_bytes=kv_budget_bytes, model=model)
+        """The model loaded per `model` ('default', a Hugging Face id or a local folder) at the weight level
+        `weights` and the engine over it, as `python -m engine load --local` makes it: every request a recorded
+        run in `store`."""
+        return cls(cfg, prepare(RunSpec(GenConfig(""), model=model, weights=weights), store), store,
+                   max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model)
 
     def rtt_ms(self) -> None:
         return None  # no network between the sweep and the engine
@@ -76,7 +77,8 @@ class LocalTarget:
     def options(self) -> dict:
         """The command-line options that make this target again (stored with the sweep, for --from-sweep)."""
         budget = self.settings["kv_budget_bytes"]
-        return {"local": True, "model": self.model_option, "max_batch": self.settings["max_batch"],
+        return {"local": True, "model": self.model_option, "weights": self.settings["weights"],
+                "max_batch": self.settings["max_batch"],
                 "kv_budget_mb": budget / 2**20 if budget is not None else None}
 
     def snapshot(self) -> None:
