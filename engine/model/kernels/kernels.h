@@ -164,42 +164,53 @@ struct Lanes {
 };
 #endif
 
-// Sum of a[k] * b[r][k] for each of R rows b[r], all read side by side: per row two registers of lanes,
-// then the registers and the lanes added in a fixed order, and the last few products one by one, so a
-// row's sum does not depend on the rows read beside it or on where the call comes from.
-template <int R>
-static inline void dot_rows(const float* __restrict a, const float* const* b, int64_t n, float* out) {
+// Sum of a[i][k] * b[r][k] for each of A rows a[i] and R rows b[r], all read side by side, into
+// out[i * R + r]: per pair of rows two registers of lanes, then the registers and the lanes added in a
+// fixed order, and the last few products one by one. Each pair's operations and their order are the
+// same whatever A and R are, so a sum does not depend on the rows read beside it or on where the call
+// comes from; more rows of a at once let each weight loaded from the cache serve several of them.
+template <int A, int R>
+static inline void dot_rows_of(const float* const* a, const float* const* b, int64_t n, float* out) {
 #ifdef HAVE_LANES
   using V = Lanes::V;
   constexpr int W = Lanes::W;
-  V acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Lanes::zero();
+  V acc0[A][R], acc1[A][R];
+  for (int i = 0; i < A; ++i)
+    for (int r = 0; r < R; ++r) acc0[i][r] = acc1[i][r] = Lanes::zero();
   int64_t k = 0;
   for (; k + 2 * W <= n; k += 2 * W) {
-    const V x0 = Lanes::load(a + k), x1 = Lanes::load(a + k + W);
+    V x0[A], x1[A];
+    for (int i = 0; i < A; ++i) x0[i] = Lanes::load(a[i] + k), x1[i] = Lanes::load(a[i] + k + W);
     for (int r = 0; r < R; ++r) {
-      acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
-      acc1[r] = Lanes::fma(x1, Lanes::load(b[r] + k + W), acc1[r]);
+      const V w0 = Lanes::load(b[r] + k), w1 = Lanes::load(b[r] + k + W);
+      for (int i = 0; i < A; ++i) {
+        acc0[i][r] = Lanes::fma(x0[i], w0, acc0[i][r]);
+        acc1[i][r] = Lanes::fma(x1[i], w1, acc1[i][r]);
+      }
     }
   }
   if (k + W <= n) {
-    const V x0 = Lanes::load(a + k);
-    for (int r = 0; r < R; ++r) acc0[r] = Lanes::fma(x0, Lanes::load(b[r] + k), acc0[r]);
+    for (int r = 0; r < R; ++r) {
+      const V w0 = Lanes::load(b[r] + k);
+      for (int i = 0; i < A; ++i) acc0[i][r] = Lanes::fma(Lanes::load(a[i] + k), w0, acc0[i][r]);
+    }
     k += W;
   }
-  for (int r = 0; r < R; ++r) {
-    float sum = Lanes::sum(Lanes::add(acc0[r], acc1[r]));
-    for (int64_t j = k; j < n; ++j) sum += a[j] * b[r][j];
-    out[r] = sum;
-  }
+  for (int i = 0; i < A; ++i)
+    for (int r = 0; r < R; ++r) {
+      float sum = Lanes::sum(Lanes::add(acc0[i][r], acc1[i][r]));
+      for (int64_t j = k; j < n; ++j) sum += a[i][j] * b[r][j];
+      out[i * R + r] = sum;
+    }
 #else
-  for (int r = 0; r < R; ++r) out[r] = dot_lanes(a, b[r], n);
+  for (int i = 0; i < A; ++i)
+    for (int r = 0; r < R; ++r) out[i * R + r] = dot_lanes(a[i], b[r], n);
 #endif
 }
 
 static inline float dot(const float* a, const float* b, int64_t n) {
   float out;
-  dot_rows<1>(a, &b, n, &out);
+  dot_rows_of<1, 1>(&a, &b, n, &out);
   return out;
 }
 
