@@ -66,6 +66,14 @@ def test_skip_reads_fewer_bytes_and_mask_reports_waste(tiny_lm, calibration, thr
     assert all(s["waste_fraction"] == 0 for s in runs["skip"])
 
 
+@pytest.mark.parametrize("n", [1 << 20, 1000003, 7, 1])
+def test_the_quantile_is_torchs_to_the_bit(n):
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
+    values[: n // 3] = 0.0  # ties, as the masked second pass gives
+    for q in (0.5, 0.3, 0.7, 0.9, 0.123, 1.0):
+        assert sparsity.quantile(values, q) == float(torch.quantile(values, q)), (n, q)
+
+
 def test_thresholds_are_stored_and_reused(tiny_lm, store):
     first = sparsity.thresholds_for(tiny_lm, 0.3, store)
     assert store.sparsity_thresholds(tiny_lm.name, 0.3, sparsity._calibration_digest()) == first
