@@ -131,20 +131,24 @@ if not results:
 
 
 def summary_table(results: list[dict]) -> pd.DataFrame:
+    """One row per configuration, as the page shows it: a static table, which wraps its headers to the page's
+    width where a data grid would hide columns behind a scroll, with each number written as it reads."""
+    shown = lambda value: "-" if value is None else f"{value:g}"  # noqa: E731
     return pd.DataFrame([{
-        "configuration": label(r), "weights (bits)": r["bits_per_weight"], "tp x pp": f"{r['tp']} x {r['pp']}",
+        "configuration": label(r), "weights (bits)": shown(r["bits_per_weight"]), "tp x pp": f"{r['tp']} x {r['pp']}",
         # estimates from data-sheet peaks and fitted factors: three significant digits at most
-        "decode ms per token (estimate)": figure(r["decode_ms_per_token"]),
-        "tokens/s per user (estimate)": figure(r["tokens_per_s_per_user"]),
-        "tokens/s in all (estimate)": figure(r["tokens_per_s_total"]),
-        "prefill ms (estimate)": figure(r["prefill_ms"]),
-        "memory per GPU": human(r["memory_per_gpu_bytes"]), "fits": r["fits"], "largest batch": r["largest_batch"],
-    } for r in results])
+        "decode ms per token (estimate)": shown(figure(r["decode_ms_per_token"])),
+        "tokens/s per user (estimate)": shown(figure(r["tokens_per_s_per_user"])),
+        "tokens/s in all (estimate)": shown(figure(r["tokens_per_s_total"])),
+        "prefill ms (estimate)": shown(figure(r["prefill_ms"])),
+        "memory per GPU": human(r["memory_per_gpu_bytes"]), "fits": "yes" if r["fits"] else "no",
+        "largest batch": shown(r["largest_batch"]),
+    } for r in results]).set_index("configuration")
 
 
 with answer:
     st.subheader("Side by side (estimates)")
-    st.dataframe(summary_table(results), hide_index=True, width="stretch")
+    st.table(summary_table(results))
     for r in results:
         if not r["fits"]:
             st.warning(md_escape(f"{label(r)} does not fit: {human(r['memory_per_gpu_bytes'])} per GPU."))
