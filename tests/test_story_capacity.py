@@ -30,7 +30,9 @@ def test_the_default_model_is_measured_beside_the_planners_capacity(store):
 @pytest.mark.subprocess
 def test_a_search_that_finds_no_holding_rate_is_a_sentence(store, tiny_folder, monkeypatch):
     monkeypatch.setattr(capacity, "SLO", {"ttft_ms": 0.001, "tpot_ms": 0.001})  # no request can meet it
-    summary = capacity.measure(str(store.path), model=str(tiny_folder), budget_s=45)
+    # from 4 requests/s the search halves the rate after each failing level (3, 3 and 4 s of arrivals), until
+    # the budget stops it with those levels kept
+    summary = capacity.measure(str(store.path), start_rate=4.0, model=str(tiny_folder), budget_s=25)
     assert summary["capacity_requests_per_s"] is None
     found = capacity.latest(store)
     text = capacity.verdict(store, found)
