@@ -25,24 +25,15 @@ static inline int32_t four_bytes(const int8_t* x) {
   return v;
 }
 
+// Rows of activations past each group at once: their sums and the block's unpacked run stay in registers.
+constexpr int kInt4Rows = kRowsAtOnce;
+
 // One group of weight rows (wg, with its blocks' d and m) against R rows of activations quantized per
 // block (row r: xq + r * K, dx and dsum + r * KB): for each activation row and output row i, the sum over
 // blocks of d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride + i] for the group's first
-// `outputs` rows. Each block is unpacked once for all R rows; every row's own operations and their order
-// are those of a lone row, so a row's result does not depend on how many share the weights.
+// `outputs` rows. Each run of a block is unpacked once for all R rows; every row's own operations and their
+// order are those of a lone row, so a row's result does not depend on how many share the weights.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Rows of activations past each group at once: their accumulators and the unpacked block stay in registers.
-constexpr int kInt4Rows = kRowsAtOnce;
-
-// acc plus, in lane i, the four products of bytes 4i..4i+3 of unsigned a and signed b (exact: see sum_u8s8)
-static inline __m256i add_u8s8(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, sum_u8s8(a, b));
-#endif
-}
-
 template <int R>
 static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
                                   const float* dx, const float* dsum, int64_t KB, int64_t K, float* y,
@@ -51,23 +42,24 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    __m256i lo[4], hi[4];
+    // the R rows' integer sums side by side, two chains each (the low halves' and the high halves'), a run
+    // of the block unpacked at a time
+    __m256i lows[R], highs[R];
+    for (int r = 0; r < R; ++r) lows[r] = highs[r] = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock + k * 32));
-      lo[k] = _mm256_and_si256(raw, low);
-      hi[k] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + b * kBlock;
+        lows[r] = add_u8s8(lows[r], lo, _mm256_set1_epi32(four_bytes(x + 4 * k)));
+        highs[r] = add_u8s8(highs[r], hi, _mm256_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
+      }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * kGroup)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * kGroup)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq + r * K + b * kBlock;
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // two chains of integer sums
-      for (int k = 0; k < 4; ++k) {
-        s0 = add_u8s8(s0, lo[k], _mm256_set1_epi32(four_bytes(x + 4 * k)));
-        s1 = add_u8s8(s1, hi[k], _mm256_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
-      }
-      const __m256i s = _mm256_add_epi32(s0, s1);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * KB + b])), acc[r]);
+      const __m256i sums = _mm256_add_epi32(lows[r], highs[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * KB + b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dsum[r * KB + b]), acc[r]);
     }
   }
@@ -82,8 +74,6 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
   }
 }
 #else
-constexpr int kInt4Rows = kRowsAtOnce;
-
 template <int R>
 static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
                                   const float* dx, const float* dsum, int64_t KB, int64_t K, float* y,

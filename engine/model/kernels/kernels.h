@@ -293,6 +293,15 @@ static inline __m256i sum_u8s8(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
 }
+
+// acc plus sum_u8s8(a, b): one instruction with VNNI.
+static inline __m256i add_u8s8(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, sum_u8s8(a, b));
+#endif
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
