@@ -133,7 +133,7 @@ if not results:
 def summary_table(results: list[dict]) -> pd.DataFrame:
     """One row per configuration, as the page shows it: a static table, which wraps its headers to the page's
     width where a data grid would hide columns behind a scroll, with each number written as it reads."""
-    shown = lambda value: "-" if value is None else f"{value:g}"  # noqa: E731
+    shown = lambda value: "-" if value is None else f"{value:,.0f}" if abs(value) >= 1000 else f"{value:g}"  # noqa: E731
     return pd.DataFrame([{
         "configuration": label(r), "weights (bits)": shown(r["bits_per_weight"]), "tp x pp": f"{r['tp']} x {r['pp']}",
         # estimates from data-sheet peaks and fitted factors: three significant digits at most

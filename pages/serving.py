@@ -22,7 +22,8 @@ from engine.serve.client import ServedError
 from engine.serve.metrics import DEFINITIONS
 from engine.report.sweeps import load_sweep_report
 from engine.spec import MAX_BATCH
-from engine.switches.quant import LEVELS
+from engine.model.loader import pick_device
+from engine.switches.quant import LEVELS, available_levels
 from engine.serve.capacity import describe
 from engine.serve.command import sweep_command
 from engine.serve.command import ReproduceError
@@ -65,8 +66,9 @@ with st.form("sweep"):
         model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
                                    + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
                                       else ""))
-        weights = c[1].selectbox("Weight precision", list(LEVELS), help="the level the whole batch runs at; "
-                                 + "; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
+        weights = c[1].selectbox("Weight precision", available_levels(pick_device("auto")),
+                                 help="the level the whole batch runs at (those that run here); "
+                                      + "; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
         max_batch = whole_number_input(c[2], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
         kv_budget = c[3].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
                                       "batch may reserve; arrivals beyond it wait for a slot")

@@ -73,7 +73,8 @@ def test_a_concurrency_sweep_on_the_local_engine_shares_steps_between_its_reques
 def test_a_local_sweep_runs_every_request_at_its_weight_level_and_is_made_again_at_it(
         tiny_folder, calibration, tmp_path, capsys):
     db = tmp_path / "runs.duckdb"
-    code, out = run_json(capsys, "load", "--local", "--model", str(tiny_folder), "--weights", "int4-dyn",
+    # int4-wo names itself with its group size ("int4-wo g32"); the command that makes it again names the level
+    code, out = run_json(capsys, "load", "--local", "--model", str(tiny_folder), "--weights", "int4-wo",
                          "--max-batch", "4", "--concurrency", "2", "--requests", "4", *LENGTHS, "--db", str(db),
                          "--json")
     assert code == 0 and out["requests_ok"] == 4
@@ -81,9 +82,9 @@ def test_a_local_sweep_runs_every_request_at_its_weight_level_and_is_made_again_
     assert code == 0 and again["requests_ok"] == 4
     store = Store(db)
     configs = [json.loads(c) for c in store.query("SELECT config FROM runs")["config"]]
-    assert len(configs) == 8 and {c["weights"] for c in configs} == {"int4-dyn"}
+    assert len(configs) == 8 and {c["weights"] for c in configs} == {"int4-wo g32"}
     servers = [json.loads(s) for s in served_store.sweeps(store)["server"]]
-    assert [s["weights"] for s in servers] == ["int4-dyn", "int4-dyn"]
+    assert [s["weights"] for s in servers] == ["int4-wo g32", "int4-wo g32"]
 
 
 def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_run(
@@ -108,6 +109,7 @@ def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_r
     (["--local", "--requests", "0"], "--requests"),
     (["--local", "--weights", "int3"], "Unknown quantization level 'int3'"),
     (["--endpoint", "http://127.0.0.1:9", "--weights", "int4-dyn"], "--weights"),
+    (["--endpoint", "http://127.0.0.1:9", "--weights", "fp32"], "--weights"),
 ])
 def test_bad_local_load_input_is_one_sentence_exit_2_and_nothing_stored(args, words, tiny_folder, tmp_path, capsys):
     db = tmp_path / "x.duckdb"

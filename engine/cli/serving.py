@@ -95,7 +95,7 @@ def _start(args, make_levels, on_progress):
         print("error: give the server with --endpoint URL, run the local engine with --local, or make a stored "
               "sweep again with --from-sweep ID.", file=sys.stderr)
         return USER_ERROR
-    if args.endpoint and args.weights != "fp32":
+    if args.endpoint and args.weights is not None:
         print("error: --weights sets the local engine's weight level, and a server runs the weights it loaded: leave "
               "it out, or use --local.", file=sys.stderr)
         return USER_ERROR
@@ -127,9 +127,10 @@ def _local_target(args, cfg):
 
     check_cap(args.max_batch)
     budget = budget_bytes(args.kv_budget_mb)
-    level(args.weights)
+    weights = args.weights or "fp32"
+    level(weights)
     cfg.check()
-    return LocalTarget.load(cfg, Store(args.db), model=args.model, weights=args.weights, max_batch=args.max_batch,
+    return LocalTarget.load(cfg, Store(args.db), model=args.model, weights=weights, max_batch=args.max_batch,
                             kv_budget_bytes=budget)
 
 
@@ -283,8 +284,8 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--local", action="store_true", help="send the requests straight into this machine's "
                                                         "continuous-batching engine, each one a recorded run")
     p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
-    p.add_argument("--weights", default="fp32", help="with --local: the weight level the whole batch runs at "
-                                                     "(fp32, int8-dyn, int4-dyn, ...: `generate --help` lists them)")
+    p.add_argument("--weights", help="with --local: the weight level the whole batch runs at (default fp32; "
+                                     "int8-dyn, int4-dyn, ...: `generate --help` lists them)")
     p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-16)")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")

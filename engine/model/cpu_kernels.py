@@ -40,6 +40,8 @@ def variant() -> str:
     """native (this CPU's instructions), or for tests of the branches other CPUs take, portable
     (TOKENPATH_KERNELS=portable: the architecture's baseline) or avx2 (TOKENPATH_KERNELS=avx2, on x86)."""
     chosen = os.environ.get("TOKENPATH_KERNELS")
+    if chosen == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        return "native"  # an x86 build only
     return chosen if chosen in ("portable", "avx2") else "native"
 
 
@@ -57,7 +59,7 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the build uses -march=native, so the kernel then uses it)."""
+    """Whether this CPU has AVX-512 VNNI (the native build uses -march=native, so its kernels then use it)."""
     return "avx512_vnni" in _cpu_flags()
 
 

@@ -77,7 +77,8 @@ class LocalTarget:
     def options(self) -> dict:
         """The command-line options that make this target again (stored with the sweep, for --from-sweep)."""
         budget = self.settings["kv_budget_bytes"]
-        return {"local": True, "model": self.model_option, "weights": self.settings["weights"],
+        # the level's name: a level with a group size describes itself with it ("int4-wo g32")
+        return {"local": True, "model": self.model_option, "weights": self.settings["weights"].split()[0],
                 "max_batch": self.settings["max_batch"],
                 "kv_budget_mb": budget / 2**20 if budget is not None else None}
 

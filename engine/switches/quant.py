@@ -119,15 +119,19 @@ class Int8WeightOnly(IntegerLevel):
         return lambda linear, is_head: Int8WeightOnlyLinear(linear)
 
 
+def integer_vectors() -> str:
+    """The instructions the integer kernels' products run on here (the build uses this CPU's own)."""
+    return "AVX-512 VNNI" if cpu_has_vnni() else "AVX2" if cpu_has_avx2() else "plain loops"
+
+
 class Int8Dynamic(IntegerLevel):
     name = "int8-dyn"
     help = "int8 weights and activations quantized per token; int32 accumulation"
 
     def info(self, device):
         if device.type == "cpu" and has_small_rows_kernel():
-            vector = "AVX-512 VNNI" if cpu_has_vnni() else "AVX2" if cpu_has_avx2() else "plain loops"
-            return LevelInfo(self.name, f"Tokenpath's int8 x int8 kernel ({vector}; engine/model/kernels)", True,
-                             self.help)
+            return LevelInfo(self.name, f"Tokenpath's int8 x int8 kernel ({integer_vectors()}; engine/model/kernels)",
+                             True, self.help)
         return LevelInfo(self.name, "torch.ops.quantized.linear_dynamic (fbgemm int8 x int8)", True, self.help)
 
     def runs_on(self, device):
@@ -180,13 +184,13 @@ class Int4WeightOnly(IntegerLevel):
 
 class Int4Dynamic(IntegerLevel):
     name = "int4-dyn"
-    help = ("half a byte per weight plus an fp16 scale and minimum per block of 32 (llama.cpp's Q4_1 layout), "
-            "activations quantized to int8 per block of 32; integer sums; output head at int8 in blocks of 32 with an "
-            "fp16 scale each (Q8_0's layout)")
+    help = ("half a byte per weight plus an fp16 scale and minimum per block of 32 (llama.cpp's Q4_1 arithmetic, "
+            "rows stored in groups of eight), activations quantized to int8 per block of 32; integer sums; output head "
+            "at int8 in blocks of 32 with an fp16 scale each (Q8_0's layout)")
 
     def info(self, device):
-        vector = "AVX2" if cpu_has_avx2() else "plain loops"
-        return LevelInfo(self.name, f"Tokenpath's int4 x int8 kernel ({vector}; engine/model/kernels)", True, self.help)
+        return LevelInfo(self.name, f"Tokenpath's int4 x int8 kernel ({integer_vectors()}; engine/model/kernels)", True,
+                         self.help)
 
     def runs_on(self, device):
         return device.type == "cpu" and has_small_rows_kernel()
