@@ -49,13 +49,14 @@ class LocalTarget:
     kind = "local"
 
     def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None,
-                 model: str = "default"):
+                 model: str = "default", weights: str = "fp32"):
         self.cfg, self.store = cfg, store
         self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes)
         self.model, self.tokenizer = lm.name, lm.tokenizer
         self.settings = {"kind": self.kind, "model": lm.name, "weights": lm.weights, "max_batch": max_batch,
                          "kv_budget_bytes": kv_budget_bytes}
-        self.model_option = model  # as it was given (--model), so that --from-sweep loads the same model
+        # as they were given (--model, --weights), so that --from-sweep loads the same model at the same level
+        self.model_option, self.weights_option = model, weights
         self._handles: set[Handle] = set()
         self._lock = threading.Lock()
 
@@ -66,7 +67,7 @@ class LocalTarget:
         `weights` and the engine over it, as `python -m engine load --local` makes it: every request a recorded
         run in `store`."""
         return cls(cfg, prepare(RunSpec(GenConfig(""), model=model, weights=weights), store), store,
-                   max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model)
+                   max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model, weights=weights)
 
     def rtt_ms(self) -> None:
         return None  # no network between the sweep and the engine
@@ -77,8 +78,7 @@ class LocalTarget:
     def options(self) -> dict:
         """The command-line options that make this target again (stored with the sweep, for --from-sweep)."""
         budget = self.settings["kv_budget_bytes"]
-        # the level's name: a level with a group size describes itself with it ("int4-wo g32")
-        return {"local": True, "model": self.model_option, "weights": self.settings["weights"].split()[0],
+        return {"local": True, "model": self.model_option, "weights": self.weights_option,
                 "max_batch": self.settings["max_batch"],
                 "kv_budget_mb": budget / 2**20 if budget is not None else None}
 
