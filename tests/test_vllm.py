@@ -28,8 +28,9 @@ def vllm_url():
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"vLLM's venv {VLLM_VENV} is missing: run `make vllm` (make test builds it first).")
     os.environ[KEY_ENV] = "tokenpath-test-key"
-    # fp32 on the server, as in the local engine, so greedy decoding can agree token for token
-    server = VLLMServer(dtype="float32", api_key=os.environ[KEY_ENV])
+    # fp32 on the server, as in the local engine, so greedy decoding can agree token for token; without graph
+    # compilation (optimization level 0), which costs a minute of two cores at every start and changes no token
+    server = VLLMServer(dtype="float32", api_key=os.environ[KEY_ENV], extra_args=["--optimization-level", "0"])
     try:
         yield server.start(timeout_s=START_TIMEOUT_S)
     finally:
