@@ -11,6 +11,10 @@ class ServedError(UserError):
     """The server cannot be used as asked; the message is one sentence for the user."""
 
 
+class ServedRunError(ServedError):
+    """A served run that started failed or was cut short; it is recorded with the tokens it got."""
+
+
 def api_root(endpoint: str) -> str:
     """scheme://host:port of an endpoint given with or without /v1; keys never travel in the URL."""
     try:

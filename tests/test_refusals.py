@@ -130,8 +130,8 @@ def test_generate_on_a_database_cut_short_is_refused_before_the_model_loads(tmp_
         store.start_run(model="m", device="cpu", dtype="fp32", config={}, hardware={}, prompt="p" * 1000)
     data = db.read_bytes()
     db.write_bytes(data[:len(data) // 2])
-    # a model folder that does not exist: refused for the database first means nothing was loaded
-    done = engine("generate", "--prompt", "hi", "--model", str(tmp_path / "no-such-model"), "--db", str(db), db=db)
+    # a hub id that no cache holds (loading it would fail): refused for the database first means nothing was loaded
+    done = engine("generate", "--prompt", "hi", "--model", "no-such-org/no-such-model", "--db", str(db), db=db)
     one_sentence(done, "damaged or cut short")
 
 

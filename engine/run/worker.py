@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from engine import access
 from engine.paths import REPO_ROOT
 from engine.measure import hardware
-from engine.serve.client import ServedRunError
+from engine.address import ServedRunError
 from engine.errors import UserError
 from engine.model.loader import pick_device
 from engine.run.local import load_figures

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx2
 import openai
 
-from engine.address import ServedError, api_root
+from engine.address import ServedError, ServedRunError, api_root
 from engine.serve import network
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
@@ -28,10 +28,6 @@ from engine.store.db import Store
 
 CONNECT_TIMEOUT_S = 10.0
 BUDGET_GRACE_S = 2.0  # after the budget's last token: how long to wait for the server's usage and finish
-
-
-class ServedRunError(ServedError):
-    """A served run that started failed or was cut short; it is recorded with the tokens it got."""
 
 
 class MalformedStream(httpx2.DecodingError):
