@@ -7,7 +7,9 @@ sequence is past its prefill; per user it is one token over that step. On a mach
 step's wall time is mostly waiting for a core, so each step's CPU time (the process's, both threads) is printed
 beside it: tokens per CPU second compare the work a token costs at each batch. The single-sequence check advances the
 plain loop (engine.run.generate) and a one-user batch engine one token each in turn (bench/common.py's in_turn)
-and compares their median decode tokens.
+and compares their median decode tokens. Each level's steps are also fitted with a line in the batch, a fixed part
+and a part per sequence, printed beside the weights' trip at the calibrated bandwidth: the gain that line allows at
+eight sequences, and the per-sequence share four times would take.
 
 Under load, the same identical request (the prompt, --tokens new tokens, greedy) goes out at each concurrency of
 --load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
@@ -35,6 +37,7 @@ from common import (PROMPT, highest_holding, idle_cpu_share, in_turn, llama_cpp_
                     local_target, ratio, recorded)  # OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
 from engine.measure import hardware
+from engine.measure.accounting import model_shape
 from engine.model.loader import default_gguf_path, load_model
 from engine.run.batch import BatchEngine
 from engine.run.generate import GenConfig, Generation
@@ -66,6 +69,21 @@ def decode_step_ms(lm, users: int, n: int, calibration) -> tuple[list[float], li
         if all_decoding:
             wall.append((time.perf_counter() - start) * 1e3)
             cpu.append((time.process_time() - start_cpu) * 1e3)
+
+
+def step_line(lm, batches: list[int], medians: list[float], calibration) -> str:
+    """A step's cost as a line in the batch, fixed + per_sequence * B (least squares through the median steps), what
+    that line allows batch 8 to gain over batch 1, and the weights' trip beside the fixed part: where the fixed
+    part is the weights' trip and the per-sequence part is compute, the line is the ceiling batching has here."""
+    per_sequence, fixed = statistics.linear_regression(batches, medians)
+    weights = model_shape(lm.model).weight_bytes
+    trip_ms = weights / (calibration["memory_gbps"] * 1e9) * 1e3
+    most = 8 * (fixed + per_sequence) / (fixed + 8 * per_sequence)
+    return (f"  a step: {fixed:.2f} ms + {per_sequence:.2f} ms a sequence (the line through the median steps of batches "
+            f"{', '.join(map(str, batches))}); the weights' trip alone, {weights / 1e6:.0f} MB at the calibrated "
+            f"{calibration['memory_gbps']:.1f} GB/s, is {trip_ms:.2f} ms; on that line 8 sequences decode "
+            f"{most:.2f}x one sequence's tokens a second, and 4x would take a sequence's own share of a step below "
+            f"{fixed / 6:.2f} ms")
 
 
 def engine_tokens(lm, n: int, calibration):
@@ -224,6 +242,8 @@ def main() -> None:
                   f"(per round: {', '.join(f'{x:.2f}' for x in against)}); "
                   f"CPU time {statistics.median(cpu_ms[(lv, b)]):6.2f} ms a step, "
                   f"tokens per CPU second against batch {batches[0]}'s {ratio(per_s(cpu_ms, lv, batches[0]), per_s(cpu_ms, lv, b))}")
+        if len(batches) > 1:
+            print(step_line(variants[lv], batches, [statistics.median(step_ms[(lv, b)]) for b in batches], calibration))
     plain, batched = [], []
     for r in range(args.rounds):
         runs = {"plain": iter(Generation(base, request(args.tokens), calibration=calibration, telemetry=False)),
