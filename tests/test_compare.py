@@ -1,6 +1,7 @@
 """Differences stated with their uncertainty: a known difference is found, two identical arms are called
 "no measurable difference" at the interval's rate, single runs claim nothing, and arms interleave."""
 import random
+import warnings
 
 import pytest
 
@@ -45,3 +46,10 @@ def test_single_runs_give_a_ratio_but_no_interval_and_no_claim():
 
 def test_arms_run_interleaved():
     assert interleaved(["A", "B"], 3) == ["A", "B", "A", "B", "A", "B"]
+
+
+def test_an_arm_without_spread_gets_an_interval_and_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = compare([2, 2], [8, 4])  # the highest load each of two rounds held: integers repeat
+    assert result.low < result.ratio < result.high and result.ratio == pytest.approx(32 ** 0.5 / 2)
