@@ -91,6 +91,9 @@ def test_live_bad_input_is_one_sentence(page_db):
     assert "empty" in at.error[0].value
     at = live_run(**{"Weight precision": "int8-wo", "Activation sparsity": 0.5})
     assert "float weights" in at.error[0].value
+    at = live_run(**{"Model": "./no-such-model-folder"})  # refused on the page, before a worker loads anything
+    shown = at.error[0].value.replace("\\", "")  # the page writes the message as literal text, markdown escaped
+    assert not at.exception and shown == "No model folder at './no-such-model-folder'."
     assert Store(page_db).runs().empty
 
 
