@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from engine.errors import UserError
 from engine.paths import workloads
 from engine.spec import LIMITS, GenConfig, RunSpec
+from engine.switches import names
 
 SWEEP_TAG = "sweep:"
 MAX_REPEAT = 10  # each setting's runs; the sweep takes this many times longer
@@ -74,24 +75,29 @@ class SweepSpec:
     device: str = "auto"
 
     def check(self) -> None:
-        """Raise SweepError with one sentence for anything the sweep cannot run."""
+        """Raise SweepError with one sentence for anything the sweep cannot run: its settings, then which weight
+        levels the device runs."""
+        self.check_settings()
         from engine.model.loader import pick_device
-        from engine.switches.quant import LEVELS, available_levels
+        from engine.switches.quant import available_levels
 
-        shipped = workloads()
-        if self.workload not in shipped:
-            raise SweepError(f"Unknown workload '{self.workload}': choose one of {', '.join(shipped)}.")
         runnable = available_levels(pick_device(self.device))
-        for name, values, known in (("weight level", self.weights, list(LEVELS)), ("KV cache setting", self.kv, KV),
-                                    ("sparsity", self.sparsity, list(SPARSITY)),
-                                    ("speculative method", self.speculative, list(speculative_methods()))):
-            unknown = [v for v in values if v not in known]
-            if unknown:
-                raise SweepError(f"Unknown {name} '{unknown[0]}': choose from {', '.join(known)}.")
         slow = [lv for lv in self.weights if lv not in runnable]
         if slow:
             raise SweepError(f"The weight level '{slow[0]}' does not run on this device: choose from "
                              f"{', '.join(runnable)}.")
+
+    def check_settings(self) -> None:
+        """The names and numbers of the settings, with nothing heavy imported."""
+        shipped = workloads()
+        if self.workload not in shipped:
+            raise SweepError(f"Unknown workload '{self.workload}': choose one of {', '.join(shipped)}.")
+        for name, values, known in (("weight level", self.weights, list(names.LEVELS)),
+                                    ("KV cache setting", self.kv, KV), ("sparsity", self.sparsity, list(SPARSITY)),
+                                    ("speculative method", self.speculative, list(names.METHOD_HELP))):
+            unknown = [v for v in values if v not in known]
+            if unknown:
+                raise SweepError(f"Unknown {name} '{unknown[0]}': choose from {', '.join(known)}.")
         for users in self.users:
             if not _whole(users, 1, int(LIMITS["users"].high)):
                 raise SweepError(f"A sweep's batch holds 1 to {LIMITS['users'].high:.0f} users, not {users!r}.")

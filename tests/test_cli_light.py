@@ -37,7 +37,9 @@ def heavy_imports(tmp_path, *argv) -> list:
                                   ["generate", "--prompt", "x", "--speculative", "jacobi", "--temperature", "1"],
                                   ["generate", "--prompt", "x", "--speculative", "draft", "--speculative-k", "17"],
                                   ["generate", "--prompt", "x", "--model", "{tmp}"],  # a folder with no config.json
-                                  ["generate", "--prompt", "x", "--model", "./no-such-folder"]],
+                                  ["generate", "--prompt", "x", "--model", "./no-such-folder"],
+                                  ["sweep", "--workload", "summary", "--repeat", "0"],
+                                  ["sweep", "--workload", "summary", "--users", "8", "--kv", "off"]],
                          ids=" ".join)
 def test_help_and_refused_arguments_import_no_model_stack(tmp_path, argv):
     found, code = heavy_imports(tmp_path, *argv)

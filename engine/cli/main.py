@@ -619,6 +619,16 @@ def main(argv=None) -> int:
         sys.unraisablehook = hook
 
 
+def early_check(args) -> None:
+    """The checks of a generation's or a sweep's settings that need nothing heavy imported."""
+    if args.command == "generate" and args.from_run is None and args.prompt is not None:
+        spec_from_args(args).check()
+    elif args.command == "sweep":
+        from engine.cli.sweeping import spec_from_args as sweep_spec
+
+        sweep_spec(args).check_settings()
+
+
 def _command(argv) -> int:
     previous = signal.signal(signal.SIGINT, _cancelled)
     signal.signal(signal.SIGTERM, _cancelled)  # until a command can record a cancellation, as Ctrl-C
@@ -628,12 +638,11 @@ def _command(argv) -> int:
 
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        if args.command == "generate" and args.from_run is None and args.prompt is not None:
-            try:  # a spec that cannot run is refused before the heavy imports (generate_once checks it again)
-                spec_from_args(args).check()
-            except UserError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return USER_ERROR
+        try:  # a spec that cannot run is refused before the heavy imports (the command checks it again)
+            early_check(args)
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return USER_ERROR
         if loads_a_model(args):
             from engine.run import generate  # noqa: F401 (the heavy imports happen here, under the handler)
 

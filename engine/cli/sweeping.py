@@ -31,13 +31,13 @@ def spec_from_args(args) -> SweepSpec:
 
 def cmd_sweep(args) -> int:
     """Check the grid (bad input: one sentence, exit 2, nothing stored), store it, run it, print the comparison."""
+    spec = spec_from_args(args)
+    spec.check()  # before the database is opened and before the model stack loads
     from engine.report.advisor import advise
     from engine.report.sweeps import sweep_results
     from engine.run.open import open_run
     from engine.store.db import Store
 
-    spec = spec_from_args(args)
-    spec.check()  # before the database is opened
     store = Store(args.db)
     sweep_id = start(store, spec)
     order = spec.runs(sweep_id)
