@@ -9,3 +9,10 @@ USER_ERROR = 2  # the exit code of every refusal on the command line
 
 class UserError(Exception):
     """Input or a state the user can fix; str(exc) is one sentence for them."""
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's first line of text (its type's name where it has none), cut to `limit` characters: what a
+    one-sentence message quotes of a library's error."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__

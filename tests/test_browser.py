@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from browser import CHROMIUM, REPO, browser_page, serve_app
 from engine.store.db import Store
@@ -34,7 +35,7 @@ def test_generate_in_the_browser_and_find_the_run(tmp_path):
         page.get_by_role("button", name="Generate").click()
         try:
             page.get_by_text("TTFT").wait_for(timeout=180_000)
-        except Exception:  # what the page showed instead, kept for whoever reads the failure
+        except PlaywrightTimeout:  # what the page showed instead, kept for whoever reads the failure
             shot(page, "live-without-ttft")
             pytest.fail("no TTFT 180 s after Generate; the page said: " + page.inner_text("body")[-1500:])
         page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)

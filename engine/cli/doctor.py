@@ -14,7 +14,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.errors import UserError
+from engine.errors import UserError, first_line
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
@@ -35,10 +35,6 @@ class Check:
     seconds: float = 0.0  # the check's own time, loading and converting the model included
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
 def timed(check):
     """Run one check function and set the seconds it took."""
     start = time.perf_counter()
@@ -54,10 +50,10 @@ def _timed_run(name: str, gen, make_model, store, calibration) -> Check:
     try:
         result = Generation(make_model(), gen, store=store, calibration=calibration, telemetry=False).run()
     except UserError as exc:
-        return Check(name, "not here", detail=_first_line(exc))
+        return Check(name, "not here", detail=first_line(exc, 200))
     except Exception as exc:  # a switch that should run here broke: report it and go on to the next
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        return Check(name, "failed", detail=f"{_first_line(exc)} ({Path(where.filename).name}:{where.lineno})")
+        return Check(name, "failed", detail=f"{first_line(exc, 200)} ({Path(where.filename).name}:{where.lineno})")
     if result["status"] != "ok":
         return Check(name, "failed", detail=f"the run ended with status {result['status']}: {result['error']}")
     rate = result["decode_tokens_per_s"] or result["tokens_per_s"]
@@ -161,7 +157,7 @@ def calibration_check(device) -> tuple[Check, dict]:
         try:
             stored = hardware.choose_calibration(hardware.recent_calibrations(Store(default_db_path()), key))
         except UserError as exc:
-            return Check("calibration", "failed", detail=_first_line(exc)), _quick_calibration(device)
+            return Check("calibration", "failed", detail=first_line(exc, 200)), _quick_calibration(device)
         if stored:
             return Check("calibration", "ok", detail=f"stored {stored['created_at']}: {stored['memory_gbps']:.1f} GB/s, "
                                                       f"{stored['matmul_gflops']['float32']:.0f} GFLOP/s fp32"), stored
@@ -189,7 +185,7 @@ def store_check(store, runs: int) -> Check:
     try:
         recorded = len(store.runs(runs + 1))
     except Exception as exc:
-        return Check("store", "failed", detail=_first_line(exc))
+        return Check("store", "failed", detail=first_line(exc, 200))
     status = "ok" if recorded == runs else "failed"
     return Check("store", status, detail=f"DuckDB {duckdb.__version__}: {recorded} of {runs} runs read back")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.errors import UserError
+from engine.errors import UserError, first_line
 from engine.paths import DEFAULT_MODEL_NAME
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -16,11 +16,6 @@ CONFIG_LIMIT_BYTES = 1 << 20  # a model's config.json is a few kB
 
 class ModelError(UserError):
     """A model could not be found or loaded."""
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def is_default(model_id: str | None) -> bool:

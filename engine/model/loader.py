@@ -14,7 +14,8 @@ import torch
 
 from engine.model import cpu_kernels
 from engine.dtypes import FLOATS, torch_dtype
-from engine.model.folder import ModelError, first_line, is_default, local_folder
+from engine.errors import first_line
+from engine.model.folder import ModelError, is_default, local_folder
 from engine.model.lean import lean
 from engine.paths import DEFAULT_MODEL_NAME, models_dir
 
