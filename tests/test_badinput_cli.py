@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from engine.store.db import Store
+from commands import run_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "data" / "models" / "SmolLM2-135M-Instruct"
 
 
 def engine(*args, db, timeout=300):
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "TOKENPATH_DB": str(db)})
+    return run_engine(*args, timeout=timeout, env={**os.environ, "TOKENPATH_DB": str(db)})
 
 
 def folder(tmp_path, name, config='{"model_type": "llama"}', weights=None, tokenizer=True):

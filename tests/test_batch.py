@@ -1,10 +1,7 @@
 """Batching: sequences decoded together give each one the tokens it gets alone, join and leave between
 steps, wait for the KV budget or are preempted and recomputed when it runs out, and are each a recorded run
 whose buckets sum to its own time."""
-import os
 import subprocess
-import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,8 +17,8 @@ from engine.spec import GenConfig
 from engine.store import journal
 from engine.store.db import Store
 from engine.switches.quant import quantize
+from commands import run_engine, start_engine
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Count the stars", "Name three rivers in Europe and say which is longest",
            "Hi", "Write a haiku about a kettle that sings in the morning before anyone wakes"]
 EXACT_LEVELS = ["fp32", "int8-wo", "int8-dyn", "int4-dyn"]
@@ -328,9 +325,7 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
 
 
 def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "engine", "generate", "--model", str(model), "--db", str(db), "--raw", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return run_engine("generate", "--model", model, "--db", db, "--raw", *args)
 
 
 def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path):
@@ -370,10 +365,8 @@ def test_a_kill_mid_batch_keeps_every_sequences_tokens(long_tiny_folder, tmp_pat
     import time
 
     db = tmp_path / "runs.duckdb"
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--model", str(long_tiny_folder), "--db",
-                             str(db), "--raw", "--prompt", "Count the stars", "--users", "3", "--max-new-tokens",
-                             "4000"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = start_engine("generate", "--model", long_tiny_folder, "--db", db, "--raw", "--prompt", "Count the stars",
+                        "--users", "3", "--max-new-tokens", "4000", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, seen = time.monotonic() + 300, {}
     while time.monotonic() < deadline and proc.poll() is None:
         paths = list(journal.journal_dir(db).glob("run-*.jsonl")) if journal.journal_dir(db).is_dir() else []

@@ -1,9 +1,6 @@
 """python -m engine doctor on the CPU: every switch runs with the default model and gives a rate, the
 store reads back each run, and a device this machine lacks is one sentence with exit code 2."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,13 +8,11 @@ import torch
 from engine.cli.doctor import telemetry_checks
 from engine.measure.energy import counters_for
 from engine.switches.quant import LEVELS, available_levels
-
-REPO = Path(__file__).resolve().parent.parent
+from commands import run_engine
 
 
 def doctor(*args):
-    return subprocess.run([sys.executable, "-m", "engine", "doctor", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=1700)
+    return run_engine("doctor", *args, timeout=1700)
 
 
 def test_the_doctor_runs_every_switch_on_the_cpu_and_reads_each_run_back():

@@ -5,7 +5,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,16 +13,13 @@ import pytest
 
 from engine.store import journal
 from engine.store.db import Store
+from commands import start_engine
 from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def start(db: Path, model: Path, tokens: int = 4000, **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine", "generate", "--prompt", "Count the stars", "--raw", "--model", str(model),
-           "--max-new-tokens", str(tokens), "--db", str(db)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+def start(db: Path, model: Path, tokens: int = 4000, fresh: bool = False, **env):
+    return start_engine("generate", "--prompt", "Count the stars", "--raw", "--model", model, "--max-new-tokens",
+                        tokens, "--db", db, stdout=subprocess.DEVNULL, env={**os.environ, **env}, fresh=fresh)
 
 
 def tokens_in_journal(db: Path) -> int:
@@ -31,7 +27,7 @@ def tokens_in_journal(db: Path) -> int:
     return sum(len(journal.read(p)["tokens"]) for p in paths)
 
 
-def wait_for_tokens(db: Path, proc: subprocess.Popen, n: int, timeout_s: float = 300, may_end: bool = False) -> int | None:
+def wait_for_tokens(db: Path, proc, n: int, timeout_s: float = 300, may_end: bool = False) -> int | None:
     """The journal's token count once it holds n; None where may_end and the process ended first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -55,7 +51,7 @@ def held(db: Path, timeout_s: float = 120):
             time.sleep(0.01)
 
 
-def ended_with_database_held(db: Path, proc: subprocess.Popen, interrupt: int | None = None) -> tuple[int, str]:
+def ended_with_database_held(db: Path, proc, interrupt: int | None = None) -> tuple[int, str]:
     """(exit code, stderr) of a run whose database another process holds from its first token on; with
     `interrupt`, that signal is sent once the run has ended and waits for the database."""
     wait_for_tokens(db, proc, 1)
@@ -155,11 +151,9 @@ def test_a_truncated_database_is_refused_before_anything_runs(tiny_folder, tmp_p
     assert message.startswith("error: ") and "Traceback" not in message and "run None" not in message
 
 
-def start_served(db: Path, url: str, tokens: int = 4000, **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "Count the stars",
-           "--max-new-tokens", str(tokens), "--db", str(db)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+def start_served(db: Path, url: str, tokens: int = 4000, **env):
+    return start_engine("generate", "--endpoint", url, "--prompt", "Count the stars", "--max-new-tokens", tokens,
+                        "--db", db, stdout=subprocess.DEVNULL, env={**os.environ, **env})
 
 
 def assert_served_consistent(db: Path) -> dict:
@@ -204,9 +198,8 @@ def test_a_killed_load_sweep_keeps_every_request_that_finished(stream_server, tm
 
     db, progress = tmp_path / "runs.duckdb", tmp_path / "progress.json"
     url, _ = stream_server("ok", delay=0.1)
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "load", "--endpoint", url, "--concurrency", "1",
-                             "--requests", "50", "--max-new-tokens", "4", "--progress", str(progress), "--db", str(db)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_engine("load", "--endpoint", url, "--concurrency", "1", "--requests", "50", "--max-new-tokens", "4",
+                        "--progress", progress, "--db", db, stdout=subprocess.DEVNULL)
     deadline, done = time.monotonic() + 300, 0
     while done < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "the sweep finished no request"
@@ -271,7 +264,7 @@ def test_sigterm_as_the_journal_appears_says_what_became_of_the_run(long_tiny_fo
 
 def test_sigterm_before_a_run_starts_says_so(tiny_folder, tmp_path):
     db = tmp_path / "runs.duckdb"
-    proc = start(db, tiny_folder)
+    proc = start(db, tiny_folder, fresh=True)
     time.sleep(1.5)  # importing the engine or loading the model
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130

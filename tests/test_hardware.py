@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from engine.paths import CACHE_ENV
 from engine.measure import hardware
 from engine.run.generate import Generation, GenConfig
 from engine.store.db import Store
-
-REPO = Path(__file__).resolve().parent.parent
+from commands import run_engine
 
 
 def test_no_gpu_is_reported_not_raised():
@@ -43,8 +41,7 @@ def test_calibration_is_stored_and_reused(store, calibration):
 
 
 def test_calibrate_command_prints_the_stored_calibration_as_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "engine", "calibrate", "--json", "--db", str(tmp_path / "c.duckdb")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_engine("calibrate", "--json", "--db", tmp_path / "c.duckdb", timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["calibration"]["memory_gbps"] > 0 and result["calibration"]["seconds"] > 0
@@ -250,7 +247,6 @@ def test_a_calibration_older_than_its_age_limit_is_not_trusted(store, calibratio
     store.save_calibration(calibration["device_key"], measured(calibration, days_ago=45))
     verdict = hardware.calibration_verdict(store, calibration["device_key"])
     assert not verdict.trustworthy and "is 45 days old" in verdict.headline and verdict.action
-
 
 
 def test_the_prefill_products_timed_are_the_default_model_s_layers():

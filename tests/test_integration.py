@@ -2,9 +2,6 @@
 import json
 import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +10,9 @@ from engine.measure.accounting import cache_nbytes, model_shape
 from engine.run.generate import Generation, GenConfig
 from engine.run.text import prompt_ids
 from engine.measure.distances import BUCKETS
+from commands import run_engine
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
@@ -97,9 +94,7 @@ def test_memory_per_token_grows_with_context(default_lm, calibration):
 
 
 def cli(*args, db):
-    env = dict(os.environ, TOKENPATH_DB=str(db))
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=300)
+    return run_engine(*args, env=dict(os.environ, TOKENPATH_DB=str(db)), timeout=300)
 
 
 def test_cli_generate_json_and_runs(tmp_path):

@@ -2,8 +2,6 @@
 (tests/load_server.py): schedules, traces, goodput, Little's law, deadlines, a dying server, bad input."""
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig
 
 from test_served import ScriptServers
+from commands import run_engine
 
 SERVER = Path(__file__).with_name("load_server.py")
 SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "chat_and_documents.jsonl"
@@ -150,9 +149,8 @@ def test_the_shipped_trace_mixes_short_chats_and_long_documents():
 def test_a_server_that_dies_mid_sweep_keeps_the_levels_before_and_marks_the_broken_one(known_server, tmp_path):
     url = known_server(slots=2, step_s=0.01, die_after=5)
     db = tmp_path / "runs.duckdb"
-    out = subprocess.run([sys.executable, "-m", "engine", "load", "--endpoint", url, "--concurrency", "1,2",
-                          "--requests", "4", "--output-tokens", "3", "--input-tokens", "5", "--db", str(db)],
-                         capture_output=True, text=True, timeout=600)
+    out = run_engine("load", "--endpoint", url, "--concurrency", "1,2", "--requests", "4", "--output-tokens", "3",
+                  "--input-tokens", "5", "--db", db)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "ended early: level 2 (2 at once) broke: Nothing answers" in out.stderr and "failed" in out.stderr
     from engine.store.db import Store

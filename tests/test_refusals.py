@@ -9,20 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from engine.cli.main import main
 from engine.plan import planner
 from engine.store.db import Store
+from commands import run_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "data" / "models" / "SmolLM2-135M-Instruct"
 
 
 def engine(*args, db, timeout=600):
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "TOKENPATH_DB": str(db)})
+    return run_engine(*args, timeout=timeout, env={**os.environ, "TOKENPATH_DB": str(db)})
 
 
 def one_sentence(done, *words):

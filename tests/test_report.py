@@ -4,9 +4,6 @@ import html
 import itertools
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +17,7 @@ from engine.report.html import ReportError, Section, runs_report
 from engine.measure.compare import NO_DIFFERENCE, compare
 from engine.measure.distances import BUCKETS
 from engine.store.db import Store
-
-REPO = Path(__file__).resolve().parent.parent
+from commands import run_engine
 
 
 def make_runs(store, lm, calibration) -> list[int]:
@@ -150,8 +146,7 @@ def test_unknown_or_no_runs_are_one_sentence(recorded):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine", "report", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return run_engine("report", *args, timeout=300)
 
 
 def test_cli_writes_the_report_and_refuses_bad_input_with_exit_2(recorded, tmp_path):

@@ -3,9 +3,6 @@ reproduction by `generate --from-run` give the same tokens and the same settings
 page shows is that same command; bad ids and repeat counts are refused in one sentence."""
 import json
 import shlex
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +13,14 @@ from engine.run.worker import GenerationWorker
 from engine.switches.quant import variant
 from engine.store.db import Store
 from test_served import stream_server  # noqa: F401 (a fixture)
+from commands import run_engine
 
-REPO = Path(__file__).resolve().parent.parent
 SETTINGS = ["model", "device", "dtype", "kv_cache", "temperature", "weights", "sparsity", "sparsity_mode",
             "speculative"]
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_engine(*args)
     return proc.returncode, proc.stdout, proc.stderr
 
 

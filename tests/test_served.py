@@ -22,6 +22,7 @@ from engine.spec import GenConfig, RunSpec
 from engine.serve.metrics import request_metrics
 from engine.measure.distances import BUCKETS
 from engine.serve.vllm import free_port
+from commands import run_engine
 
 SERVER = Path(__file__).with_name("stream_server.py")
 
@@ -144,11 +145,10 @@ def test_closed_port_is_one_sentence_and_exit_code_2(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServedError, match="Nothing answers at"):
         served.list_models(url)
-    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi",
-                          "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
+    out = run_engine("generate", "--endpoint", url, "--prompt", "hi", "--db", tmp_path / "x.duckdb", timeout=300)
     assert out.returncode == 2 and "Nothing answers at" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--endpoint", url, "--prompt", "hi", "--speculative",
-                          "jacobi", "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300)
+    out = run_engine("generate", "--endpoint", url, "--prompt", "hi", "--speculative", "jacobi",
+                  "--db", tmp_path / "x.duckdb", timeout=300)
     assert out.returncode == 2
     assert out.stderr == ("error: A served run cannot honour speculative decoding: leave it out, or run it on the "
                           "local engine.\n")
@@ -279,9 +279,7 @@ def test_load_sweep_stores_every_request_and_stop_keeps_what_finished(stream_ser
 
 def test_load_command_bad_input_is_exit_code_2(tmp_path):
     for args in (["--concurrency", "1,x"], ["--requests", "0"], ["--prompts", str(tmp_path / "none.txt")]):
-        out = subprocess.run([sys.executable, "-m", "engine", "load", "--endpoint", "http://127.0.0.1:9", *args,
-                              "--db", str(tmp_path / "x.duckdb")], capture_output=True, text=True, timeout=300,
-                             env={**os.environ})
+        out = run_engine("load", "--endpoint", "http://127.0.0.1:9", *args, "--db", tmp_path / "x.duckdb", timeout=300)
         assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr
 
 

@@ -1,7 +1,6 @@
 """The DuckDB store: schema, crash recovery, concurrent writers, refusing files that are not ours."""
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -9,13 +8,11 @@ import duckdb
 import pytest
 
 from engine.store.db import SCHEMA_VERSION, Store, StoreError
+from commands import run_python, start_python
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def run_python(code: str, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+def run_code(code: str, timeout=300) -> subprocess.CompletedProcess:
+    return run_python("-c", textwrap.dedent(code), timeout=timeout)
 
 
 def test_new_database_has_the_current_schema(store):
@@ -38,7 +35,7 @@ def test_reopening_keeps_every_run(tmp_path):
 
 def test_a_crashed_run_is_marked_interrupted(tmp_path):
     path = tmp_path / "runs.duckdb"
-    crashed = run_python(f"""
+    crashed = run_code(f"""
         import os
         from engine.store.db import Store
         s = Store({str(path)!r})
@@ -74,8 +71,7 @@ def test_two_processes_record_runs_into_one_file(tmp_path):
             Generation(lm, GenConfig("count " + str(i), raw=True, max_new_tokens=70), store=store,
                        calibration=cal).run()
     """
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [start_python("-c", textwrap.dedent(code), stdout=subprocess.DEVNULL) for _ in range(2)]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
     store = Store(path)
@@ -208,8 +204,7 @@ def test_no_recovery_takes_a_journal_its_writer_is_creating(tmp_path):
     folder.mkdir()
 
     def start(code, *args):
-        return subprocess.Popen([sys.executable, "-c", code, str(folder), *map(str, args)], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return start_python("-c", code, folder, *args)
 
     recoverers = [start(JOURNAL_RECOVERER) for _ in range(3)]
     writers = [start(JOURNAL_WRITER, 1 + 100_000 * i, 1000) for i in range(4)]

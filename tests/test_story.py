@@ -15,6 +15,7 @@ from engine.spec import GenConfig, GenerationError, RunSpec
 from engine.store.db import Store
 from browser import free_port
 from test_served import wait_for_port
+from commands import run_engine
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_COMPARISONS = 6  # every comparison of the three local chapters
@@ -184,16 +185,14 @@ def test_the_story_report_holds_every_chapters_runs(store, tiny_lm, calibration,
         assert f"#{run_id}" in page
     assert "Not played yet" in page  # the levers were not run, and the report says so rather than inventing them
     out = tmp_path / "story.html"
-    done = subprocess.run([sys.executable, "-m", "engine", "report", "--story", "--out", str(out), "--db",
-                           str(store.path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_engine("report", "--story", "--out", out, "--db", store.path)
     assert done.returncode == 0 and out.read_text().count("Story: ") >= 4
 
 
 def test_a_story_report_with_no_story_runs_is_one_sentence(tmp_path):
     db, out = tmp_path / "empty.duckdb", tmp_path / "none.html"
     Store(db)
-    done = subprocess.run([sys.executable, "-m", "engine", "report", "--story", "--out", str(out), "--db", str(db)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_engine("report", "--story", "--out", out, "--db", db)
     assert done.returncode == 2 and not out.exists()
     assert done.stderr.strip() == "error: No story runs are stored yet: play the story on the Story page first."
 

@@ -3,10 +3,7 @@ and tagged, the command it shows making the same stored specification again; bad
 sentence with exit 2 and nothing stored."""
 import json
 import shlex
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -14,13 +11,11 @@ from engine.cli.main import build_parser
 from engine.cli.sweeping import spec_from_args
 from engine.store.db import Store
 from engine.sweep import MAX_REPEAT, Arm, SweepError, SweepSpec, arm_of, start, stored, stored_ids
-
-REPO = Path(__file__).resolve().parent.parent
+from commands import run_engine
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    proc = run_engine(*args, timeout=900)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -3,10 +3,6 @@ format, against the store row by row, from a killed run's journal, at 10k tokens
 refused in one sentence for bad input."""
 import json
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,11 +14,9 @@ from engine.spec import GenConfig
 from engine.serve import records as served_store
 from engine.serve.load import Sweep, SweepConfig, load_prompts
 from engine.store.db import Store
-from test_faults import start as start_generate
-from test_faults import wait_for_tokens
 from test_served import stream_server  # noqa: F401 (a fixture)
+from commands import run_engine
 
-REPO = Path(__file__).resolve().parent.parent
 
 # The JSON object form of the trace-event format (Google's "Trace Event Format" document), restricted to
 # the phases a trace uses: complete slices (X), instants (i), counters (C) and metadata (M).
@@ -177,8 +171,7 @@ def test_nothing_chosen_or_an_unknown_id_is_refused(store):
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "engine", "trace", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_engine("trace", *args, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -4,8 +4,6 @@ the writes loses nothing that was emitted."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,8 +15,8 @@ from engine.spec import GenConfig
 from engine.store import journal, writer
 from engine.store.db import Store
 from test_faults import assert_consistent
+from commands import start_engine
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Count the stars", "Name three rivers in Europe and say which is longest", "Hi",
            "Write a haiku about a kettle that sings in the morning before anyone wakes"]
 
@@ -84,11 +82,9 @@ def test_a_run_whose_row_was_never_written_is_folded_in_from_its_journal(tiny_lm
     assert not list(journal.journal_dir(store.path).glob("*.jsonl"))
 
 
-def load(db: Path, model: Path, *args: str, **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine", "load", "--local", "--model", str(model), "--max-batch", "4",
-           "--input-tokens", "8", "--db", str(db), *args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+def load(db: Path, model: Path, *args: str, **env):
+    return start_engine("load", "--local", "--model", model, "--max-batch", "4", "--input-tokens", "8", "--db", db,
+                        *args, env={**os.environ, **env})
 
 
 def test_a_local_load_records_every_request_as_a_whole_run(tiny_folder, tmp_path):

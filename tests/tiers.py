@@ -14,7 +14,7 @@ import pytest
 COSTS = {
     "model": ({"default_lm", "hf_lm"}, [r"\bload_model\((\)|\w+=)", r"\bdefault_model_dir\(", r"\bmodel=\"default\""]),
     "subprocess": (set(), [r"\bsubprocess\.", r"\bPopen\(", r"\bsys\.executable\b", r"\bGenerationWorker\b",
-                           r"\bserve_app\b"]),
+                           r"\bserve_app\b", r"\b(run|start)_(engine|python)\("]),
     "page": (set(), [r"\bAppTest\b"]),
     "browser": (set(), [r"\bplaywright\b", r"^from browser import", r"\bbrowser_page\b"]),
     "vllm": ({"vllm_url"}, [r"\bVLLMServer\b"]),
