@@ -66,7 +66,7 @@ def test_two_processes_record_runs_into_one_file(tmp_path):
         import torch
         lm = tiny_model()
         store = Store({str(path)!r})
-        cal = hardware.calibrate(torch.device("cpu"))
+        cal = hardware.calibration_for(torch.device("cpu"))  # the suite's fixed one (TOKENPATH_CALIBRATION)
         for i in range(6):
             Generation(lm, GenConfig("count " + str(i), raw=True, max_new_tokens=70), store=store,
                        calibration=cal).run()
