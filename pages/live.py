@@ -28,7 +28,9 @@ page_setup("Live generation")
 st.html("<style>[data-stale=true]{transition:none !important}</style>")
 st.title("Live generation")
 store = open_store()  # once a rerun: opening checks the schema and folds in dead runs, which a click waits for
-show_calibration_verdict(store, "live")
+verdict_slot = st.empty()  # drawn again after a run, which may have calibrated this device or beaten its peak
+with verdict_slot.container():
+    show_calibration_verdict(store, "live")
 show_warm_up()
 
 LIVE_HELP = ("Every redraw costs the browser and the server CPU time that the model shares on a small machine, so "
@@ -416,3 +418,6 @@ if submitted and store is not None:
             if done is None:  # nothing of this run to show
                 run_area.empty()
             st.error(md_escape(str(exc)))
+    if done is not None:
+        with verdict_slot.container():
+            show_calibration_verdict(store, "live-after-run")

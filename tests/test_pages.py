@@ -33,8 +33,12 @@ def test_every_page_renders_on_an_empty_database(page_db):
 
 
 def test_live_generation_streams_and_records(page_db):
+    assert "Not calibrated on this device yet" in open_page("pages/live.py").warning[0].value
     at = live_run()
     assert not at.exception and not at.error
+    # the run calibrated the device on a new database: the verdict drawn before it is drawn again
+    verdicts = [e.value for e in [*at.warning, *at.success] if e.value.startswith("**Calibration:**")]
+    assert len(verdicts) == 1 and "Not calibrated" not in verdicts[0], verdicts
     assert any(m.label == "TTFT" for m in at.metric)
     runs = Store(page_db).runs()
     assert list(runs["status"]) == ["ok"]
