@@ -30,7 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "duckdb", "pandas",
-           "engine.cli.main", "engine.run.generate")
+           "engine.cli.main", "engine.run.generate", "openai", "prometheus_client", "scipy.stats",
+           "plotly.graph_objects")
 # what is read as the interpreter or a library starts: a command that sets one of these gets a new interpreter
 READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTHON", "LD_", "TOKENPATH_OPENMP", "TOKENPATH_WRITE_EVERY_S",
                  "TOKENPATH_LOCK_WAIT_S", "XDG_DATA_HOME")
