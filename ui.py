@@ -446,21 +446,24 @@ def calibration_verdict(store: Store | None) -> hardware.CalibrationVerdict:
 
 def show_calibration_verdict(store: Store | None, where: str, always_offer: bool = False) -> hardware.CalibrationVerdict:
     """The calibration verdict as every page shows it: the sentence, its evidence, and the one action
-    (calibrate now, in the generation process) when it is not trustworthy, or always_offer."""
-    verdict = calibration_verdict(store)
-    box = st.success if verdict.trustworthy else st.warning
-    box(f"**Calibration:** {md_escape(verdict.headline)}", icon=":material/speed:")
-    st.caption(md_escape(verdict.why))
-    action = verdict.action or ("Calibrate again (a few seconds)" if always_offer else None)
-    if action and store is not None and st.button(action, key=f"_calibrate_{where}"):
+    (calibrate now, in the generation process) when it is not trustworthy, or always_offer. The button's click
+    is kept in the session and acted on at the next draw, so a verdict drawn again later in a run (the Live
+    page's, after a generation) offers a button that works too."""
+    if st.session_state.pop("_calibrate_requested", False) and store is not None:
         with st.spinner("Measuring memory bandwidth, matmul peak and dispatch cost in the generation process "
                         "(after any generation already queued)..."):
             try:
                 run_in_worker({"db": str(store.path), "device": "auto", "calibrate": True})
             except (WorkerRefused, WorkerFailed) as exc:
                 st.error(md_escape(str(exc)))
-                return verdict
-        st.rerun()
+    verdict = calibration_verdict(store)
+    box = st.success if verdict.trustworthy else st.warning
+    box(f"**Calibration:** {md_escape(verdict.headline)}", icon=":material/speed:")
+    st.caption(md_escape(verdict.why))
+    action = verdict.action or ("Calibrate again (a few seconds)" if always_offer else None)
+    if action and store is not None:
+        st.button(action, key=f"_calibrate_{where}",
+                  on_click=lambda: st.session_state.update(_calibrate_requested=True))
     return verdict
 
 

@@ -49,6 +49,15 @@ def test_live_generation_streams_and_records(page_db):
     assert list(Store(page_db).runs()["status"]) == ["ok"]
 
 
+def test_the_verdict_drawn_after_a_run_offers_a_button_that_calibrates(page_db):
+    at = live_run()
+    calibrations = len(Store(page_db).query("SELECT * FROM calibration"))
+    # the rerun its click starts draws no run, and so not the button that was clicked
+    at.button(key="_calibrate_live-after-run").click().run()
+    assert not at.exception and not at.error
+    assert len(Store(page_db).query("SELECT * FROM calibration")) == calibrations + 1
+
+
 def test_live_switches_reach_the_engine_and_the_baseline_runs_too(page_db):
     at = live_run(tokens=4, **{"Weight precision": "int4-wo", "KV cache": False,
                                "Run the fp32 greedy baseline too, on the same prompt, and compare": True,
