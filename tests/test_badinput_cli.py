@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.store.db import Store
-from commands import run_engine
+from commands import run_engine, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "data" / "models" / "SmolLM2-135M-Instruct"
@@ -100,6 +100,37 @@ def test_ctrl_c_in_a_run_s_first_seconds_is_one_line_and_exit_130(tmp_path, afte
     # before the run began, nothing to record; once it began (a fast machine gets there within seconds), it is
     # recorded as cancelled with the tokens it had
     assert len(lines) == 1 and lines[0].startswith(("cancelled", "interrupted: run ")), err
+
+
+# a Ctrl-C that lands inside a library's lazy import, as the model loads, comes out of it wrapped in the library's
+# own error (here as a dataclass field's __set_name__ wraps it, the case met in transformers' configuration)
+WRAPPED_INTERRUPT = """
+import sys
+import engine.run.open
+from engine.cli.main import main
+
+class Field:
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+def open_run(*args, **kwargs):
+    try:
+        class Config:
+            load_in_8bit = Field()
+    except RuntimeError as exc:
+        raise ImportError("a lazy import failed") from exc
+
+engine.run.open.open_run = open_run
+sys.exit(main(["generate", "--prompt", "hi", "--db", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_wrapped_in_a_library_s_error_is_still_one_line_and_exit_130(tmp_path):
+    db = tmp_path / "runs.duckdb"
+    done = run_python("-c", WRAPPED_INTERRUPT, str(db), timeout=300)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip() == "cancelled: interrupted before the command finished"
+    assert not db.exists() or Store(db).query("SELECT count(*) AS n FROM runs")["n"][0] == 0
 
 
 GENERATE_VALUES = [

@@ -140,6 +140,9 @@ def generate_once(args) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return USER_ERROR
     except Exception as exc:
+        if caused_by_interrupt(exc):
+            print(f"\ninterrupted: {what_became_of(run)}", file=sys.stderr, flush=True)
+            return 130
         print(f"\nerror: the run failed ({type(exc).__name__}: {exc}); {what_became_of(run)}", file=sys.stderr)
         return 1
     return 0
@@ -567,6 +570,18 @@ def _cancelled(*_):
     os._exit(130)
 
 
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether a Ctrl-C (or SIGTERM) lies under this error: a KeyboardInterrupt raised inside a library's lazy
+    import or a dataclass's construction comes out wrapped in that library's own error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _interrupt_once() -> None:
     """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
     the final write's handling or the words that say what became of the run."""
@@ -662,3 +677,7 @@ def _command(argv) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, and nowhere to say it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush finds no pipe
         return 1
+    except Exception as exc:
+        if caused_by_interrupt(exc):
+            _cancelled()
+        raise
