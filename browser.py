@@ -3,10 +3,11 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from engine import launch
 
 REPO = Path(__file__).resolve().parent
 CHROMIUM = "/usr/bin/chromium"
@@ -22,14 +23,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_app(db_path: Path, timeout_s: float = 90, env: dict | None = None, command=None):
-    """The app on a free loopback port; `command(port)` gives another way to start it (env is added)."""
+    """The app on a free loopback port, started by the launcher the environment names (engine.launch), if any;
+    `command(port)` gives another way to start it, as [python, ARGS...] (env is added)."""
     port = free_port()
     env = dict(os.environ, TOKENPATH_DB=str(db_path), **(env or {}))
-    proc = subprocess.Popen(
-        command(port) if command else
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1",
-         "--server.port", str(port), "--server.headless", "true"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = command(port)[1:] if command else ["-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1",
+                                              "--server.port", str(port), "--server.headless", "true"]
+    proc = launch.start_python(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -25,6 +25,7 @@ os.environ.setdefault("TOKENPATH_CACHE", tempfile.mkdtemp(prefix="tokenpath-test
 from engine.measure import hardware
 from engine.model.loader import load_model, tiny_model
 from engine.store.db import Store
+import commands
 import tiers
 
 # Tests send Ctrl-C to the commands they start, as a terminal does to a foreground process. A shell
@@ -106,3 +107,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_setup(item):
     tiers.refuse_ungrouped(item)
+
+
+@pytest.fixture(autouse=True)
+def _launcher(request):
+    """A test that starts processes (commands, pages, servers) has them forked by this test process's launcher
+    (engine.launch), which has imported the libraries once."""
+    if any(request.node.get_closest_marker(m) for m in ("subprocess", "page", "browser")):
+        commands.use_launcher()

@@ -31,7 +31,8 @@ def workers_of_server(port: int) -> list[int]:
 def test_the_server_start_loads_the_model_before_any_page_opens_and_the_live_page_runs_in_that_process(
         tiny_folder, tmp_path):
     db = tmp_path / "warm.duckdb"
-    env = {"TOKENPATH_WARM": "1", "TOKENPATH_MODEL": str(tiny_folder)}
+    # no launcher (engine.launch): the server starts its generation process itself, as `make run` does
+    env = {"TOKENPATH_WARM": "1", "TOKENPATH_MODEL": str(tiny_folder), "TOKENPATH_LAUNCHER": ""}
     with serve_app(db, env=env, command=launched) as url:
         port = int(url.rsplit(":", 1)[1])
         for _ in range(120):  # no page has been opened: only the server's start can have started it

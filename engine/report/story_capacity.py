@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import numpy as np
 
+from engine import launch
 from engine.measure import slo as slos
 from engine.measure.distances import BUCKETS
-from engine.paths import REPO_ROOT
 from engine.plan import capacity as cap
 from engine.plan import simulate as sim
 from engine.plan.planner import PlanError
@@ -97,7 +96,7 @@ def stored_calibration(store):
 
 
 def command(db: str, start_rate: float, model: str = "default") -> list[str]:
-    return [sys.executable, "-m", "engine", "capacity", "--local", "--json", "--db", str(db), "--model", model,
+    return ["-m", "engine", "capacity", "--local", "--json", "--db", str(db), "--model", model,
             "--slo", slo_text(), "--attainment", f"{ATTAINMENT:g}", "--input-tokens", str(INPUT_TOKENS),
             "--output-tokens", str(OUTPUT_TOKENS), "--requests", str(REQUESTS), "--duration", f"{DURATION_S:g}",
             "--steps", str(STEPS), "--start-rate", f"{start_rate:g}", "--max-batch", str(MAX_BATCH),
@@ -107,8 +106,8 @@ def command(db: str, start_rate: float, model: str = "default") -> list[str]:
 def measure(db: str, start_rate: float | None = None, model: str = "default", budget_s: float = BUDGET_S) -> dict:
     """The capacity search in a process of its own, stored in db, stopped after budget_s; its summary, or one
     sentence of why there is none."""
-    process = subprocess.Popen(command(db, start_rate or START_RATE, model), cwd=REPO_ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = launch.start_python(command(db, start_rate or START_RATE, model), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
     try:
         out, err = process.communicate(timeout=budget_s)
     except subprocess.TimeoutExpired:

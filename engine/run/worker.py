@@ -28,8 +28,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from engine import access
-from engine.paths import REPO_ROOT
+from engine import access, launch
 from engine.measure import hardware
 from engine.address import ServedRunError
 from engine.errors import UserError
@@ -60,7 +59,7 @@ class GenerationWorker:
     """One worker process, started on first use and again if it dies; one generation at a time."""
 
     def __init__(self):
-        self._process: subprocess.Popen | None = None
+        self._process: subprocess.Popen | launch.ForkedProcess | None = None
         self._conn: _Duplex | None = None
         self._lock = threading.Lock()
         self._running = False  # a request sent whose ending message has not been read yet
@@ -69,9 +68,8 @@ class GenerationWorker:
         if self._process is None or self._process.poll() is not None:
             to_worker_r, to_worker_w = os.pipe()
             from_worker_r, from_worker_w = os.pipe()
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "engine.run.worker", str(to_worker_r), str(from_worker_w)],
-                cwd=REPO_ROOT, pass_fds=(to_worker_r, from_worker_w))
+            self._process = launch.start_python(["-m", "engine.run.worker", str(to_worker_r), str(from_worker_w)],
+                                                pass_fds=(to_worker_r, from_worker_w))
             os.close(to_worker_r)
             os.close(from_worker_w)
             self._conn = _Duplex(from_worker_r, to_worker_w)

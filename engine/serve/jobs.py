@@ -8,7 +8,6 @@ import getpass
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.paths import REPO_ROOT
+from engine import launch
 from engine.store.recovery import process_alive
 
 # an ended sweep's page reads its last progress and error line within a second or two; a folder is kept
@@ -32,7 +31,7 @@ def jobs_root() -> Path:
 
 @dataclass
 class LoadJob:
-    process: subprocess.Popen
+    process: subprocess.Popen | launch.ForkedProcess
     folder: Path
 
     @property
@@ -70,10 +69,10 @@ def start(arguments: list[str], db: str | Path) -> LoadJob:
     root = jobs_root()
     root.mkdir(mode=0o700, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=root))
-    command = [sys.executable, "-m", "engine", "load", *arguments, "--db", str(db), "--progress",
-               str(folder / "progress.json"), "--json"]
+    command = ["-m", "engine", "load", *arguments, "--db", str(db), "--progress", str(folder / "progress.json"),
+               "--json"]
     with open(folder / "progress.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log)
+        process = launch.start_python(command, stdout=subprocess.DEVNULL, stderr=log)
     try:
         started = psutil.Process(process.pid).create_time()
     except psutil.NoSuchProcess:  # ended already: the folder is pruned as a dead sweep's
