@@ -570,9 +570,15 @@ def _cancelled(*_):
     os._exit(130)
 
 
+_interrupted = threading.Event()  # set by the handlers below as a Ctrl-C or SIGTERM arrives
+
+
 def caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether a Ctrl-C (or SIGTERM) lies under this error: a KeyboardInterrupt raised inside a library's lazy
-    import or a dataclass's construction comes out wrapped in that library's own error."""
+    """Whether this error is a Ctrl-C's (or SIGTERM's) doing. A library that the KeyboardInterrupt passes through
+    may raise its own error instead: DuckDB ends its query with "Query interrupted", and a lazy import or a
+    dataclass's construction wraps it. So: an interrupt has arrived, or a KeyboardInterrupt lies under the error."""
+    if _interrupted.is_set():
+        return True
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, KeyboardInterrupt):
@@ -586,6 +592,7 @@ def _interrupt_once() -> None:
     """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
     the final write's handling or the words that say what became of the run."""
     def interrupt(signum, frame):
+        _interrupted.set()
         _ignore_interrupts()
         raise KeyboardInterrupt
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -600,6 +607,7 @@ def _ignore_interrupts() -> None:
 def _cancel_on_sigterm() -> None:
     """SIGTERM (timeout, systemd, Docker) ends a run as Ctrl-C does: recorded as cancelled, tokens kept."""
     def interrupt(signum, frame):
+        _interrupted.set()
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)
 
@@ -615,6 +623,7 @@ def _redeliver_dropped_interrupt(unraisable) -> None:
     handler = signal.getsignal(signal.SIGINT)
 
     def again(signum, frame):
+        _interrupted.set()
         signal.signal(signal.SIGINT, handler)
         raise KeyboardInterrupt
 
