@@ -26,7 +26,9 @@ share: setup
 
 # The suite in JOBS processes (pytest-xdist); tests that share a session resource (the vLLM server,
 # a module's fixture) run in one process (tests/tiers.py groups them). Cost markers: tests/tiers.py.
-JOBS ?= 2
+# Three on two cores: part of the suite waits on servers and arrival schedules, and a third process takes
+# the idle core then (the processes share the cores' OpenMP threads: tests/conftest.py).
+JOBS ?= 3
 test: setup browser vllm
 	$(PY) -m pytest -n $(JOBS) --dist loadgroup
 
