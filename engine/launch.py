@@ -30,9 +30,10 @@ import traceback
 from engine.paths import REPO_ROOT
 
 LAUNCHER_ENV = "TOKENPATH_LAUNCHER"
+# what the engine's processes import, but not a module they run as __main__ (runpy warns of one imported already)
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "duckdb", "pandas",
-           "engine.cli.main", "engine.run.generate", "engine.run.worker", "openai", "prometheus_client",
-           "scipy.stats", "plotly.graph_objects", "streamlit.web.cli")
+           "engine.cli.main", "engine.run.generate", "engine.run.open", "engine.run.local", "openai",
+           "prometheus_client", "scipy.stats", "plotly.graph_objects", "streamlit.web.cli")
 # what is read as the interpreter or a library starts: a process whose environment differs from the launcher's
 # in one of these gets a new interpreter
 READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTHON", "LD_", "TOKENPATH_OPENMP", "TOKENPATH_WRITE_EVERY_S",
