@@ -1,5 +1,8 @@
 """Activation sparsity: mask and skip compute the same function to the bit, on the tiny model and on the
 default one; skip reads fewer bytes."""
+import copy
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -50,6 +53,21 @@ def test_measured_sparsity_is_near_the_target_on_the_calibration_text(tiny_lm, t
         for start in range(0, len(ids), 512):
             lm.model(input_ids=torch.tensor([ids[start:start + 512]]), use_cache=False)
     assert abs(zeroed_fraction(lm.model) - target) < 0.04
+
+
+def test_thresholds_are_fitted_once_per_weights_and_text_and_kept(tiny_lm, monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENPATH_CACHE", str(tmp_path))
+    lm = dataclasses.replace(tiny_lm, model=copy.deepcopy(tiny_lm.model))
+    fits, fit = [], sparsity.fit_thresholds
+    monkeypatch.setattr(sparsity, "fit_thresholds", lambda *a: fits.append(a) or fit(*a))
+    fitted = calibrate_thresholds(lm, 0.5)
+    assert len(fits) == 1 and calibrate_thresholds(lm, 0.5) == fitted and len(fits) == 1  # a new database reads it
+    calibrate_thresholds(lm, 0.7)
+    calibrate_thresholds(lm, 0.5, text="Another text to fit on.")
+    with torch.no_grad():
+        next(lm.model.parameters()).mul_(2)  # other weights, other thresholds
+    calibrate_thresholds(lm, 0.5)
+    assert len(fits) == 4 and len(list((tmp_path / "sparsity").iterdir())) == 4
 
 
 def test_skip_reads_fewer_bytes_and_mask_reports_waste(tiny_lm, calibration, thresholds):

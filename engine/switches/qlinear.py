@@ -2,15 +2,13 @@
 int4 weight-only, each with the kernel that reads its format, and SmoothQuant's factors for int8."""
 from __future__ import annotations
 
-import hashlib
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from engine.model.cpu_kernels import optional_kernel
-from engine.paths import cache_dir
+from engine.switches.fitted import kept, model_fingerprint
 
 
 def _linear_input(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -252,35 +250,10 @@ def _is_norm(module: torch.nn.Module) -> bool:
 SMOOTHING_FORMAT = "1"  # a change of how the factors are fitted makes every kept plan stale
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of every parameter and buffer, their names, shapes, types and bytes: the same only for the same
-    weights."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
 def kept_smoothing_plan(model: torch.nn.Module, ids: list[int], window: int = 512) -> dict[str, tuple]:
-    """smoothing_plan, fitted once per model weights, text and window and kept in the cache folder: fitting
-    runs the model over the whole text, hashing its weights takes a fraction of that."""
-    key = hashlib.sha256(f"{SMOOTHING_FORMAT}|{window}|{model_fingerprint(model)}|{ids}".encode()).hexdigest()
-    path = cache_dir() / "smoothing" / f"{key[:24]}.pt"
-    device = next(model.parameters()).device
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # none kept yet, or one that cannot be read: fitted again and replaced
-        pass
-    plan = smoothing_plan(model, ids, window)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f"{path.name}.{os.getpid()}")
-        torch.save(plan, part)
-        part.replace(path)  # whole or not at all, for processes that fit the same plan at once
-    except OSError:  # a cache folder that cannot be written costs the next process the fit, nothing else
-        pass
-    return plan
+    """smoothing_plan, fitted once per model weights, text and window and kept in the cache folder."""
+    key = f"{SMOOTHING_FORMAT}|{window}|{model_fingerprint(model)}|{ids}"
+    return kept("smoothing", key, next(model.parameters()).device, lambda: smoothing_plan(model, ids, window))
 
 
 @torch.inference_mode()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.switches import sparse24
+from engine.switches.fitted import kept, model_fingerprint
 from engine.model.cpu_kernels import kernel
 from engine.errors import UserError
 from engine.model.lean import SMALL_ROWS
@@ -109,13 +110,22 @@ def sparse_targets(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             and m is not model.get_output_embeddings()}
 
 
-@torch.inference_mode()
+THRESHOLDS_FORMAT = "1"  # a change of how thresholds are fitted makes every kept set stale
+
+
 def calibrate_thresholds(lm: LoadedModel, sparsity: float, text: str | None = None) -> dict:
     """Per linear layer, the input magnitude below which a fraction `sparsity` of inputs falls on
-    the calibration text (or `text`). Two passes: the first on the dense model, the second with those
+    the calibration text (or `text`), fitted once per model weights and text and kept in the cache folder."""
+    ids = lm.tokenizer(CALIBRATION_TEXT.read_text() if text is None else text)["input_ids"]
+    key = f"{THRESHOLDS_FORMAT}|{sparsity!r}|{model_fingerprint(lm.model)}|{ids}"
+    return kept("sparsity", key, torch.device("cpu"), lambda: fit_thresholds(lm, sparsity, ids))
+
+
+@torch.inference_mode()
+def fit_thresholds(lm: LoadedModel, sparsity: float, ids: list[int]) -> dict:
+    """calibrate_thresholds' fit, in two passes: the first on the dense model, the second with those
     thresholds in place, because zeroing a layer's inputs shrinks what the next layers receive
     (with dense thresholds alone, o_proj and down_proj end up to 15 points sparser than asked)."""
-    ids = lm.tokenizer(CALIBRATION_TEXT.read_text() if text is None else text)["input_ids"]
     thresholds = _input_quantiles(lm.model, sparse_targets(lm.model), ids, sparsity)
     if sparsity > 0:
         masked = sparsify(lm, sparsity, "mask", thresholds).model
