@@ -1,5 +1,8 @@
 // decode_layers: a whole decode step of B sequences in one call (embedding, every layer, the last norm and
 // the head), on the row functions the lean model's modules call one by one, growing the KV caches in place.
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/from_blob.h>
+
 #include "kernels.h"
 
 namespace tokenpath {
@@ -75,7 +78,7 @@ static void write_position(const at::Tensor& cache, int64_t position, const floa
 // [1, KV, T + 1, D] with the new rows from row written at T.
 static at::Tensor regrown(const at::Tensor& cache, const float* row, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
-  auto out = at::empty({1, KV, capacity, D}, cache.options()).narrow(2, 0, T + 1);
+  auto out = cache.new_empty({1, KV, capacity, D}).narrow(2, 0, T + 1);
   for (int64_t g = 0; g < KV; ++g)
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
@@ -117,7 +120,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK_INDEX(tokens[b] >= 0 && tokens[b] < embedding.size(0), "token id ", tokens[b],
                       " is out of the embedding's range");
-  auto out = at::empty({B, 1, H}, embedding.options());
+  auto out = embedding.new_empty({B, 1, H});
   float* residual = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(residual + b * H, embedding.data_ptr<float>() + tokens[b] * H, sizeof(float) * H);
@@ -182,7 +185,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   }
   const auto& [norm, eps, linear] = forms.head;
   rms_norm_rows(residual, norm.data_ptr<float>(), eps, B, H, normed.data());
-  auto logits = at::empty({B, 1, linear_outputs(linear)}, out.options());
+  auto logits = out.new_empty({B, 1, linear_outputs(linear)});
   apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>());
   // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
   // or freed, and Python's caches need no new objects.

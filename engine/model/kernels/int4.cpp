@@ -125,7 +125,7 @@ at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor 
               m.is_contiguous() && d.numel() == groups * KB * kGroup && m.numel() == groups * KB * kGroup,
               "d and m: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   int4_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), N, K,
                 y.data_ptr<float>());
   return y;

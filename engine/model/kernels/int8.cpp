@@ -91,7 +91,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tenso
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && w_scale.numel() == N && w_sum.numel() == N, "shapes disagree");
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   int8_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
                 N, K, y.data_ptr<float>());
   return y;
@@ -148,7 +148,7 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   if (M > kFewRows) {
-    auto expanded = at::empty({N, K}, x.options());
+    auto expanded = x.new_empty({N, K});
     float* ep = expanded.data_ptr<float>();
     at::parallel_for(0, N, N * K * 4 >= kParallelBytes ? 16 : N, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
@@ -156,9 +156,9 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
         for (int64_t k = 0; k < K; ++k) ep[n * K + k] = static_cast<float>(wp[n * K + k]) * scale;
       }
     });
-    return at::matmul(x, expanded.t());
+    return x.matmul(expanded.t());
   }
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   int8_wo_rows(x.data_ptr<float>(), M, wp, sp, N, K, y.data_ptr<float>());
   return y;
 }
@@ -236,7 +236,7 @@ at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d) {
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * (K / kBlock),
               "d: fp16 [N, K / 32]");
   x = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   int8_block_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), d.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
   return y;
 }

@@ -3,17 +3,11 @@
 // quantized activations of the block kernels, the forms decode_layers reads, and the row functions one
 // source calls in another. Built by engine/model/cpu_kernels.py with every .cpp beside it.
 #pragma once
-// The tensor type and the few operators the sources call, rather than all of ATen: each source then
-// compiles in a fraction of the time.
+// The tensor type, whose methods make the outputs, rather than ATen's operator headers, which take seconds
+// each to compile (decode.cpp includes the two operators it calls itself).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>

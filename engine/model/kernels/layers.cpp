@@ -23,7 +23,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   x = x.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / H;
   TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
-  auto out = at::empty_like(x);
+  auto out = x.new_empty(x.sizes());
   rms_norm_rows(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), eps, rows, H, out.data_ptr<float>());
   return out;
 }
@@ -54,7 +54,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, i
   sin = sin.contiguous();
   const int64_t B = x.size(0), L = x.size(1), width = x.size(2);
   TORCH_CHECK(width >= heads * D && cos.size(-1) == D && cos.numel() == B * L * D, "rotary: shapes disagree");
-  auto out = at::empty({B, heads, L, D}, x.options());
+  auto out = x.new_empty({B, heads, L, D});
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -140,7 +140,7 @@ at::Tensor silu_mul(at::Tensor x) {
   const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
   auto sizes = x.sizes().vec();
   sizes.back() = I;
-  auto out = at::empty(sizes, x.options());
+  auto out = x.new_empty(sizes);
   silu_mul_rows(x.data_ptr<float>(), rows, I, out.data_ptr<float>());
   return out;
 }
@@ -198,7 +198,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
   v = v.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && T > 0, "decode_attention: shapes disagree");
-  auto out = at::empty({B, 1, H * D}, q.options());
+  auto out = q.new_empty({B, 1, H * D});
   std::vector<CacheView> caches;
   for (int64_t b = 0; b < B; ++b)
     caches.push_back({k.data_ptr<float>() + b * KV * T * D, v.data_ptr<float>() + b * KV * T * D, T, T * D, T * D});

@@ -54,7 +54,7 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   x = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = at::empty(sizes, x.options());
+  auto y = x.new_empty(sizes);
   small_linear_rows(x.data_ptr<float>(), x.numel() / K, w.data_ptr<float>(), N, K, y.data_ptr<float>());
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;

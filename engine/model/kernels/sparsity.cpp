@@ -53,7 +53,7 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor 
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = at::zeros(sizes, x.options());
+  auto y = x.new_zeros(sizes);
   float* yp = y.data_ptr<float>();
   const int64_t R = static_cast<int64_t>(rows.size()), blocks = (N + kColumnBlock - 1) / kColumnBlock;
   const int64_t grain = R * N * 4 < kParallelBytes ? blocks : 1;
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor 
 // one pass instead of abs, compare, multiply and count as separate operations.
 std::tuple<at::Tensor, int64_t> mask_small(at::Tensor x, double threshold) {
   x = x.contiguous();
-  auto out = at::empty_like(x);
+  auto out = x.new_empty(x.sizes());
   int64_t zeroed = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mask_small", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
