@@ -8,6 +8,8 @@ if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 import engine  # noqa: E402,F401  (before torch: it chooses how OpenMP threads wait, before torch loads OpenMP)
+import atexit
+import shutil
 import signal
 import tempfile
 
@@ -19,8 +21,11 @@ from engine.paths import DATA
 # Runs in tests, and in the commands and pages they start, are attributed with one fixed calibration
 # instead of each process measuring the machine for minutes; the calibration's own tests measure.
 os.environ.setdefault("TOKENPATH_CALIBRATION", str(DATA / "test_calibration.json"))
-# What the calibration's own tests measure on a loaded machine stays out of the user's calibration cache.
-os.environ.setdefault("TOKENPATH_CACHE", tempfile.mkdtemp(prefix="tokenpath-test-cache-"))
+# What the calibration's own tests measure on a loaded machine stays out of the user's calibration cache. The
+# process that makes the folder (pytest's own, whose test processes inherit it) removes it as it exits.
+if "TOKENPATH_CACHE" not in os.environ:
+    os.environ["TOKENPATH_CACHE"] = tempfile.mkdtemp(prefix="tokenpath-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TOKENPATH_CACHE"], ignore_errors=True)
 
 from engine.measure import hardware
 from engine.model.loader import load_model, tiny_model

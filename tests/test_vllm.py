@@ -24,13 +24,14 @@ START_TIMEOUT_S = 1500
 
 
 @pytest.fixture(scope="session")
-def vllm_url():
+def vllm_url(tmp_path_factory):
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"vLLM's venv {VLLM_VENV} is missing: run `make vllm` (make test builds it first).")
     os.environ[KEY_ENV] = "tokenpath-test-key"
     # fp32 on the server, as in the local engine, so greedy decoding can agree token for token; without graph
     # compilation (optimization level 0), which costs a minute of two cores at every start and changes no token
-    server = VLLMServer(dtype="float32", api_key=os.environ[KEY_ENV], extra_args=["--optimization-level", "0"])
+    server = VLLMServer(dtype="float32", api_key=os.environ[KEY_ENV], extra_args=["--optimization-level", "0"],
+                        log_path=tmp_path_factory.mktemp("vllm") / "server.log")
     try:
         yield server.start(timeout_s=START_TIMEOUT_S)
     finally:
