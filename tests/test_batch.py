@@ -328,16 +328,41 @@ def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
     return run_engine("generate", "--model", model, "--db", db, "--raw", *args)
 
 
+def test_one_user_s_json_has_the_batch_s_figures(tiny_folder, tmp_path):
+    import json
+
+    out = cli("--prompt", "Count the stars", "--users", "1", "--max-new-tokens", "5", "--json", db=tmp_path / "r.duckdb",
+              model=tiny_folder)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["users"] == 1 and result["tokens_per_s_total"] == result["tokens_per_s_per_user"] == result["tokens_per_s"]
+
+
+def test_a_stopped_batch_names_each_run_by_the_status_it_was_recorded_with():
+    from types import SimpleNamespace
+
+    from engine.cli.main import batch_outcome
+
+    seqs = [SimpleNamespace(run_id=i, status=s) for i, s in [(4, "ok"), (5, "cancelled"), (6, "ok"), (7, "cancelled")]]
+    assert batch_outcome(SimpleNamespace(sequences=seqs)) == "runs 4, 6 recorded as ok; runs 5, 7 recorded as cancelled"
+    assert batch_outcome(SimpleNamespace(sequences=seqs[:1])) == "run 4 recorded as ok"
+    assert batch_outcome(SimpleNamespace(sequences=[])) == "no run was recorded"
+
+
 def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path):
     import json
 
     db = tmp_path / "runs.duckdb"
-    out = cli("--prompt", "Count the stars", "--users", "3", "--max-new-tokens", "5", "--json", db=db,
+    out = cli("--prompt", "Count the stars", "--users", "3", "--max-new-tokens", "5", "--json", "--tokens", db=db,
               model=tiny_folder)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["users"] == 3 and len(result["run_ids"]) == 3 and result["tokens_per_s_total"] > 0
     assert result["tokens_per_s_per_user"] > 0
+    # --tokens: every sequence's token and step rows, each with its run and user
+    assert sorted({(t["run_id"], t["user"]) for t in result["tokens"]}) == sorted(
+        {(s["run_id"], s["user"]) for s in result["steps"]}) == sorted(zip(result["run_ids"], range(3)))
+    assert len(result["tokens"]) == sum(r["n_new_tokens"] for r in result["runs"])
     runs = Store(db).runs(10)
     assert sorted(runs["run_id"]) == sorted(result["run_ids"]) and set(runs["status"]) == {"ok"}
     assert runs.set_index("run_id").loc[result["run_ids"][0], "prompt"] == "Count the stars"

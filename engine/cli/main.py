@@ -148,11 +148,21 @@ def generate_once(args) -> int:
     return 0
 
 
+def _print_run_json(args, run, result: dict) -> None:
+    """The run's result as JSON, with how it shared the machine (users, tokens/s in total and per user, as a
+    batch's has them) and, with --tokens, its token and step rows."""
+    from engine.run.local import load_figures
+
+    shared = load_figures(run)
+    result = {**result, **{k: shared[k] for k in ("users", "tokens_per_s_total", "tokens_per_s_per_user")}}
+    if args.tokens:
+        result = {**result, "tokens": run.tokens, "steps": run.steps}
+    _print_json(result)
+
+
 def _print_result(args, run, result: dict) -> None:
     if args.json:
-        if args.tokens:
-            result = {**result, "tokens": run.tokens, "steps": run.steps}
-        _print_json(result)
+        _print_run_json(args, run, result)
     elif args.endpoint is not None:
         served_cli.print_summary(run, result)
     else:
@@ -179,15 +189,35 @@ def generate_batch(args, spec) -> int:
     try:
         run.run()
     except KeyboardInterrupt:
-        print(f"\ncancelled: runs {', '.join(str(i) for i in run.run_ids)} recorded as cancelled", file=sys.stderr)
+        print(f"\ncancelled: {batch_outcome(run)}", file=sys.stderr)
         return 130
     except Exception as exc:
-        print(f"\nerror: the batch failed and its runs were recorded with status error: {exc}", file=sys.stderr)
+        if caused_by_interrupt(exc):
+            print(f"\ncancelled: {batch_outcome(run)}", file=sys.stderr)
+            return 130
+        print(f"\nerror: the batch failed ({exc}); {batch_outcome(run)}", file=sys.stderr)
         return 1
     result = {k: v for k, v in run.result.items() if k != "own"}
     if args.json:
-        _print_json(result)
-        return 0
+        _print_run_json(args, run, result)
+    else:
+        _print_batch(result)
+    _ignore_interrupts()  # every word about the runs is said: a Ctrl-C now would only cut the exit short
+    return 0
+
+
+def batch_outcome(run) -> str:
+    """What became of a batch's runs, in words: their ids by the status each was recorded with."""
+    by_status: dict[str, list[str]] = {}
+    for seq in run.sequences:
+        by_status.setdefault(seq.status, []).append(str(seq.run_id))
+    if not by_status:
+        return "no run was recorded"
+    return "; ".join(f"run{'s' if len(ids) > 1 else ''} {', '.join(ids)} recorded as {status}"
+                     for status, ids in by_status.items())
+
+
+def _print_batch(result: dict) -> None:
     for one in result["runs"]:
         print(f"--- run {one['run_id']} ({one['n_new_tokens']} tokens, TTFT {one['ttft_ms']:.1f} ms)\n{one['text']}")
     figure = lambda value, scale=1.0: f"{value / scale:.1f}" if value else "n/a"  # noqa: E731
@@ -199,7 +229,6 @@ def generate_batch(args, spec) -> int:
           f"planned at batch {planned['batch']}: {figure(planned['tokens_per_s_per_user'])} decode tok/s per user "
           f"(measured {figure(result['decode_tokens_per_s_per_user'])}), {figure(planned['bytes_per_token'], 1e6)} MB "
           "per decode token", file=sys.stderr)
-    return 0
 
 
 def cmd_quality(args) -> int:
