@@ -120,3 +120,29 @@ def test_bad_local_load_input_is_one_sentence_exit_2_and_nothing_stored(args, wo
     if db.exists():
         store = Store(db)
         assert served_store.sweeps(store).empty and store.query("SELECT run_id FROM runs").empty
+
+
+@pytest.mark.parametrize("case, words", [
+    ("budget", "smaller than one sequence needs"),
+    ("beyond the context", "positions"),
+    ("not text", "cannot be read as UTF-8 text"),
+])
+def test_a_request_the_engine_would_refuse_is_refused_before_the_sweep_stores_anything(
+        case, words, tiny_folder, tmp_path, capsys):
+    """As generate --users refuses its batch: one sentence, exit 2, no sweep, request or run stored."""
+    prompts = tmp_path / "prompts.txt"
+    if case == "not text":
+        prompts.write_bytes(bytes(range(128, 256)) * 4)
+    else:
+        prompts.write_text("A short prompt.\n\n" + ("word " * (2000 if case == "beyond the context" else 3)))
+    budget = ["--kv-budget-mb", "0.0001"] if case == "budget" else []
+    db = tmp_path / "x.duckdb"
+    for command in (["load", "--concurrency", "2", "--requests", "2"], ["capacity", "--slo", "ttft_ms=500"]):
+        code = main([*command, "--local", "--model", str(tiny_folder), "--prompts", str(prompts),
+                     "--max-new-tokens", "4", *budget, "--db", str(db)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, (command, err)
+    if db.exists():
+        store = Store(db)
+        assert served_store.sweeps(store).empty and store.query("SELECT run_id FROM runs").empty
+        assert store.query("SELECT * FROM requests").empty

@@ -106,6 +106,8 @@ def _start(args, make_levels, on_progress):
             target = _local_target(args, cfg)
         sweep = load.Sweep(cfg, target.store if target else Store(args.db), progress_path=args.progress,
                            on_progress=on_progress, target=target)
+        if target is not None:
+            target.check(sweep.requests())
     except (ServedError, StoreError, UserError) as exc:
         if target is not None:
             target.close()

@@ -108,6 +108,12 @@ class LocalTarget:
         """End what is still queued or running and stop the engine's thread."""
         self.engine.close()
 
+    def check(self, requests) -> None:
+        """Refuse with the engine's UserError, before a sweep stores anything, the first of its (prompt, max_tokens)
+        requests the engine would refuse, as generate --users refuses its batch."""
+        for prompt, max_tokens in dict.fromkeys(requests):
+            self.engine.check(prompt, max_new_tokens=max_tokens, temperature=self.cfg.temperature, raw=self.cfg.raw)
+
     def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None,
              tag: str | None = None) -> Reply:
         """One request through the engine: each token is a chunk, timed from the submit."""

@@ -73,11 +73,17 @@ class LocalEngine:
         self._thread = threading.Thread(target=self._loop, name="tokenpath-batch", daemon=True)
         self._thread.start()
 
+    def check(self, prompt: str, max_new_tokens: int = 64, **settings) -> GenConfig:
+        """The request's GenConfig, or the UserError the engine refuses it with (a prompt beyond the context, a KV
+        budget too small for it)."""
+        cfg = replace(self.template, prompt=prompt, max_new_tokens=max_new_tokens, **settings)
+        self.engine.check(cfg)
+        return cfg
+
     def submit(self, prompt: str, max_new_tokens: int = 64, tag: str | None = None, **settings) -> Handle:
         """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...); tag is stored
         with its run."""
-        cfg = replace(self.template, prompt=prompt, max_new_tokens=max_new_tokens, **settings)
-        self.engine.check(cfg)  # bad input is refused here, in the caller's thread, before anything is recorded
+        cfg = self.check(prompt, max_new_tokens, **settings)  # refused here, in the caller's thread, unrecorded
         handle = Handle()
         with self._wake:
             if self._closing:

@@ -145,7 +145,10 @@ def load_prompts(spec: str | None) -> list[tuple[str, str]]:
     path = Path(spec)
     if not path.is_file():
         raise ServedError(f"'{spec}' is neither a prompts file nor a shipped workload ({', '.join(shipped)}).")
-    text = path.read_text(errors="replace")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ServedError(f"{spec} cannot be read as UTF-8 text ({exc.reason} at byte {exc.start}).") from None
     if path.suffix == ".json":
         try:
             items = json.loads(text)
@@ -482,6 +485,12 @@ class Sweep:
                     break
                 futures.append(pool.submit(self._request, spec, index, i, item, due))
         return [r for r in (f.result() for f in futures) if r is not None]
+
+    def requests(self):
+        """Every level's requests as (prompt, max_tokens), in the order the sweep sends them."""
+        for index, spec in enumerate(self.specs):
+            for i, item in enumerate(level_items(self.cfg, spec, index)):
+                yield self._prompt(item, index, i), item.max_tokens
 
     def _shared_prefix(self) -> str:
         """The preamble every prompt starts with ('' without one): the same words for the same seed."""
