@@ -129,12 +129,13 @@ def test_bad_local_load_input_is_one_sentence_exit_2_and_nothing_stored(args, wo
 ])
 def test_a_request_the_engine_would_refuse_is_refused_before_the_sweep_stores_anything(
         case, words, tiny_folder, tmp_path, capsys):
-    """As generate --users refuses its batch: one sentence, exit 2, no sweep, request or run stored."""
+    """A sweep none of whose requests could run, as generate --users refuses its batch: one sentence, exit 2, no
+    sweep, request or run stored (where some could, the others fail one by one, as a server refuses them)."""
     prompts = tmp_path / "prompts.txt"
     if case == "not text":
         prompts.write_bytes(bytes(range(128, 256)) * 4)
     else:
-        prompts.write_text("A short prompt.\n\n" + ("word " * (2000 if case == "beyond the context" else 3)))
+        prompts.write_text("\n\n".join([("word " * (2000 if case == "beyond the context" else 3))] * 2))
     budget = ["--kv-budget-mb", "0.0001"] if case == "budget" else []
     db = tmp_path / "x.duckdb"
     for command in (["load", "--concurrency", "2", "--requests", "2"], ["capacity", "--slo", "ttft_ms=500"]):

@@ -109,10 +109,18 @@ class LocalTarget:
         self.engine.close()
 
     def check(self, requests) -> None:
-        """Refuse with the engine's UserError, before a sweep stores anything, the first of its (prompt, max_tokens)
-        requests the engine would refuse, as generate --users refuses its batch."""
+        """Refuse, before a sweep stores anything, a sweep none of whose (prompt, max_tokens) requests the engine
+        would take (a KV budget too small for any, every prompt beyond the context), with the engine's UserError for
+        the first; where some are taken, the others fail one by one, as a server refuses them."""
+        refusal = None
         for prompt, max_tokens in dict.fromkeys(requests):
-            self.engine.check(prompt, max_new_tokens=max_tokens, temperature=self.cfg.temperature, raw=self.cfg.raw)
+            try:
+                self.engine.check(prompt, max_new_tokens=max_tokens, temperature=self.cfg.temperature, raw=self.cfg.raw)
+                return
+            except UserError as exc:
+                refusal = refusal or exc
+        if refusal is not None:
+            raise refusal
 
     def send(self, prompt: str, max_tokens: int, exact_length: bool, deadline_s: float | None,
              tag: str | None = None) -> Reply:
