@@ -3,5 +3,5 @@
 fitted constants, prompts, texts, traces) as engine/data, where engine.paths looks for them."""
 from setuptools import find_packages, setup
 
-setup(packages=[*find_packages(include=["engine*"]), "engine.data", "engine.data.traces"],
+setup(packages=[*find_packages(include=["engine*"]), "engine.model.kernels", "engine.data", "engine.data.traces"],
       package_dir={"engine.data": "data"})

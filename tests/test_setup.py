@@ -145,6 +145,9 @@ def test_a_non_editable_install_gives_a_working_command_that_finds_its_data(tmp_
     where = subprocess.run([sys.executable, "-c", "import engine.paths as p; print(p.CHECKOUT, p.DATA)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120).stdout.split()
     assert where == ["False", str(target / "engine" / "data")]  # the installed copy, not the checkout
+    kernels = ROOT / "engine" / "model" / "kernels"  # the sources the installed command builds its kernels from
+    assert sorted(p.name for p in (target / "engine" / "model" / "kernels").iterdir()) == sorted(
+        p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h"))
     plan = json.loads(tokenpath("plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-sxm", "--json"))
     assert plan["decode_ms_per_token"] > 0 and plan["distances_ms"]["memory"] > 0  # the data sheets were read
     assert json.loads(tokenpath("runs", "--json")) == []
