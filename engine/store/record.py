@@ -26,6 +26,10 @@ class RecordDeferred(StoreError):
     """The run ended but its rows could not reach the database; they wait in the journal."""
 
 
+class JournalRefused(StoreError):
+    """A run's journal cannot be written beside the database: the run is recorded as an error before it begins."""
+
+
 @contextmanager
 def signals_deferred():
     """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: a run row and its
@@ -58,13 +62,24 @@ class Recorder:
         counters."""
         with signals_deferred():
             if self.writer is None:
-                run_id = self.attach(self.store.start_run(**run), n_prompt_tokens)
+                run_id = self.store.start_run(**run)
+                try:
+                    self.attach(run_id, n_prompt_tokens)
+                except OSError as exc:
+                    self._refused(run_id, exc)
             else:
                 row = {"run_id": self.writer.run_id(), **start_row(**run)}
                 run_id = self.attach(row["run_id"], n_prompt_tokens, row)
                 self.writer.start(row)
         self.energy = EnergyMeter(torch.device(run["device"]))
         return run_id
+
+    def _refused(self, run_id: int, exc: OSError) -> None:
+        why = f"its journal cannot be written beside the database ({exc.strerror}: {exc.filename})"
+        self.store.finish_run(run_id, status="error", error=why)
+        self.written = True
+        raise JournalRefused(f"Run {run_id} was recorded as an error before its first token: {why}; make that "
+                             "folder writable.") from None
 
     def attach(self, run_id: int, n_prompt_tokens: int | None, row: dict | None = None) -> int:
         """Open the journal of a run whose row is written (by start, or by the served backend's own insert), or,
