@@ -162,6 +162,26 @@ def test_cli_writes_the_report_and_refuses_bad_input_with_exit_2(recorded, tmp_p
         assert len(done.stderr.strip().splitlines()) == 1 and not bad.exists()
 
 
+def test_the_report_reads_the_database_without_writing_it_and_writes_its_file_whole_or_not_at_all(recorded, tmp_path):
+    store, ids = recorded
+    runs = ",".join(map(str, ids))
+    before = store.path.read_bytes()
+    done = cli("--runs", runs, "--out", str(tmp_path / "r.html"), "--db", str(store.path))
+    assert done.returncode == 0, done.stderr
+    assert store.path.read_bytes() == before  # opened read-only: a read-only file serves as well
+    kept = tmp_path / "kept.html"
+    kept.write_text("the report of last week")
+    (tmp_path / "kept.html.partial").mkdir()  # where the new file would be written first: the write fails
+    absent = tmp_path / "absent.duckdb"
+    for out, db, words in [(kept, store.path, "Cannot write"), (store.path, store.path, "is the database"),
+                           (tmp_path / "x.html", absent, "does not exist")]:
+        done = cli("--runs", runs, "--out", str(out), "--db", str(db))
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and words in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert kept.read_text() == "the report of last week" and store.path.read_bytes() == before
+    assert not absent.exists() and not (tmp_path / "x.html").exists()
+
+
 def runs_page(db, selected_rows=None):
     from streamlit.testing.v1 import AppTest
 

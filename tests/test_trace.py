@@ -3,6 +3,7 @@ format, against the store row by row, from a killed run's journal, at 10k tokens
 refused in one sentence for bad input."""
 import json
 import os
+import stat
 
 import jsonschema
 import pytest
@@ -187,11 +188,28 @@ def test_the_trace_command_writes_the_file_and_refuses_bad_input_in_one_sentence
         ("--run", run_id, "--out", tmp_path / "missing" / "t.json", "--db", store.path),
         ("--run", run_id, "--out", tmp_path, "--db", store.path),  # a folder: the file cannot be written there
         ("--run", "0", "--out", out, "--db", store.path),
+        ("--run", run_id, "--out", store.path, "--db", store.path),  # the database itself
+        ("--run", run_id, "--out", tmp_path / "t.json", "--db", tmp_path / "absent.duckdb"),
     ]
     for args in refusals:
         code, _, stderr = cli(*args)
         assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, (args, stderr)
-    assert not list(tmp_path.glob("*.partial"))
+    assert not list(tmp_path.glob("*.partial")) and not (tmp_path / "absent.duckdb").exists()
+    Store(store.path).runs()  # still a database
+    # something that is not a file (a pipe, /dev/stdout) is written to, not replaced by a file
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # the trace of three tokens fits in the pipe's buffer
+    try:
+        code, _, stderr = cli("--run", run_id, "--out", pipe, "--db", store.path)
+        assert code == 0, stderr
+        received = b""
+        while chunk := os.read(reader, 1 << 16):  # b"" once the writer has gone (or never came)
+            received += chunk
+    finally:
+        os.close(reader)
+    valid(received.decode())
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and not list(tmp_path.glob("*.partial"))
 
 
 CHROMIUM = "/usr/bin/chromium"

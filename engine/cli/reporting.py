@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
 from engine.errors import USER_ERROR
 
 
@@ -32,16 +30,15 @@ def cmd_report(args) -> int:
 def _write(args, build, what: str) -> int:
     """Build the report from the store and write it; bad input is one sentence and exit code 2."""
     from engine.report.html import ReportError
-    from engine.store.db import Store, StoreError
+    from engine.report.output import OutputError, write_output
+    from engine.store.db import StoreError, existing_store
 
     try:
-        page = build(Store(args.db))
-        Path(args.out).write_text(page, encoding="utf-8")
-    except (ReportError, StoreError) as exc:
+        store = existing_store(args.db)
+        page = build(store)
+        write_output(args.out, page, store.path)
+    except (ReportError, StoreError, OutputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return USER_ERROR
-    except OSError as exc:
-        print(f"error: cannot write {args.out}: {exc.strerror}.", file=sys.stderr)
         return USER_ERROR
     print(f"wrote {args.out} ({len(page) / 1e6:.1f} MB): {what}")
     return 0

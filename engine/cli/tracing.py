@@ -5,12 +5,14 @@ import argparse
 
 
 def cmd_trace(args) -> int:
-    """Write the trace file; bad input (an unknown id, nothing chosen, an unwritable path) is a TraceError."""
-    from engine.report.trace import trace_json, write_trace
-    from engine.store.db import Store
+    """Write the trace file; bad input (an unknown id, nothing chosen, an unwritable path) is one sentence."""
+    from engine.report.output import write_output
+    from engine.report.trace import trace_json
+    from engine.store.db import existing_store
 
-    text = trace_json(Store(args.db), args.run or [], args.load_sweep or [])
-    write_trace(args.out, text)
+    store = existing_store(args.db)
+    text = trace_json(store, args.run or [], args.load_sweep or [])
+    write_output(args.out, text, store.path)
     what = [f"run #{i}" for i in args.run or []] + [f"load sweep #{i}" for i in args.load_sweep or []]
     print(f"wrote {args.out} ({len(text) / 1e6:.1f} MB): {', '.join(what)}; open it in ui.perfetto.dev or chrome://tracing")
     return 0

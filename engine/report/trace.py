@@ -178,17 +178,3 @@ def trace(store: Store, run_ids=(), sweep_ids=()) -> dict:
 
 def trace_json(store: Store, run_ids=(), sweep_ids=()) -> str:
     return json.dumps(trace(store, run_ids, sweep_ids), separators=(",", ":"), allow_nan=False)
-
-
-def write_trace(path: str | Path, text: str) -> None:
-    """Write the file whole or not at all: a missing folder or a refused write is one sentence."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise TraceError(f"The folder {path.parent} does not exist: create it or choose another --out.")
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(text, encoding="utf-8")
-        partial.replace(path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise TraceError(f"Cannot write {path}: {exc.strerror}; choose another --out.") from None

@@ -264,3 +264,12 @@ def store_at(path: str | Path | None = None) -> Store:
         store = Store(path)
         held = _opened[path] = (store, os.stat(store.path).st_ino)
     return held[0]
+
+
+def existing_store(path: str | Path | None = None) -> Store:
+    """The database at path (the default one without a path) opened to read, for a command that only reads it: a
+    file that is not there is one sentence rather than a new, empty database, and a read-only file serves."""
+    path = Path(path) if path else default_db_path()
+    if not path.exists():
+        raise StoreError(f"{path} does not exist: point --db or TOKENPATH_DB at the database that holds the runs.")
+    return Store(path, read_only=True)
