@@ -52,3 +52,21 @@ def test_a_device_this_machine_lacks_is_one_sentence_and_exit_code_2(device, sen
     out = doctor("--device", device)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and sentence in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_a_ctrl_c_a_library_turned_into_its_error_ends_the_doctor_as_an_interrupt(store, calibration):
+    """DuckDB ends its query with "Query interrupted" when Ctrl-C lands in it: the doctor stops as interrupted
+    rather than reporting the switch it was running as failed."""
+    from engine.cli import doctor, main
+    from engine.spec import GenConfig
+
+    def interrupted():
+        raise RuntimeError("Query interrupted")
+
+    assert doctor._timed_run("fp32", GenConfig("hi"), interrupted, store, calibration).status == "failed"
+    main._interrupted.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            doctor._timed_run("fp32", GenConfig("hi"), interrupted, store, calibration)
+    finally:
+        main._interrupted.clear()

@@ -122,9 +122,22 @@ def test_unknown_runs_and_bad_repeat_counts_are_one_sentence(tmp_path, store):
         stored_spec(store, 5)
     for args in (["--from-run", 5, "--db", store.path], ["--prompt", "x", "--repeat", 0],
                  ["--prompt", "x", "--repeat", 100_000], ["--from-run", "one"], ["--db", store.path],
-                 ["--from-run", 1, "--prompt", "x", "--db", store.path]):
+                 ["--from-run", 1, "--prompt", "x", "--db", store.path],
+                 ["--from-run", 1, "--weights", "int4-wo", "--db", store.path],
+                 ["--from-run", 1, "--max-new-tokens", "2", "--db", store.path],
+                 ["--from-run", 1, "--from-db", store.path.with_name("absent.duckdb")]):
         code, _, stderr = cli("generate", *args)
         assert code == 2 and stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1, (args, stderr)
+    assert not store.path.with_name("absent.duckdb").exists()  # a database only read is never made
+
+
+def test_the_arguments_give_back_every_setting_to_the_last_digit_and_a_prompt_that_starts_with_a_dash():
+    from engine.cli.main import build_parser, spec_from_args
+
+    spec = RunSpec(gen=GenConfig("-hello", max_new_tokens=4, temperature=0.1234567, top_p=0.9999999, seed=7,
+                                 stop=["-x", "end"]))
+    again = spec_from_args(build_parser().parse_args(["generate", *arguments(spec)]))
+    assert again.gen == spec.gen
 
 
 def test_a_load_sweep_is_made_again_from_its_stored_parameters(stream_server, tmp_path):  # noqa: F811

@@ -49,9 +49,11 @@ def _timed_run(name: str, gen, make_model, store, calibration) -> Check:
 
     try:
         result = Generation(make_model(), gen, store=store, calibration=calibration, telemetry=False).run()
-    except UserError as exc:
-        return Check(name, "not here", detail=first_line(exc, 200))
-    except Exception as exc:  # a switch that should run here broke: report it and go on to the next
+    except Exception as exc:
+        _interrupted_by(exc)
+        if isinstance(exc, UserError):
+            return Check(name, "not here", detail=first_line(exc, 200))
+        # a switch that should run here broke: report it and go on to the next
         where = traceback.extract_tb(exc.__traceback__)[-1]
         return Check(name, "failed", detail=f"{first_line(exc, 200)} ({Path(where.filename).name}:{where.lineno})")
     if result["status"] != "ok":
@@ -179,12 +181,22 @@ def _quick_calibration(device) -> dict:
             "matmul_gflops": {"float32": hardware.measure_matmul_flops(device, torch.float32)}}
 
 
+def _interrupted_by(exc: Exception) -> None:
+    """A Ctrl-C that a library turned into its own error (DuckDB's "Query interrupted", a run's write cut short)
+    ends the doctor as the interrupt it was, rather than as a check that failed."""
+    from engine.cli.main import caused_by_interrupt
+
+    if caused_by_interrupt(exc):
+        raise KeyboardInterrupt from exc
+
+
 def store_check(store, runs: int) -> Check:
     import duckdb
 
     try:
         recorded = len(store.runs(runs + 1))
     except Exception as exc:
+        _interrupted_by(exc)
         return Check("store", "failed", detail=first_line(exc, 200))
     status = "ok" if recorded == runs else "failed"
     return Check("store", status, detail=f"DuckDB {duckdb.__version__}: {recorded} of {runs} runs read back")
@@ -215,11 +227,13 @@ def table(checks: list[Check]) -> str:
 
 
 def cmd_doctor(args) -> int:
+    from engine.cli.main import interrupt_once
     from engine.model.loader import pick_device
 
     if not 1 <= args.tokens <= 64:
         raise UserError(f"--tokens is a number of tokens from 1 to 64, not {args.tokens}.")
     device = pick_device(args.device)
+    interrupt_once()  # a Ctrl-C is noted, so that an error a library makes of it is known for it
     start = time.perf_counter()
     checks = diagnose(device, args.tokens)
     seconds = time.perf_counter() - start

@@ -91,15 +91,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# what generate --from-run takes beside the run: where to read it and write the new runs, how many, what to print
+FROM_RUN_OPTIONS = {"from_run", "from_db", "db", "repeat", "json", "tokens", "func"}
+
+
 def generate_again(args) -> int:
     """generate --from-run ID: the stored run's own command, parsed and run against --db."""
     from engine.run.reproduce import from_run_arguments
     from engine.spec import GenerationError
-    from engine.store.db import Store
+    from engine.store.db import Store, existing_store
 
-    if args.prompt is not None:
-        raise GenerationError("--from-run takes every setting from the stored run: leave out --prompt.")
-    argv = ["generate", *from_run_arguments(Store(args.from_db or args.db), args.from_run), "--repeat", str(args.repeat)]
+    alone = vars(build_parser().parse_args(["generate", "--from-run", str(args.from_run)]))
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in FROM_RUN_OPTIONS and v != alone.get(k)]
+    if given:
+        raise GenerationError(f"--from-run takes every setting from the stored run: leave out {', '.join(given)}.")
+    source = existing_store(args.from_db) if args.from_db else Store(args.db)
+    argv = ["generate", *from_run_arguments(source, args.from_run), "--repeat", str(args.repeat)]
     argv += [flag for flag, on in (("--json", args.json), ("--tokens", args.tokens)) if on]
     again = build_parser().parse_args(argv + (["--db", args.db] if args.db else []))
     print("running: python -m engine " + shlex.join(argv), file=sys.stderr)
@@ -115,7 +122,7 @@ def generate_once(args) -> int:
     from engine.address import ServedRunError
     from engine.store.db import Store
 
-    _interrupt_once()
+    interrupt_once()
     spec = spec_from_args(args)
     spec.check()  # bad input is refused before the database is opened
     if spec.users > 1:
@@ -617,7 +624,7 @@ def caused_by_interrupt(exc: BaseException) -> bool:
     return False
 
 
-def _interrupt_once() -> None:
+def interrupt_once() -> None:
     """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
     the final write's handling or the words that say what became of the run."""
     def interrupt(signum, frame):

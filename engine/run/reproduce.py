@@ -68,16 +68,22 @@ def _flags(obj, table: dict, defaults) -> list[str]:
             out.append(flag)  # every boolean flag turns on what defaults to off
         elif isinstance(value, list):
             for item in value:
-                out += [flag, str(item)]
+                out += option(flag, str(item))
         else:
-            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            out += option(flag, repr(value) if isinstance(value, float) else str(value))  # repr: every digit kept
     return out
+
+
+def option(flag: str, value: str) -> list[str]:
+    """The flag and its value as the command line takes them: joined by '=' where the value starts with '-',
+    which would otherwise read as an option (a prompt such as '-hello')."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
 def arguments(spec: RunSpec) -> list[str]:
     """`generate`'s arguments for this specification (without --db)."""
     gen, plain = spec.gen, GenConfig(spec.gen.prompt)
-    args = ["--prompt", gen.prompt] + _flags(spec, SPEC_FLAGS, RunSpec(gen=plain))
+    args = option("--prompt", gen.prompt) + _flags(spec, SPEC_FLAGS, RunSpec(gen=plain))
     if not gen.kv_cache:
         args.append("--no-kv-cache")
     args += _flags(gen, GEN_FLAGS, plain)
@@ -109,7 +115,7 @@ def load_request(run: dict) -> str | None:
 def batch_arguments(run: dict) -> list[str]:
     """The arguments beyond its spec's that make a sequence's batch again: the prompts file and the KV budget."""
     batch = config_of(run).get("batch") or {}
-    args = ["--prompts", batch["prompts_file"]] if batch.get("prompts_file") else []
+    args = option("--prompts", batch["prompts_file"]) if batch.get("prompts_file") else []
     if batch.get("kv_budget_bytes"):  # MiB written exactly, so --kv-budget-mb gives back the same bytes
         args += ["--kv-budget-mb", repr(batch["kv_budget_bytes"] / 2**20)]
     return args
