@@ -7,7 +7,7 @@ import streamlit as st
 
 from engine.measure.compare import compare
 from engine.measure.distances import BUCKETS
-from engine.report.advisor import arms as setting_arms
+from engine.report.advisor import arms as setting_arms, mixed_repeats
 from engine.run.reproduce import run_command
 from ui import csv_safe, figure, flash, open_store, page_setup, readable_runs, runs_table, show_flash
 
@@ -99,6 +99,8 @@ if len(arms) > 1:  # repeats of one setting are one arm; the oldest selected run
                  hide_index=True, width="stretch")
     st.caption("The 95% interval is Welch's t over the repeats' log speeds; where it includes 1 there is no "
                "measurable difference. Repeat a run with `--repeat N` or `--from-run ID` to narrow it.")
+    for line in mixed_repeats(arms):
+        st.warning(line)
 with st.expander("The command that makes each run again"):
     for row in picked.itertuples():
         st.caption(f"#{row.run_id}")

@@ -105,6 +105,18 @@ def test_repeats_of_a_setting_give_each_ratio_its_interval(store, tiny_lm, calib
         assert "95% interval" in rows[1][column] and "3 vs 3 repeats" in rows[1][column]
 
 
+def test_repeats_that_differ_in_prompt_length_or_status_are_said_to(store, tiny_lm, calibration):
+    alike = [Generation(tiny_lm, GenConfig("Name a colour.", max_new_tokens=5, ignore_eos=True), store=store,
+                        calibration=calibration).run()["run_id"] for _ in range(2)]
+    page = runs_report(store, alike)
+    assert "are taken as repeats of one setting but differ" not in page
+    other = Generation(tiny_lm, GenConfig("Tell me a story.", max_new_tokens=7, ignore_eos=True), store=store,
+                       calibration=calibration).run()["run_id"]
+    page = runs_report(store, [*alike, other])
+    assert (f"Runs #{alike[0]}, #{alike[1]}, #{other} are taken as repeats of one setting but differ in prompt and "
+            "number of new tokens: the interval holds that difference too.") in html.unescape(page)
+
+
 def test_a_roofline_ratio_above_the_peak_carries_its_sentence(tmp_path, tiny_lm, calibration):
     store = Store(tmp_path / "runs.duckdb")
     ids = make_runs(store, tiny_lm, calibration)
@@ -238,3 +250,16 @@ def test_a_prefill_that_dwarfs_the_decode_tokens_is_written_on_the_clipped_axis(
     fig = bucket_chart(rows, clip_prefill=True)
     assert fig.layout.yaxis.range[1] < 500 and "500 ms, off the scale" in fig.layout.annotations[0].text
     assert bucket_chart(rows).layout.yaxis.range is None  # the pages keep the whole scale
+
+
+def test_the_runs_page_says_when_repeats_of_a_setting_differ_in_prompt(store, tiny_lm, calibration, monkeypatch):
+    for prompt in ("Name a colour.", "Tell me a story."):
+        Generation(tiny_lm, GenConfig(prompt, max_new_tokens=5, ignore_eos=True), store=store,
+                   calibration=calibration).run()
+    Generation(tiny_lm, GenConfig("Name a colour.", max_new_tokens=5, ignore_eos=True, kv_cache=False), store=store,
+               calibration=calibration).run()
+    monkeypatch.setenv("TOKENPATH_DB", str(store.path))
+    at = runs_page(store.path, [0, 1, 2])
+    assert not at.exception
+    assert [w.value for w in at.warning] == [
+        "Runs #1, #2 are taken as repeats of one setting but differ in prompt: the interval holds that difference too."]

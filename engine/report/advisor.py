@@ -76,8 +76,20 @@ def settings(runs: list[dict]) -> list[dict]:
                      "decode_tokens_per_s": mean("decode_tokens_per_s"), "ttft_ms": mean("ttft_ms"),
                      "tokens_per_s": mean("tokens_per_s"), "decode_rates": usable(r["decode_tokens_per_s"] for r in group),
                      "end_to_end_rates": usable(r.get("tokens_per_s") for r in group),
-                     "run_ids": [r["run_id"] for r in group if "run_id" in r]})
+                     "run_ids": [r["run_id"] for r in group if "run_id" in r],
+                     "differs": [name for key, name in REPEAT_ALIKE.items() if len({r.get(key) for r in group}) > 1]})
     return rows
+
+
+# What the repeats of one setting should share for their spread to be the setting's alone, and its name in words.
+REPEAT_ALIKE = {"prompt": "prompt", "n_new_tokens": "number of new tokens", "status": "status"}
+
+
+def mixed_repeats(arms: list[dict]) -> list[str]:
+    """A sentence for each setting whose repeats differ in prompt, length or status: their interval then holds
+    those differences as well as the setting's own spread."""
+    return [f"Runs {', '.join(f'#{i}' for i in a['run_ids'])} are taken as repeats of one setting but differ in "
+            f"{' and '.join(a['differs'])}: the interval holds that difference too." for a in arms if a["differs"]]
 
 
 # The stored columns that make two runs the same setting, so that their runs are repeats of one arm.

@@ -16,7 +16,7 @@ from plotly.offline import get_plotlyjs
 
 from engine.errors import UserError
 from engine.run.reproduce import run_command
-from engine.report.advisor import against, arms
+from engine.report.advisor import against, arms, mixed_repeats
 from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_switches, totals_chart
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
 from engine.measure.distances import FORMULAS
@@ -180,6 +180,7 @@ def settings_compared(runs: list[dict]) -> str:
     return (f'<p class="note">Each setting against the first run\'s ({html.escape(base["label"])}), the runs of one '
             "setting taken as its repeats. The 95% interval is Welch's t over the repeats' log speeds; where it "
             "includes 1 there is no measurable difference, and single runs give no interval.</p>"
+            + "".join(f'<p class="note">{html.escape(line)}</p>' for line in mixed_repeats(groups))
             + table(header, rows, numeric_from=2))
 
 
