@@ -73,7 +73,7 @@ def test_an_interrupt_python_had_to_drop_is_delivered_again(monkeypatch):
     propagate; the command's hook raises it again at the next line instead of letting the command run on."""
     import weakref
 
-    from engine.cli.main import _redeliver_dropped_interrupt
+    from engine.cli.interrupts import redeliver_dropped_interrupt
 
     def interrupted(_):
         raise KeyboardInterrupt
@@ -81,7 +81,7 @@ def test_an_interrupt_python_had_to_drop_is_delivered_again(monkeypatch):
     class Held:
         pass
 
-    monkeypatch.setattr(sys, "unraisablehook", _redeliver_dropped_interrupt)
+    monkeypatch.setattr(sys, "unraisablehook", redeliver_dropped_interrupt)
     held = Held()
     ref = weakref.ref(held, interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -57,16 +57,17 @@ def test_a_device_this_machine_lacks_is_one_sentence_and_exit_code_2(device, sen
 def test_a_ctrl_c_a_library_turned_into_its_error_ends_the_doctor_as_an_interrupt(store, calibration):
     """DuckDB ends its query with "Query interrupted" when Ctrl-C lands in it: the doctor stops as interrupted
     rather than reporting the switch it was running as failed."""
-    from engine.cli import doctor, main
+    from engine.cli import doctor, interrupts
     from engine.spec import GenConfig
 
     def interrupted():
         raise RuntimeError("Query interrupted")
 
+    interrupts.interrupted.clear()  # as a command starts
     assert doctor._timed_run("fp32", GenConfig("hi"), interrupted, store, calibration).status == "failed"
-    main._interrupted.set()
+    interrupts.interrupted.set()
     try:
         with pytest.raises(KeyboardInterrupt):
             doctor._timed_run("fp32", GenConfig("hi"), interrupted, store, calibration)
     finally:
-        main._interrupted.clear()
+        interrupts.interrupted.clear()

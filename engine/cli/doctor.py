@@ -14,6 +14,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.cli.interrupts import caused_by_interrupt, interrupt_once
 from engine.errors import UserError, first_line
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -184,8 +185,6 @@ def _quick_calibration(device) -> dict:
 def _interrupted_by(exc: Exception) -> None:
     """A Ctrl-C that a library turned into its own error (DuckDB's "Query interrupted", a run's write cut short)
     ends the doctor as the interrupt it was, rather than as a check that failed."""
-    from engine.cli.main import caused_by_interrupt
-
     if caused_by_interrupt(exc):
         raise KeyboardInterrupt from exc
 
@@ -227,7 +226,6 @@ def table(checks: list[Check]) -> str:
 
 
 def cmd_doctor(args) -> int:
-    from engine.cli.main import interrupt_once
     from engine.model.loader import pick_device
 
     if not 1 <= args.tokens <= 64:

@@ -1,16 +1,16 @@
 """python -m engine COMMAND: everything the pages show, from a terminal."""
 from __future__ import annotations
 
-import _thread
 import argparse
 import json
 import os
 import shlex
 import signal
 import sys
-import threading
 
 from engine.cli import serving as served_cli
+from engine.cli.interrupts import (cancel_on_sigterm, caused_by_interrupt, ignore_interrupts, interrupt_once,
+                                   interrupted, redeliver_dropped_interrupt)
 from engine.switches import names
 
 from engine.errors import USER_ERROR
@@ -136,7 +136,7 @@ def generate_once(args) -> int:
             if not args.json:
                 print(event.piece, end="", flush=True)
         _print_result(args, run, run.result)
-        _ignore_interrupts()  # every word about the run is said: a Ctrl-C now would only cut the exit short
+        ignore_interrupts()  # every word about the run is said: a Ctrl-C now would only cut the exit short
     except KeyboardInterrupt:
         print(f"\ninterrupted: {what_became_of(run)}", file=sys.stderr, flush=True)
         return 130
@@ -209,7 +209,7 @@ def generate_batch(args, spec) -> int:
         _print_run_json(args, run, result)
     else:
         _print_batch(result)
-    _ignore_interrupts()  # every word about the runs is said: a Ctrl-C now would only cut the exit short
+    ignore_interrupts()  # every word about the runs is said: a Ctrl-C now would only cut the exit short
     return 0
 
 
@@ -606,73 +606,8 @@ def _cancelled(*_):
     os._exit(130)
 
 
-_interrupted = threading.Event()  # set by the handlers below as a Ctrl-C or SIGTERM arrives
-
-
-def caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether this error is a Ctrl-C's (or SIGTERM's) doing. A library that the KeyboardInterrupt passes through
-    may raise its own error instead: DuckDB ends its query with "Query interrupted", and a lazy import or a
-    dataclass's construction wraps it. So: an interrupt has arrived, or a KeyboardInterrupt lies under the error."""
-    if _interrupted.is_set():
-        return True
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def interrupt_once() -> None:
-    """The first Ctrl-C or SIGTERM stops the run; later ones are ignored, so that a second one cannot cut into
-    the final write's handling or the words that say what became of the run."""
-    def interrupt(signum, frame):
-        _interrupted.set()
-        _ignore_interrupts()
-        raise KeyboardInterrupt
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, interrupt)
-
-
-def _ignore_interrupts() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
-
-
-def _cancel_on_sigterm() -> None:
-    """SIGTERM (timeout, systemd, Docker) ends a run as Ctrl-C does: recorded as cancelled, tokens kept."""
-    def interrupt(signum, frame):
-        _interrupted.set()
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def _redeliver_dropped_interrupt(unraisable) -> None:
-    """sys.unraisablehook: a Ctrl-C (or SIGTERM) whose KeyboardInterrupt landed in code Python cannot raise from
-    (a weakref callback of the import machinery, a finalizer) would be printed and dropped, and the command would
-    run on; it is delivered again in the main thread, at the next line that can raise it. Others as Python does."""
-    in_main = threading.current_thread() is threading.main_thread()
-    if not isinstance(unraisable.exc_value, KeyboardInterrupt) or not in_main:
-        sys.__unraisablehook__(unraisable)
-        return
-    handler = signal.getsignal(signal.SIGINT)
-
-    def again(signum, frame):
-        _interrupted.set()
-        signal.signal(signal.SIGINT, handler)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, again)
-    # from another thread, a moment later: signalled from inside this hook, the handler would run inside it too,
-    # and be dropped again
-    timer = threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,))
-    timer.daemon = True
-    timer.start()
-
-
 def main(argv=None) -> int:
-    hook, sys.unraisablehook = sys.unraisablehook, _redeliver_dropped_interrupt
+    hook, sys.unraisablehook = sys.unraisablehook, redeliver_dropped_interrupt
     try:
         return _command(argv)
     finally:
@@ -690,6 +625,7 @@ def early_check(args) -> None:
 
 
 def _command(argv) -> int:
+    interrupted.clear()  # a command run in a process that ran one before starts with no interrupt noted
     previous = signal.signal(signal.SIGINT, _cancelled)
     signal.signal(signal.SIGTERM, _cancelled)  # until a command can record a cancellation, as Ctrl-C
     try:
@@ -709,7 +645,7 @@ def _command(argv) -> int:
             _quiet_libraries()
     finally:
         signal.signal(signal.SIGINT, previous)
-    _cancel_on_sigterm()
+    cancel_on_sigterm()
     try:
         code = args.func(args)
         sys.stdout.flush()  # a reader gone already shows here, inside the handling below, not at exit
