@@ -313,25 +313,3 @@ def test_a_double_ctrl_c_right_after_the_last_token_says_what_became_of_the_run(
                     or f"interrupted: run {run['run_id']} is kept in its journal" in message), message
         else:  # both landed after every word was said, and were ignored
             assert code == 0 and f"run {run['run_id']}: {n} tokens" in message, (code, message)
-
-
-def test_a_journal_that_cannot_be_written_records_the_run_as_an_error_in_one_sentence(tiny_folder, tmp_path,
-                                                                                    monkeypatch, capsys):
-    """The journal folder beside the database refuses the file (a full disk, an immutable folder): the run's row,
-    written already, is completed as an error with the reason, and the command says so in one sentence, exit 2."""
-    from engine.cli.main import main
-    from engine.store import record
-
-    def refuse(path):
-        raise PermissionError(1, "Operation not permitted", str(path))
-
-    monkeypatch.setattr(record, "Journal", refuse)
-    db = tmp_path / "runs.duckdb"
-    code = main(["generate", "--model", str(tiny_folder), "--prompt", "hi", "--raw", "--max-new-tokens", "2",
-                 "--db", str(db)])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0, err
-    assert err.startswith("error: Run 1 was recorded as an error before its first token: its journal cannot be "
-                          "written beside the database (Operation not permitted: ")
-    runs = Store(db).runs()
-    assert list(runs["status"]) == ["error"] and "journal cannot be written" in runs["error"].iloc[0]

@@ -252,3 +252,25 @@ def test_a_database_of_the_earlier_schema_keeps_its_runs_under_the_new_column_na
         words = arguments(spec)
         assert words[words.index("--weights") + 1] == "int4-wo" and words[words.index("--speculative") + 1] == "draft"
         assert words[words.index("--speculative-k") + 1] == "3" and "--quant" not in words and "--spec" not in words
+
+
+def test_a_journal_that_cannot_be_written_records_the_run_as_an_error_in_one_sentence(tiny_folder, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """The journal folder beside the database refuses the file (a full disk, an immutable folder): the run's row,
+    written already, is completed as an error with the reason, and the command says so in one sentence, exit 2."""
+    from engine.cli.main import main
+    from engine.store import record
+
+    def refuse(path):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(record, "Journal", refuse)
+    db = tmp_path / "runs.duckdb"
+    code = main(["generate", "--model", str(tiny_folder), "--prompt", "hi", "--raw", "--max-new-tokens", "2",
+                 "--db", str(db)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: Run 1 was recorded as an error before its first token: its journal cannot be "
+                          "written beside the database (Operation not permitted: ")
+    runs = Store(db).runs()
+    assert list(runs["status"]) == ["error"] and "journal cannot be written" in runs["error"].iloc[0]
