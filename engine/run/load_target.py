@@ -112,8 +112,11 @@ class LocalTarget:
         """Refuse, before a sweep stores anything, a sweep none of whose (prompt, max_tokens) requests the engine
         would take (a KV budget too small for any, every prompt beyond the context), with the engine's UserError for
         the first; where some are taken, the others fail one by one, as a server refuses them."""
-        refusal = None
-        for prompt, max_tokens in dict.fromkeys(requests):
+        refusal, seen = None, set()
+        for prompt, max_tokens in requests:  # lazily: the first request the engine takes ends the check
+            if (prompt, max_tokens) in seen:
+                continue
+            seen.add((prompt, max_tokens))
             try:
                 self.engine.check(prompt, max_new_tokens=max_tokens, temperature=self.cfg.temperature, raw=self.cfg.raw)
                 return
