@@ -93,7 +93,7 @@ if len(arms) > 1:  # repeats of one setting are one arm; the oldest selected run
     base = arms[0]["decode_rates"]
     st.markdown("**Decode speed against the oldest selected run's setting**, each setting's runs taken as repeats")
     st.dataframe(pd.DataFrame([{"setting": a["label"], "runs": ", ".join(f"#{i}" for i in a["run_ids"]),
-                                "decode tok/s (mean)": a["decode_tokens_per_s"],
+                                "decode tok/s (mean)": figure(a["decode_tokens_per_s"]),
                                 "decode vs baseline": compare(base, a["decode_rates"]).text()
                                 if base and a["decode_rates"] else "no decode speed"} for a in arms]),
                  hide_index=True, width="stretch")
