@@ -1,6 +1,7 @@
 """Where the project's files are: the repository, shipped data and texts, runtime folders.
 
-Only pathlib and the environment: pure modules import this without loading torch or DuckDB."""
+Only pathlib, hashlib and the environment: pure modules import this without loading torch or DuckDB."""
+import hashlib
 import os
 from pathlib import Path
 
@@ -18,6 +19,11 @@ CALIBRATION_TEXT = DATA / "calibration.txt"  # int8 smoothing factors, sparsity 
 WORKLOADS = DATA / "workloads.json"
 RESULTS = REPO_ROOT / "bench" / "results"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model every fresh install carries (see engine.model.loader)
+
+
+def text_digest(path: Path = EVAL_TEXT) -> str:
+    """A short fingerprint of a text's bytes, stored beside what was measured on it (quality: eval.txt by default)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
 
 
 def models_dir() -> Path:

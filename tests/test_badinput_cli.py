@@ -180,3 +180,16 @@ def test_a_prompt_that_is_not_utf8_is_one_sentence(tmp_path):
     err = done.stderr.decode("utf-8", "replace")
     assert done.returncode == 2 and "UTF-8" in err and "Traceback" not in err, err
     assert not db.exists() or Store(db).runs().empty
+
+
+@pytest.mark.parametrize("content, expected", [(None, "cannot be read as the evaluation text"),
+                                               (b"caf\xe9 \xff", "cannot be read as UTF-8 text"),
+                                               (b"  \n\n ", "holds no text to score")])
+def test_a_quality_text_that_cannot_be_scored_is_one_sentence_before_anything_is_written(tmp_path, content, expected):
+    db, text = tmp_path / "runs.duckdb", tmp_path / "own.txt"
+    if content is not None:
+        text.write_bytes(content)
+    done = engine("quality", "--text", str(text), db=db, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
+    assert not db.exists()

@@ -1,5 +1,6 @@
 """Device facts, calibration and telemetry on this machine (no GPU here: a normal state)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -226,7 +227,9 @@ def test_a_cached_calibration_of_another_machine_a_stale_one_or_a_flagged_one_is
 def test_a_calibration_measured_beside_other_work_is_stored_but_never_enters_the_machine_cache(machine_cache, store,
                                                                                                 tmp_path):
     device = torch.device("cpu")
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    # spinning processes that take twice the quiet share of the cores' time (one on a machine of up to five cores)
+    count = math.ceil(2 * hardware.QUIET_OTHER_WORK * (os.cpu_count() or 1))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         time.sleep(1.0)  # they have started spinning
         results = hardware.calibration_for(device, store, fresh=True)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from engine.measure.accounting import cache_nbytes, model_shape
+from engine.paths import EVAL_TEXT, text_digest
+from engine.run import quality
 from engine.run.generate import Generation, GenConfig
 from engine.run.text import prompt_ids
 from engine.measure.distances import BUCKETS
@@ -144,10 +146,14 @@ def test_int8_moves_fewer_bytes_per_token_than_fp32(default_lm, calibration):
 
 
 def test_cli_quality_json_is_recorded(tmp_path):
-    out = cli("quality", "--weights", "int4-wo", "--json", db=tmp_path / "q.duckdb")
+    # the shipped text's first 3,000 characters: two windows (the second cut short), a third of the whole's cost
+    text = tmp_path / "eval-part.txt"
+    text.write_text(EVAL_TEXT.read_text()[:3000])
+    out = cli("quality", "--weights", "int4-wo", "--text", str(text), "--json", db=tmp_path / "q.duckdb")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["variant"] == "int4-wo g32" and result["n_tokens"] > 2000
+    assert result["variant"] == "int4-wo g32" and quality.WINDOW < result["n_tokens"] < 2 * quality.WINDOW
+    assert result["eval_text_sha"] == text_digest(text) != text_digest()
     assert 0 < result["kl_mean"] < 0.05 and result["top1_agreement"] > 0.9
     from engine.store.db import Store
 

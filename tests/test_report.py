@@ -70,6 +70,18 @@ def test_the_comparison_has_every_run_and_the_stored_quality(recorded):
     assert f"{measured:.3f}" in rows[2][1] and f"{measured:.3f}" not in rows[0][1]
 
 
+def test_quality_scored_on_another_text_stays_out_of_the_comparison(tmp_path, tiny_lm, calibration):
+    store = Store(tmp_path / "runs.duckdb")
+    ids = make_runs(store, tiny_lm, calibration)
+    own = tmp_path / "own.txt"
+    own.write_text("The harbour lights came on one by one as the fog rolled in from the sea. " * 20)
+    result = quality.measure(tiny_lm, variant(tiny_lm, "int8-dyn"), "int8-dyn", calibration, store=store, text=own)
+    assert result["eval_text"] == str(own) and result["n_tokens"] > 100
+    page = runs_report(store, ids)
+    comparison = page[page.index("<h2>Comparison</h2>"):page.index("<h2>The five buckets</h2>")]
+    assert f"{result['perplexity']:.3f}" not in comparison  # its figures are not comparable with eval.txt's
+
+
 def setting_rows(page: str) -> list[list[str]]:
     """The cells of the comparison's table of settings (the first table of the section)."""
     comparison = page[page.index("<h2>Comparison</h2>"):page.index("<h2>The five buckets</h2>")]

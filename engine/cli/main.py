@@ -245,7 +245,10 @@ def cmd_quality(args) -> int:
 
     from engine.run.prepare import base_model, prepare
     from engine.spec import GenConfig, RunSpec
+    from engine.paths import EVAL_TEXT
 
+    text = args.text or EVAL_TEXT
+    quality.read_text(text)  # a text that cannot be scored is refused before a model loads
     store = Store(args.db)
     spec = RunSpec(gen=GenConfig("quality"), model=args.model, device=args.device, weights=args.weights,
                    group_size=args.group_size, sparsity=args.sparsity, sparsity_mode=args.sparsity_mode)
@@ -255,12 +258,12 @@ def cmd_quality(args) -> int:
     name = candidate.weights + (f" sparsity {args.sparsity:g} {args.sparsity_mode}" if args.sparsity else "")
     result = quality.measure(base, candidate, name, calibration, store=store,
                              settings={"weights": args.weights, "group_size": args.group_size, "sparsity": args.sparsity,
-                                       "sparsity_mode": args.sparsity_mode})
+                                       "sparsity_mode": args.sparsity_mode}, text=text)
     if args.json:
         _print_json(result)
         return 0
     divergence = result["first_divergence"]
-    print(f"{base.name} at {name} on {base.device}, {result['n_tokens']} tokens of data/eval.txt, "
+    print(f"{base.name} at {name} on {base.device}, {result['n_tokens']} tokens of {args.text or 'data/eval.txt'}, "
           f"teacher-forced against fp32:")
     print(f"  perplexity {result['perplexity']:.3f}, mean KL {result['kl_mean']:.5f} nats, "
           f"top-1 agreement {result['top1_agreement']:.1%}")
@@ -559,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     q = sub.add_parser("quality", help="perplexity, KL and top-1 agreement against fp32 on data/eval.txt")
     q.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
+    q.add_argument("--text", help="the UTF-8 text to score (default: the shipped data/eval.txt; "
+                   "reports compare only figures scored on it)")
     add_weight_args(q)
     common(q)
     q.set_defaults(func=cmd_quality)

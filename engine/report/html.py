@@ -21,6 +21,7 @@ from engine.report.charts import BUCKET_COLOURS, bucket_chart, run_label, run_sw
 from engine.report.definitions import BUCKET_MEANING, BUCKET_NOTE, METRICS
 from engine.measure.distances import FORMULAS
 from engine.measure.distances import BUCKETS
+from engine.paths import text_digest
 from engine.store.sql import utcnow
 
 FIGURE_CONFIG = {"displaylogo": False, "responsive": True}
@@ -102,8 +103,9 @@ def quality_variant(run: dict) -> str:
 
 
 def latest_quality(store, runs: list[dict]) -> dict[int, dict]:
-    """The newest stored quality measurement of each run's model and variant, by run id."""
-    frame = store.query("SELECT * FROM quality ORDER BY created_at DESC")
+    """The newest stored quality measurement of each run's model and variant on the shipped evaluation text (figures
+    scored on a user's own text are not comparable with it), by run id."""
+    frame = store.query("SELECT * FROM quality WHERE eval_text_sha = ? ORDER BY created_at DESC", [text_digest()])
     rows = frame.to_dict("records")
     found = {}
     for run in runs:
