@@ -101,10 +101,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked by what it costs (tiers.py), so `-m "not slow"` is the fast tier; the marks
-    and groups go on before any plugin reads them in this hook (pytest-xdist reads the groups)."""
+    """Each test is marked by what it costs (tiers.py), so `-m "not slow"` is the fast tier, and the costliest
+    modules come first; the marks and groups go on before any plugin reads them in this hook (pytest-xdist
+    reads the groups)."""
     for item in items:
         tiers.classify(item)
+    tiers.longest_first(items)
     result = yield
     tiers.check_groups(config, items)
     return result

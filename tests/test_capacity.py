@@ -6,7 +6,8 @@ import pytest
 
 from engine.cli.main import main
 from engine.serve import records as served_store
-from engine.serve.capacity import answer, find_edge, limiting_metric
+from engine.measure.slo import overlapped
+from engine.serve.capacity import answer, describe, find_edge, limiting_metric
 from engine.serve.load import Sweep, SweepConfig
 from engine.store.db import Store
 
@@ -26,6 +27,25 @@ def test_the_search_doubles_until_a_level_fails_then_bisects_towards_the_edge():
     assert (good["rate"], bad, error) == (100.0, None, "the level at 200 req/s broke: it stopped answering")
     tried.clear()
     assert find_edge(level, lambda lv: True, 1.0, steps=3, stopped=lambda: True)[0]["rate"] == 1.0 and tried == [1.0]
+
+
+def test_halving_stops_at_a_failing_level_whose_requests_each_ran_alone():
+    tried = []
+
+    def level(rate):  # requests overlap above 1 request/s; no rate holds
+        tried.append(rate)
+        return {"status": "ok", "rate": rate, "overlapped": rate > 1.0, "metric_attainment": {"ttft_ms": 0.0}}
+
+    good, bad, error = find_edge(level, lambda lv: False, 8.0, steps=3)
+    assert tried == [8.0, 4.0, 2.0, 1.0] and good is None and bad["rate"] == 1.0 and error is None
+    out = answer(good, bad, attainment=0.9, think_time_s=0.0, slo={"ttft_ms": 1.0})
+    assert out["failed_alone"] and describe(out).startswith("capacity: none for 90% of requests within ttft_ms 1: at 1 ")
+
+
+def test_requests_overlap_when_one_is_sent_before_an_earlier_one_ended():
+    assert overlapped([(0, 10), (10, 20), (25, 30)]) is False  # each sent as the one before ended, or later
+    assert overlapped([(0, 100), (10, 20), (50, 60)]) is True  # the third overlaps the first, not the second
+    assert overlapped([(30, 40), (0, 35)]) is True and overlapped([]) is None
 
 
 @pytest.mark.slow  # thousands of tokens, draws or requests: long even on a quiet machine

@@ -120,6 +120,20 @@ def classify(item) -> None:
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+# A module's place in the run: the longest tests start first, so that none of them is what the other workers
+# wait for at the end of a parallel run. Modules move whole, keeping their module-scoped fixtures together.
+LONGEST_FIRST = ("browser", "vllm", "model", "kernel_build", "page", "subprocess")
+
+
+def longest_first(items: list) -> None:
+    """Reorder the collected tests, module by module, by the costliest marker any of a module's tests has."""
+    rank: dict = {}
+    for item in items:
+        found = [LONGEST_FIRST.index(m.name) for m in item.iter_markers() if m.name in LONGEST_FIRST]
+        rank[item.module] = min([rank.get(item.module, len(LONGEST_FIRST)), *found])
+    items.sort(key=lambda item: rank[item.module])
+
+
 def check_groups(config, items) -> None:
     """pytest-xdist's loadgroup sends a group to one worker by writing the group into each test's id;
     where it cannot (pytest-xdist 3.8 under pytest 9.2), a group's tests spread over the workers and

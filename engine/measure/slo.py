@@ -114,3 +114,16 @@ def kept_up(ends_s: list[float], rate: float | None) -> tuple[float | None, bool
     ends = sorted(ends_s)
     departures = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) >= 3 and ends[-1] > ends[0] else None
     return departures, departures >= KEPT_UP * rate if departures and rate else None
+
+
+def overlapped(spans_ms: list[tuple[float, float]]) -> bool | None:
+    """Whether any request was sent while another was in flight, from each request's (sent, ended) times; None where
+    none ended. A level whose requests each ran alone measured the server unloaded: no lower rate does better."""
+    if not spans_ms:
+        return None
+    last_end = -math.inf
+    for start, end in sorted(spans_ms):
+        if start < last_end:
+            return True
+        last_end = max(last_end, end)
+    return False

@@ -208,7 +208,10 @@ def verdict(store, found: dict | None) -> str:
     target = f"{ATTAINMENT:.0%} of requests within {slo_text()}"
     if r.get("capacity_requests_per_s") is None and r.get("first_failing_rate") is None:
         return "The capacity search finished no level, so it found no capacity." + ended
-    if r.get("capacity_requests_per_s") is None:
+    if r.get("capacity_requests_per_s") is None and r.get("failed_alone"):
+        head = (f"No rate tried held {target}: even {r['first_failing_rate']:.3g} requests/s failed with every "
+                "request running alone, so no rate holds it on this machine")
+    elif r.get("capacity_requests_per_s") is None:
         head = (f"No rate tried held {target}: even {r['first_failing_rate']:.3g} requests/s, "
                 "the lowest tried, failed, so the capacity here lies below it")
     else:

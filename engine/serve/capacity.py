@@ -1,5 +1,6 @@
 """The highest request rate a server holds at a latency target: levels at doubling (or halving) rates
-until one holds and one fails, then bisection between them; every level is stored in one sweep."""
+until one holds and one fails, then bisection between them; every level is stored in one sweep. Halving stops at
+a failing level whose requests each ran alone: the target is then missed by the unloaded server."""
 from __future__ import annotations
 
 from engine.serve import arrivals
@@ -62,7 +63,7 @@ def find_edge(run_level, level_holds, start_rate: float, steps: int, stopped=lam
             good, rate = level, rate * 2
         else:
             bad, rate = level, rate / 2
-        if (good and bad) or stopped() or not 0 < rate <= arrivals.MAX_RATE:
+        if (good and bad) or stopped() or not 0 < rate <= arrivals.MAX_RATE or alone_failed(good, bad):
             break
     for _ in range(steps if good and bad else 0):
         if stopped():
@@ -72,6 +73,11 @@ def find_edge(run_level, level_holds, start_rate: float, steps: int, stopped=lam
             return good, bad, f"the level at {level['rate']:.3g} req/s broke: {level['error']}"
         good, bad = (level, bad) if level_holds(level) else (good, level)
     return good, bad, None
+
+
+def alone_failed(good: dict | None, bad: dict | None) -> bool:
+    """No level held and the failing one's requests each ran alone: the target is missed unloaded, at any rate."""
+    return good is None and bad is not None and bad.get("overlapped") is False
 
 
 def _level(sweep: Sweep, rate: float, arrival: str) -> dict:
@@ -96,6 +102,7 @@ def answer(good: dict | None, bad: dict | None, *, attainment: float, think_time
         "users": rate * (response_s + think_time_s) if rate and response_s is not None else None,
         "first_failing_rate": bad["rate"] if bad else None,
         "limiting_metric": limiting_metric(bad, attainment) if bad else None,
+        "failed_alone": alone_failed(good, bad),
     }
 
 
@@ -105,6 +112,9 @@ def describe(s: dict) -> str:
     share = f"{s['attainment_target']:.0%} of requests within {target}"
     if s["capacity_requests_per_s"] is None and s["first_failing_rate"] is None:
         return "capacity: not found, no level finished"
+    if s["capacity_requests_per_s"] is None and s.get("failed_alone"):
+        return (f"capacity: none for {share}: at {s['first_failing_rate']:.3g} req/s every request ran alone and "
+                f"{s['limiting_metric']} still failed, so no lower rate holds")
     if s["capacity_requests_per_s"] is None:
         return (f"capacity: below the lowest rate tried ({s['first_failing_rate']:.3g} req/s) for {share}; "
                 f"{s['limiting_metric']} failed first")
