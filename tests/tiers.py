@@ -3,6 +3,7 @@ of its function, its module's fixtures and the module's helpers it calls, so no 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import sys
@@ -43,18 +44,28 @@ def _is_test_code(obj) -> bool:
             and str(obj.__module__).split(".")[-1].startswith(("test_", "conftest")))
 
 
+@functools.cache
+def _own_source(fn) -> tuple[str, frozenset]:
+    """fn's source and the names it uses, read once however many tests use fn (inspect parses a class's whole
+    module to find it)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return "", frozenset()
+    return source, frozenset(_names(source))
+
+
 def _function_source(fn, module, seen: set) -> str:
     """fn's source (a function's or a class's) and, recursively, that of the functions and classes of the tests
     it names, so a helper imported from another test module (a class that starts servers) counts too."""
     if fn in seen:
         return ""
     seen.add(fn)
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
+    source, names = _own_source(fn)
+    if not source:
         return ""
     parts = [source]
-    for name in _names(source):
+    for name in names:
         helper = getattr(module, name, None)
         if _is_test_code(helper) or (inspect.isfunction(helper) and helper.__module__ == module.__name__):
             parts.append(_function_source(helper, sys.modules.get(helper.__module__, module), seen))
