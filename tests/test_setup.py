@@ -50,11 +50,19 @@ def _builder(env, *code):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-# The build lock does not depend on what is compiled: a one-function extension goes through the same
-# build and lock in seconds (the portable build test compiles the real kernels).
-ONE_FUNCTION = """#include <pybind11/pybind11.h>
-int add(int a, int b) { return a + b; }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
+# The build lock does not depend on what is compiled: a one-function extension written against Python's own
+# C API goes through the same build and lock in a second (the portable build test compiles the real kernels).
+ONE_FUNCTION = """#include <Python.h>
+#define INIT_NAME(name) INIT_NAME_(name)
+#define INIT_NAME_(name) PyInit_##name
+static PyObject* add(PyObject*, PyObject* args) {
+    long a, b;
+    if (!PyArg_ParseTuple(args, "ll", &a, &b)) return nullptr;
+    return PyLong_FromLong(a + b);
+}
+static PyMethodDef methods[] = {{"add", add, METH_VARARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "one_function", nullptr, -1, methods};
+PyMODINIT_FUNC INIT_NAME(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
 """
 
 
@@ -65,12 +73,16 @@ def _one_function_builder(env, source, *code):
 
 
 def test_a_build_killed_half_way_does_not_hold_up_the_next_process(tmp_path):
-    """A real compile, killed with SIGKILL (its compiler too) while PyTorch's lock file exists; the
+    """A real build, killed with SIGKILL (its compiler too) while PyTorch's lock file exists; the
     next process, which loads a model, builds at once instead of waiting on that lock."""
     env = {**os.environ, "TOKENPATH_BUILD": str(tmp_path / "build")}
     source = tmp_path / "one_function.cpp"
     source.write_text(ONE_FUNCTION)
-    first = _one_function_builder(env, source, "cpu_kernels.build()")
+    # the first build's compiler waits before compiling, so the kill always lands inside the build
+    slow = tmp_path / "slow-c++"
+    slow.write_text(f'#!/bin/sh\nsleep 600\nexec {os.environ.get("CXX", "c++")} "$@"\n')
+    slow.chmod(0o755)
+    first = _one_function_builder({**env, "CXX": str(slow)}, source, "cpu_kernels.build()")
     deadline = time.monotonic() + 300
     while not list(tmp_path.glob("build/cpu_kernels-*/lock")):
         assert first.poll() is None, first.communicate()
