@@ -556,7 +556,9 @@ class Sweep:
                 "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else None,
                 "departures_per_s": departures,
                 "kept_up": kept_up,
-                "overlapped": slos.overlapped([(r["sent_ms"], r["sent_ms"] + r["e2e_ms"]) for r in done]),
+                # every request that held the server, failed or not: one cut at its deadline overlapped the next
+                "overlapped": slos.overlapped([(r["sent_ms"], r["sent_ms"] + r["e2e_ms"]) for r in records
+                                               if r.get("e2e_ms") is not None]),
                 **slo_figures(records, self.cfg.slo, wall),
                 "physical_ms": spread(r["physical_ms"] for r in done),  # each request's own network time
                 "connections_reused": sum(r["connection"] == network.REUSED for r in records),
