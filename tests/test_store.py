@@ -161,7 +161,7 @@ def test_reading_opens_the_file_without_writing_it(tmp_path):
     frame = Store(path, read_only=True).runs()
     assert list(frame["prompt"]) == ["p"] and frame["status"].iloc[0] == "running"
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.duckdb"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.duckdb", "runs.duckdb.lock"]  # the writers' turns
 
 
 JOURNAL_WRITER = """

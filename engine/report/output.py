@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.store.db import lock_path
 from engine.store.journal import journal_dir
 
 
@@ -21,7 +22,8 @@ def write_output(path: str | Path, text: str, db_path: str | Path) -> None:
     if not path.parent.is_dir():
         raise OutputError(f"The folder {path.parent} does not exist: create it or choose another --out.")
     db = Path(db_path).resolve()
-    if path.resolve() in (db, db.with_name(db.name + ".wal")) or path.resolve().parent == journal_dir(db):
+    side_files = (db.with_name(db.name + ".wal"), lock_path(db))
+    if path.resolve() in (db, *side_files) or path.resolve().parent == journal_dir(db):
         raise OutputError(f"{path} is the database this command reads (or one of its side files): choose another --out.")
     special = path.exists() and not path.is_file()
     partial = path if special else path.with_name(path.name + ".partial")

@@ -6,6 +6,7 @@ that finds the file locked by another process waits and retries. A run's rows li
 whose process died is folded in from its journal by the next Store opened on the file."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ from engine.store.sql import complete_run, insert_batches, start_row, utcnow
 # opened the file in that moment failed to insert a frame ("Table Function with name pandas_scan does not
 # exist"); a load sweep's request threads each open, write and close their own connection.
 _connection = threading.RLock()
+_turns: set = set()  # the side files this process holds the turn of (Store._turn), guarded by _connection
 
 # how long a writer waits for a database file that another process holds
 LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
@@ -33,6 +35,11 @@ LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
 
 class StoreError(UserError):
     """The database cannot be used."""
+
+
+def lock_path(db_path: Path) -> Path:
+    """The side file whose flock gives one process at a time the database (Store._turn)."""
+    return db_path.with_name(db_path.name + ".lock")
 
 
 def _is_lock_error(exc: Exception) -> bool:
@@ -62,18 +69,60 @@ class Store:
     @contextmanager
     def _connected(self):
         deadline = time.monotonic() + LOCK_WAIT_S
+        with self._turn(deadline), self._opened(deadline) as con:
+            yield con
+
+    @contextmanager
+    def _turn(self, deadline: float):
+        """This process's turn at the file, from before DuckDB opens it until after it has closed it. DuckDB's own
+        lock is a POSIX record lock, which a process drops when it closes any descriptor of the file; with it alone,
+        two processes recording into one file now and then lost a committed run. A flock on a side file has no such
+        gap. Readers share it; a read-only folder that cannot hold the side file leaves DuckDB's lock alone; a
+        connection opened inside another (the same thread, under _connection) already has the turn."""
+        path = lock_path(self.path)
+        if path in _turns:
+            yield
+            return
+        try:
+            f = open(path, "a")
+        except OSError:
+            try:
+                f = open(path)
+            except OSError:
+                yield
+                return
+        with f:
+            delay = 0.01
+            while True:
+                try:
+                    fcntl.flock(f, (fcntl.LOCK_SH if self.read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    delay = self._wait(deadline, delay)
+            _turns.add(path)
+            try:
+                yield
+            finally:
+                _turns.discard(path)
+
+    def _wait(self, deadline: float, delay: float) -> float:
+        """Sleep before trying the locked file again (the next sleep is returned), or refuse once past the deadline."""
+        if time.monotonic() >= deadline:
+            raise StoreError(f"The database {self.path} stayed locked by another process for {LOCK_WAIT_S:.0f} s.")
+        time.sleep(delay)
+        return min(delay * 2, 0.25)
+
+    @contextmanager
+    def _opened(self, deadline: float):
         delay = 0.01
         while True:
             try:
                 con = duckdb.connect(str(self.path), read_only=self.read_only)
                 break
             except duckdb.Error as exc:
-                if _is_lock_error(exc) and time.monotonic() < deadline:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.25)
-                    continue
                 if _is_lock_error(exc):
-                    raise StoreError(f"The database {self.path} stayed locked by another process for {LOCK_WAIT_S:.0f} s.") from None
+                    delay = self._wait(deadline, delay)
+                    continue
                 raise StoreError(f"{self.path} is not a readable DuckDB database ({str(exc).splitlines()[0]}); "
                                  "point --db or TOKENPATH_DB at another file.") from None
         try:
