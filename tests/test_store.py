@@ -1,5 +1,6 @@
 """The DuckDB store: schema, crash recovery, concurrent writers, refusing files that are not ours."""
 import json
+import math
 import subprocess
 import textwrap
 from pathlib import Path
@@ -47,6 +48,9 @@ def test_a_crashed_run_is_marked_interrupted(tmp_path):
     row = store.run(run_id)
     assert row["status"] == "interrupted"
     assert "ended" in row["error"]
+    # killed before its journal: no tokens, and buckets that add up to nothing
+    assert row["n_new_tokens"] == 0 and list(row["token_ids"]) == [] and row["finished_at"] is not None
+    assert row["memory_ms"] == 0 and math.isnan(row["total_ms"])
 
 
 def test_a_live_run_of_this_process_stays_running(store):

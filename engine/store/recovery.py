@@ -4,7 +4,8 @@ A journal with no live owner goes into the database in one transaction: the run'
 yet, its steps and tokens, and
 either the run's own ending (when the process wrote it to the journal but could not reach the
 database) or status 'interrupted' with the totals its rows add up to. Runs left 'running' without a
-journal (a kill before the first step) become 'interrupted' when their process is gone."""
+journal (a kill between the run's row and its journal) become 'interrupted', with no tokens, when their process
+is gone."""
 from __future__ import annotations
 
 import socket
@@ -14,7 +15,7 @@ import psutil
 from engine.store import journal
 from engine.measure.distances import BUCKETS
 from engine.measure.metrics import run_metrics
-from engine.store.sql import complete_run, insert_batches, utcnow
+from engine.store.sql import complete_run, insert_batches
 
 DIED = "the process recording this run ended before the run did"
 
@@ -37,8 +38,7 @@ def recover(store) -> int:
                            [socket.gethostname()]).fetchall()
         for run_id, pid, started in rows:
             if run_id not in live and not process_alive(pid, started):
-                con.execute("UPDATE runs SET status = 'interrupted', finished_at = ?, error = ? "
-                            "WHERE run_id = ? AND status = 'running'", [utcnow(), DIED, run_id])
+                interrupt(con, run_id, {"run": {}, "steps": [], "tokens": [], "text": ""})
                 changed += 1
     return changed
 
@@ -62,10 +62,15 @@ def fold(con, run_id: int, kept: dict) -> int:
     if finish:
         complete_run(con, run_id, **finish)
     else:
-        complete_run(con, run_id, status="interrupted", output=kept["text"],
-                     token_ids=[t["token_id"] for t in kept["tokens"]], metrics=totals(kept), error=DIED)
+        interrupt(con, run_id, kept)
     con.execute("COMMIT")
     return 1
+
+
+def interrupt(con, run_id: int, kept: dict) -> None:
+    """End a run whose process died with the rows its journal kept (none where it had no journal)."""
+    complete_run(con, run_id, status="interrupted", output=kept["text"],
+                 token_ids=[t["token_id"] for t in kept["tokens"]], metrics=totals(kept), error=DIED)
 
 
 def totals(kept: dict) -> dict:
