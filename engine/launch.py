@@ -7,7 +7,7 @@ them once, then forks a process for each request: the process has its own pid, e
 standard streams, the file descriptors it was passed, exit status and signals, and runs its module or code as
 `python -m` or `python -c` would. TOKENPATH_LAUNCHER names the launcher's socket; where it names none, the
 launcher is gone, or a process's environment changes what the libraries read as they load (OpenMP's settings,
-Python's, the store's timing knobs), start_python starts a new interpreter instead. The test suite runs one
+Python's, the data folder), start_python starts a new interpreter instead. The test suite runs one
 launcher per test process: its commands, pages and servers start their processes through it."""
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", 
            "prometheus_client", "scipy.stats", "plotly.graph_objects", "streamlit.web.cli")
 # what is read as the interpreter or a library starts: a process whose environment differs from the launcher's
 # in one of these gets a new interpreter
-READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTHON", "LD_", "TOKENPATH_OPENMP", "TOKENPATH_WRITE_EVERY_S",
-                 "TOKENPATH_LOCK_WAIT_S", "XDG_DATA_HOME")
+READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "PYTHON", "LD_", "TOKENPATH_OPENMP", "XDG_DATA_HOME")
 HEADER = struct.Struct("!Q")
 REFUSED = "refused"
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine.run.batch import BatchEngine
 from engine.spec import GenConfig
-from engine.store import journal, writer
+from engine.store import journal
 from engine.store.db import Store
 from test_faults import assert_consistent
 from commands import start_engine
@@ -43,7 +43,7 @@ def whole(store: Store, run_id: int, token_ids: list[int]) -> dict:
 
 def test_a_batchs_runs_are_written_together_in_one_connection_with_every_step_and_token(
         tiny_lm, calibration, tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "FLUSH_S", 600.0)  # no write comes due while the batch decodes
+    monkeypatch.setenv("TOKENPATH_WRITE_EVERY_S", "600")  # no write comes due while the batch decodes
     store = CountingStore(tmp_path / "runs.duckdb")
     engine = BatchEngine(tiny_lm, store, max_batch=4, calibration=calibration)
     store.opened = 0
@@ -65,7 +65,7 @@ def test_a_batchs_runs_are_written_together_in_one_connection_with_every_step_an
 def test_a_run_whose_row_was_never_written_is_folded_in_from_its_journal(tiny_lm, calibration, tmp_path,
                                                                          monkeypatch):
     """What a process killed before its first write leaves: journals holding rows the database never saw."""
-    monkeypatch.setattr(writer, "FLUSH_S", 600.0)
+    monkeypatch.setenv("TOKENPATH_WRITE_EVERY_S", "600")
     store = Store(tmp_path / "runs.duckdb")
     engine = BatchEngine(tiny_lm, store, max_batch=2, calibration=calibration)
     seqs = [engine.submit(GenConfig(p, max_new_tokens=6, ignore_eos=True)) for p in PROMPTS[:3]]

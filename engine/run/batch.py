@@ -265,7 +265,7 @@ class BatchEngine:
 
     def write(self) -> None:
         """Write the rows of every run that started or ended so far, now (they are otherwise written together,
-        at most FLUSH_S after they come); RecordDeferred when they cannot be, and they wait in their journals."""
+        at most flush_s() after they come); RecordDeferred when they cannot be, and they wait in their journals."""
         if self.writer is not None:
             self.writer.write()
 

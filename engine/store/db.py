@@ -29,8 +29,11 @@ from engine.store.sql import complete_run, insert_batches, start_row, utcnow
 _connection = threading.RLock()
 _turns: set = set()  # the side files this process holds the turn of (Store._turn), guarded by _connection
 
-# how long a writer waits for a database file that another process holds
-LOCK_WAIT_S = float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
+
+def lock_wait_s() -> float:
+    """How long a writer waits for a database file that another process holds (read at each wait, so that a
+    process forked from one that has imported this module reads its own)."""
+    return float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
 
 
 class StoreError(UserError):
@@ -68,7 +71,7 @@ class Store:
 
     @contextmanager
     def _connected(self):
-        deadline = time.monotonic() + LOCK_WAIT_S
+        deadline = time.monotonic() + lock_wait_s()
         with self._turn(deadline), self._opened(deadline) as con:
             yield con
 
@@ -108,7 +111,7 @@ class Store:
     def _wait(self, deadline: float, delay: float) -> float:
         """Sleep before trying the locked file again (the next sleep is returned), or refuse once past the deadline."""
         if time.monotonic() >= deadline:
-            raise StoreError(f"The database {self.path} stayed locked by another process for {LOCK_WAIT_S:.0f} s.")
+            raise StoreError(f"The database {self.path} stayed locked by another process for {lock_wait_s():.0f} s.")
         time.sleep(delay)
         return min(delay * 2, 0.25)
 

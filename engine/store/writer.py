@@ -3,7 +3,7 @@
 A busy engine starts and ends runs every few steps, and opening the database file costs tens of milliseconds of a
 core each time, so the continuous-batching engine hands its runs' rows to a Writer instead of writing them itself.
 The Writer takes run ids from the database's sequence ahead of time (a run's id is known when it is submitted,
-before its row exists), and a thread of its own writes, at most once every FLUSH_S, every run row that started and
+before its row exists), and a thread of its own writes, at most once every flush_s(), every run row that started and
 every run that ended since the last write, in one transaction of one connection; the file is held only for that
 write, so other processes open it between writes as before.
 
@@ -24,8 +24,10 @@ from engine.store.db import Store, StoreError
 from engine.store.record import RecordDeferred
 from engine.store.sql import complete_run, insert_batches
 
-# the longest a started or ended run waits before its rows are written
-FLUSH_S = float(os.environ.get("TOKENPATH_WRITE_EVERY_S", "1"))
+
+def flush_s() -> float:
+    """The longest a started or ended run waits before its rows are written."""
+    return float(os.environ.get("TOKENPATH_WRITE_EVERY_S", "1"))
 
 
 class Writer:
@@ -94,18 +96,18 @@ class Writer:
                 self._thread.start()
 
     def _loop(self) -> None:
-        """Write every FLUSH_S while rows wait; the thread ends when none do."""
+        """Write every flush_s() while rows wait; the thread ends when none do."""
         while True:
             with self._state:
                 if self._since is None:
                     self._thread = None
                     return
-                due = self._since + FLUSH_S - time.monotonic()
+                due = self._since + flush_s() - time.monotonic()
             if due > 0:
                 time.sleep(due)
             try:
                 self._flush(top_up=True)
-            except Exception:  # tried again FLUSH_S later (write() says what still fails); the journals hold the rows
+            except Exception:  # tried again flush_s() later (write() says what still fails); the journals hold the rows
                 continue
 
     def _flush(self, top_up: bool) -> None:
