@@ -1,5 +1,6 @@
 """The project's small C++ extension (engine/model/kernels/: a header and one source per concern): the
-few-row float32 products, the int8 and int4 products, activation sparsity and the lean decode step.
+few-row float32 products, the int8 and int4 products, activation sparsity and the lean decode step. The
+compiler gets two units: the Python bindings, and the other sources together (_units).
 
 Built during setup (`make`, `python -m engine prepare`, or `python -m engine.model.cpu_kernels`) with
 PyTorch's cpp_extension into the checkout's git-ignored build/ folder, one folder per version of the
@@ -130,6 +131,20 @@ def _sources() -> list[Path]:
     return [path for path in FILES if path.suffix == ".cpp"]
 
 
+def _units(directory: Path) -> list[Path]:
+    """What the compiler is given: the Python bindings, whose pybind11 headers take most of a build, on their
+    own, and the other sources as one unit (written into the build folder) that includes them all, so that
+    ATen's headers are read once rather than once a source; the two compile side by side."""
+    sources = _sources()
+    bindings = [path for path in sources if path.name == "bindings.cpp"]
+    rest = [path for path in sources if path not in bindings]
+    if len(rest) < 2:
+        return sources
+    unit = directory / "kernels_together.cpp"
+    unit.write_text("".join(f'#include "{path}"\n' for path in rest))
+    return [*bindings, unit]
+
+
 def build(verbose: bool = False):
     """Compile the extension if this version is not built yet, and return it loaded."""
     from torch.utils.cpp_extension import load
@@ -142,7 +157,7 @@ def build(verbose: bool = False):
         try:
             # copies: PyTorch appends to the lists it is given. -fopenmp also at link time: ATen's
             # parallel_for is a header template, so without it the kernels would run on one thread
-            module = load(name=module_name(directory), sources=[str(path) for path in _sources()],
+            module = load(name=module_name(directory), sources=[str(path) for path in _units(directory)],
                           build_directory=str(directory), extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
                           verbose=verbose)
         except Exception as exc:  # no compiler, no ninja, a compile error: all reported in one sentence
