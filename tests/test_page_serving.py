@@ -19,6 +19,7 @@ from engine.paths import REPO_ROOT
 from streamlit.runtime import Runtime
 
 from test_served import wait_for_port
+from commands import run_python
 from test_load import known_server  # noqa: F401 (the fixture)
 
 SERVER = Path(__file__).with_name("stream_server.py")
@@ -218,7 +219,7 @@ def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_swee
     argv = shlex.split(command)
     assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", str(page_db)]
     assert {"--local", "--rate", "--weights", "--max-batch", "--kv-budget-mb", "--slo"} <= set(argv)
-    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    done = run_python(*argv[1:], cwd=REPO_ROOT)  # as `python` runs it, forked by the launcher
     assert done.returncode == 0, done.stderr
     again = served_store.sweeps(store).iloc[0]["sweep_id"]
     assert again != sweep["sweep_id"] and stored_config(page_db, again) == config
