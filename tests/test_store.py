@@ -8,6 +8,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from engine.store import db
 from engine.store.db import SCHEMA_VERSION, Store, StoreError
 from commands import run_python, start_python
 
@@ -278,3 +279,19 @@ def test_a_journal_that_cannot_be_written_records_the_run_as_an_error_in_one_sen
                           "written beside the database (Operation not permitted: ")
     runs = Store(db).runs()
     assert list(runs["status"]) == ["error"] and "journal cannot be written" in runs["error"].iloc[0]
+
+
+def opened_elsewhere(path: Path) -> bool:
+    """Whether another process can open the file now."""
+    return run_python("-c", f"import duckdb; duckdb.connect({str(path)!r}).close()").returncode == 0
+
+
+def test_a_file_is_attached_once_and_held_until_its_last_connection_closes(store):
+    with store.connect() as outer:
+        with store.connect() as inner:  # nested: the same attachment
+            assert inner.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+        assert outer.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+        assert not opened_elsewhere(store.path)
+    assert opened_elsewhere(store.path)
+    assert db._instance().execute("SELECT count(*) FROM duckdb_databases() WHERE path = ?",
+                                  [str(store.path)]).fetchone() == (0,)

@@ -8,17 +8,13 @@ its device's counters measured from its start to its end (engine.measure.energy)
 journal, which then holds the row as well, stays until they are."""
 from __future__ import annotations
 
-import signal
-import threading
-from contextlib import contextmanager
-
 import duckdb
 import torch
 
 from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
 from engine.store.rows import columns
-from engine.store.db import Store, StoreError
+from engine.store.db import Store, StoreError, signals_deferred
 from engine.store.sql import start_row
 
 
@@ -28,25 +24,6 @@ class RecordDeferred(StoreError):
 
 class JournalRefused(StoreError):
     """A run's journal cannot be written beside the database: the run is recorded as an error before it begins."""
-
-
-@contextmanager
-def signals_deferred():
-    """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: a run row and its
-    journal come into being together, or neither does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if caught:
-            raise KeyboardInterrupt
 
 
 class Recorder:
