@@ -1,6 +1,7 @@
 """The DuckDB store: schema, crash recovery, concurrent writers, refusing files that are not ours."""
 import json
 import math
+import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -290,8 +291,10 @@ def test_a_file_is_attached_once_and_held_until_its_last_connection_closes(store
     with store.connect() as outer:
         with store.connect() as inner:  # nested: the same attachment
             assert inner.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+        with Store(Path(os.path.relpath(store.path))).connect() as spelled:  # the same file spelled otherwise
+            assert spelled.execute("SELECT count(*) FROM runs").fetchone() == (0,)
         assert outer.execute("SELECT count(*) FROM runs").fetchone() == (0,)
         assert not opened_elsewhere(store.path)
     assert opened_elsewhere(store.path)
     assert db._instance().execute("SELECT count(*) FROM duckdb_databases() WHERE path = ?",
-                                  [str(store.path)]).fetchone() == (0,)
+                                  [os.path.realpath(store.path)]).fetchone() == (0,)

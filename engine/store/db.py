@@ -54,8 +54,8 @@ def lock_path(db_path: Path) -> Path:
 
 @contextmanager
 def signals_deferred():
-    """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: a run row and its
-    journal come into being together, or neither does."""
+    """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: for what must happen whole (a run
+    row and its journal, a file's attachment and its count), in the main thread, where Python delivers signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -89,6 +89,7 @@ class Store:
         """read_only: for commands that only read (an existing file is then opened without write access, so a
         read-only folder or file serves, and runs whose process died are left for the next writer to fold)."""
         self.path = Path(path) if path else default_db_path()
+        self.file = os.path.realpath(self.path)  # the file however its path is spelled: one lock and attachment each
         self.read_only = read_only and self.path.is_file()
         try:
             self._prepare()
@@ -116,7 +117,7 @@ class Store:
         two processes recording into one file now and then lost a committed run. A flock on a side file has no such
         gap. Readers share it; a read-only folder that cannot hold the side file leaves DuckDB's lock alone; a
         connection opened inside another (the same thread, under _connection) already has the turn."""
-        path = lock_path(self.path)
+        path = lock_path(Path(self.file))
         if path in _turns:
             yield
             return
@@ -153,7 +154,7 @@ class Store:
     def _opened(self, deadline: float):
         """A connection whose tables are the file's: the file attached to this process's DuckDB (once, however many
         connections of one thread are open on it), detached, and so released to other processes, after the last."""
-        key = str(self.path)
+        key = self.file
         delay = 0.01
         while key not in _attached:
             try:
