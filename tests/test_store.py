@@ -3,6 +3,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -298,3 +299,5 @@ def test_a_file_is_attached_once_and_held_until_its_last_connection_closes(store
     assert opened_elsewhere(store.path)
     assert db._instance().execute("SELECT count(*) FROM duckdb_databases() WHERE path = ?",
                                   [os.path.realpath(store.path)]).fetchone() == (0,)
+    spill = db._instance().execute("SELECT current_setting('temp_directory')").fetchone()[0]
+    assert Path(spill).parent == Path(tempfile.gettempdir()) and str(os.getpid()) in spill

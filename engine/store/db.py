@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -72,10 +73,13 @@ def signals_deferred():
 
 
 def _instance() -> duckdb.DuckDBPyConnection:
-    """This process's in-memory DuckDB, to which each connection attaches its file."""
+    """This process's in-memory DuckDB, to which each connection attaches its file. What a query spills goes to a
+    folder of this process's own in the system's temporary folder (made only if a query spills), not to `.tmp` in
+    whatever folder the process runs in."""
     global _memory
     if _memory is None:
-        _memory = duckdb.connect()
+        spill = os.path.join(tempfile.gettempdir(), f"tokenpath-duckdb-{os.getpid()}")
+        _memory = duckdb.connect(config={"temp_directory": spill})
     return _memory
 
 
