@@ -27,19 +27,19 @@ from engine.paths import default_db_path
 from engine.store.schema import MIGRATIONS, SCHEMA_VERSION
 from engine.store.sql import complete_run, insert_batches, start_row, utcnow
 
-# One thread at a time holds a connection in this process. DuckDB shares one database instance among a
-# process's connections to a file and registers its pandas scan just after creating it, so a thread that
-# opened the file in that moment failed to insert a frame ("Table Function with name pandas_scan does not
-# exist"); a load sweep's request threads each open, write and close their own connection.
+# One thread at a time holds a connection in this process: its connections share one DuckDB instance and the
+# counts below, and a load sweep's request threads each open, write and close their own. (Threads that opened
+# the file at once also raced DuckDB's registration of its pandas scan: "Table Function with name pandas_scan
+# does not exist".)
 _connection = threading.RLock()
 _turns: set = set()  # the side files this process holds the turn of (Store._turn), guarded by _connection
-_attached: dict = {}  # database file -> [its name in this process's DuckDB, connections open on it]
+_attached: dict = {}  # database file -> [its name in this process's DuckDB, connections open on it], likewise
 _names = itertools.count()
 _memory: duckdb.DuckDBPyConnection | None = None
 
 
 def lock_wait_s() -> float:
-    """How long a writer waits for a database file that another process holds (read at each wait, so that a
+    """How long a writer waits for a database file that another process holds (read at each connection, so that a
     process forked from one that has imported this module reads its own)."""
     return float(os.environ.get("TOKENPATH_LOCK_WAIT_S", "60"))
 
