@@ -122,9 +122,10 @@ def per_token(comparison, runs: dict) -> None:
 
 def comparison_view(comparison, runs: dict) -> None:
     st.subheader(comparison.title)
-    st.caption(f"Measures {comparison.measures}. Against the baseline: decode tokens per second over "
-               f"{story.REPEATS} interleaved repeats per arm (a batch's: every user's together), the ratio with its "
-               "95% interval; where the interval includes 1 there is no measurable difference.")
+    st.caption(f"Measures {comparison.measures}. Each arm: decode tokens per second, the geometric mean of "
+               f"{story.REPEATS} interleaved repeats (a batch's: every user's together); against the baseline, the "
+               "ratio of those means with its 95% interval; where the interval includes 1 there is no measurable "
+               "difference.")
     rows = story.comparison_rows(store, comparison, runs)
     if not rows:
         st.info("Not played yet: press the chapter's button.")
