@@ -227,10 +227,26 @@ static inline float half_to_float(const at::Half h) {
 }
 
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
-// (1 where the block is all zero), and each block's dx * sum(q).
+// (1 where the block is all zero), and each block's dx * sum(q). With AVX-512 a block is two registers; the
+// division, the rounding to nearest even and the integers are the plain loop's.
 static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
+#if defined(__AVX512F__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 vd = _mm512_set1_ps(d), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    auto ints = [&](__m512 v) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    };
+    const __m512i q0 = ints(x0), q1 = ints(x1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    dx[b] = d;
+    dsum[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+#else
     float amax = 0.f;
     for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
     const float d = amax > 0.f ? amax / 127.f : 1.f;
@@ -242,6 +258,7 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
     }
     dx[b] = d;
     dsum[b] = d * static_cast<float>(sum);
+#endif
   }
 }
 
