@@ -71,15 +71,18 @@ def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor, magnitude
     return torch.einsum("rbk,nbk->rn", xq.abs(), w.abs()) if magnitude else torch.einsum("rbk,nbk->rn", xq, w)
 
 
-@pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536)])  # 18, 2 and 48 blocks a row
-def test_int4_dynamic_kernel_computes_its_reference(rows, width):
+# 18, 2 and 48 blocks a row; 1030 outputs are 129 groups of eight, the last one alone and part padding, and 1020
+# are 128, the last two together with four padded rows (where the kernel takes two groups at a time)
+@pytest.mark.parametrize("rows, width, outputs", [(1, 576, 1030), (3, 64, 1030), (30, 1536, 1030), (9, 64, 1020)])
+def test_int4_dynamic_kernel_computes_its_reference(rows, width, outputs):
     if optional_kernel() is None:
         pytest.skip("int4-dyn needs the C++ extension, which cannot be built here")
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(width, 1030, bias=True)  # split over threads
+    linear = torch.nn.Linear(width, outputs, bias=True)  # split over threads
     layer = Int4DynamicLinear(linear)
-    assert layer.weight_q4.dtype == torch.uint8 and layer.weight_q4.numel() == 1032 * width // 2  # 8 rows a group
-    assert layer.d.dtype == layer.m.dtype == torch.float16 and layer.d.numel() == 1032 * width // 32
+    padded = -(-outputs // 8) * 8  # 8 rows a group
+    assert layer.weight_q4.dtype == torch.uint8 and layer.weight_q4.numel() == padded * width // 2
+    assert layer.d.dtype == layer.m.dtype == torch.float16 and layer.d.numel() == padded * width // 32
     x = torch.randn(rows, width)
     x[0, :32] = 0  # a block of zeros
     y = layer(x)
@@ -99,7 +102,7 @@ def test_int4_dynamic_weights_are_within_half_a_step_of_the_originals():
     assert ((w - linear.weight).abs() <= step / 2 + 1e-3).all()
 
 
-@pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536)])
+@pytest.mark.parametrize("rows, width", [(1, 576), (3, 64), (30, 1536), (5, 96)])  # 96: an odd number of blocks
 def test_int8_block_kernel_computes_its_reference(rows, width):
     if optional_kernel() is None:
         pytest.skip("int4-dyn's head needs the C++ extension, which cannot be built here")

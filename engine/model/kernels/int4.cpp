@@ -98,19 +98,76 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
+// With AVX-512, groups two at a time: a 512-bit register holds a run of both (the second group's blocks follow
+// the first's), so each instruction serves sixteen output rows, which pays where the cores have 512-bit units
+// (and costs nothing where they split the instructions in two). The integers, and each (row, output)'s float
+// operations in their order, are int4_group_dot's: a result does not depend on which of the two computed it.
+constexpr int64_t kGroupsAtOnce = 2;
+
+template <int R>
+static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
+                                 const float* dx, const float* dsum, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                 int64_t outputs) {
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const uint8_t* wg1 = wg + KB * kGroupBlock;
+  auto halves = [&](const at::Half* h, int64_t b) {  // the two groups' eight values of block b, as floats
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b * kGroup));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (KB + b) * kGroup));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1));
+  };
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m512i lows[R], highs[R];
+    for (int r = 0; r < R; ++r) lows[r] = highs[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock + k * 32));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock + k * 32));
+      const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+      const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + b * kBlock;
+        lows[r] = _mm512_dpbusd_epi32(lows[r], lo, _mm512_set1_epi32(four_bytes(x + 4 * k)));
+        highs[r] = _mm512_dpbusd_epi32(highs[r], hi, _mm512_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
+      }
+    }
+    const __m512 d = halves(dg, b), m = halves(mg, b);
+    for (int r = 0; r < R; ++r) {
+      const __m512i sums = _mm512_add_epi32(lows[r], highs[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[r * KB + b]), acc[r]);
+    }
+  }
+  const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
+}
+#else
+constexpr int64_t kGroupsAtOnce = 1;
+#endif
+
 // y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 128] uint8,
-// d and m [ceil(N / 8), K / 32, 8] fp16. Threads take shares of the groups; the activation rows go in
-// groups past each.
+// d and m [ceil(N / 8), K / 32, 8] fp16. Threads take shares of the groups (kGroupsAtOnce at a time); the
+// activation rows go in groups past each.
 void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
                    int64_t N, int64_t K, float* yp) {
   const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   const BlockActivations a(xp, M, K);
-  shared_rows(groups, kGroup * K * 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
+  shared_rows((groups + kGroupsAtOnce - 1) / kGroupsAtOnce, kGroupsAtOnce * kGroup * K * 4, [&](int64_t begin,
+                                                                                              int64_t end) {
+    for (int64_t g = begin * kGroupsAtOnce; g < std::min(groups, end * kGroupsAtOnce); g += kGroupsAtOnce)
       in_row_groups<kInt4Rows>(M, [&](auto rows, int64_t r) {
-        int4_group_dot<decltype(rows)::value>(wp + g * KB * kGroupBlock, dp + g * KB * kGroup, mp + g * KB * kGroup,
-                                              a.q.data() + r * K, a.d.data() + r * KB, a.dsum.data() + r * KB, KB, K,
-                                              yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
+        constexpr int R = decltype(rows)::value;
+        const uint8_t* wg = wp + g * KB * kGroupBlock;
+        const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
+        const int8_t* xq = a.q.data() + r * K;
+        const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
+        if (g + 1 < groups)
+          return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
+                                  std::min(2 * kGroup, N - g * kGroup));
+#endif
+        int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
       });
   });
 }

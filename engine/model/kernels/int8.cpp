@@ -172,21 +172,36 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 template <int R>
 static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
                                        int64_t blocks, int64_t K, float* y, int64_t y_stride) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
+  // Two blocks a register: lanes 0-7 the even block's eight lane sums and lanes 8-15 the odd one's, which are
+  // scaled_block_sums' two accumulators side by side, with the same operations in the same order, so the AVX2
+  // build's sums are these to the bit. The activations are made unsigned (xq + 128) for VNNI, and the
+  // 128 * sum(w) that adds is taken back out.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool both = b + 1 < blocks;
+    auto bytes = [&](const int8_t* p) {
+      return both ? _mm512_loadu_si512(p) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    const __m512i w = bytes(wr + b * kBlock);
+    const __m512i back = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
+    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(d[b])),
+                                         _mm256_set1_ps(both ? half_to_float(d[b + 1]) : 0.f), 1);
+    for (int r = 0; r < R; ++r) {
+      const float* dxr = dx + r * blocks + b;
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_insertf32x8(_mm512_set1_ps(dxr[0]), _mm256_set1_ps(both ? dxr[1] : 0.f), 1));
+      const __m512i ints = _mm512_dpbusd_epi32(back, _mm512_xor_si512(bytes(xq + r * K + b * kBlock), flip), w);
+      acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, acc[r], both ? 0xFFFF : 0x00FF);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    y[r * y_stride] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   auto load = [&](int64_t r, int64_t b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
   };
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  // the activations made unsigned (xq + 128) for VNNI, and the 128 * sum(w) that adds taken back out
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  auto weight = [&](int64_t b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
-    return std::pair{w, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, w))};
-  };
-  auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
-    return _mm256_dpbusd_epi32(w.second, _mm256_xor_si256(load(r, b), flip), w.first);
-  };
-#else
   // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
   auto weight = [&](int64_t b) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
@@ -195,7 +210,6 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
   auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
     return sum_u8s8(w.second, _mm256_sign_epi8(load(r, b), w.first));
   };
-#endif
   float dots[R];
   scaled_block_sums<R>(d, dx, blocks, weight, ints, dots);
   for (int r = 0; r < R; ++r) y[r * y_stride] = dots[r];
