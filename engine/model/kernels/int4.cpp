@@ -104,6 +104,7 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
 // (and costs nothing where they split the instructions in two). The integers, and each (row, output)'s float
 // operations in their order, are int4_group_dot's: a result does not depend on which of the two computed it.
 constexpr int64_t kGroupsAtOnce = 2;
+constexpr int64_t kAhead = 8;  // blocks ahead that a pair's weights are fetched
 
 template <int R>
 static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
@@ -119,6 +120,10 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
+    if (b + kAhead < KB)  // the two streams' loads would otherwise wait on memory with nothing else in flight
+      for (const uint8_t* w : {wg, wg1})
+        for (int64_t line = 0; line < kGroupBlock; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (b + kAhead) * kGroupBlock + line), _MM_HINT_T0);
     __m512i lows[R], highs[R];
     for (int r = 0; r < R; ++r) lows[r] = highs[r] = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
