@@ -178,8 +178,8 @@ class Int4DynamicLinear(_BlockLinear):
     """4-bit weights, each block with an fp16 scale d and minimum m (w = q * d + m, q in 0..15: the
     arithmetic of llama.cpp's Q4_1); the kernel sums the products with the int8 activations in integers.
     The output rows are stored in groups of eight, interleaved block by block (the last group padded with
-    zero rows), so that one vector instruction serves eight rows (engine/model/kernels/int4.cpp has the
-    layout); unpacked() gives the parts back in the rows' order."""
+    zero rows), so that one vector instruction serves eight rows, or two groups' sixteen with AVX-512
+    (engine/model/kernels/int4.cpp has the layout); unpacked() gives the parts back in the rows' order."""
 
     group = 8
 

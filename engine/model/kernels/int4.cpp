@@ -99,6 +99,7 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAVE_INT4_PAIRS 1
 // With AVX-512, groups two at a time: a 512-bit register holds a run of both (the second group's blocks follow
 // the first's), so each instruction serves sixteen output rows, which pays where the cores have 512-bit units
 // (and costs nothing where they split the instructions in two). The integers, and each (row, output)'s float
@@ -167,12 +168,13 @@ void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half
         const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
         const int8_t* xq = a.q.data() + r * K;
         const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#ifdef HAVE_INT4_PAIRS
         if (g + 1 < groups)
           return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
                                   std::min(2 * kGroup, N - g * kGroup));
 #endif
-        int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
+        int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
+                          std::min(kGroup, N - g * kGroup));
       });
   });
 }

@@ -182,8 +182,9 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 2) {
     const bool both = b + 1 < blocks;
-    auto bytes = [&](const int8_t* p) {
-      return both ? _mm512_loadu_si512(p) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    auto bytes = [&](const int8_t* p) {  // both blocks, or the last one alone with zeros beside it
+      return both ? _mm512_loadu_si512(p)
+                  : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
     const __m512i w = bytes(wr + b * kBlock);
     const __m512i back = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
@@ -191,7 +192,8 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
                                          _mm256_set1_ps(both ? half_to_float(d[b + 1]) : 0.f), 1);
     for (int r = 0; r < R; ++r) {
       const float* dxr = dx + r * blocks + b;
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_insertf32x8(_mm512_set1_ps(dxr[0]), _mm256_set1_ps(both ? dxr[1] : 0.f), 1));
+      const __m512 scale =
+          _mm512_mul_ps(dw, _mm512_insertf32x8(_mm512_set1_ps(dxr[0]), _mm256_set1_ps(both ? dxr[1] : 0.f), 1));
       const __m512i ints = _mm512_dpbusd_epi32(back, _mm512_xor_si512(bytes(xq + r * K + b * kBlock), flip), w);
       acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, acc[r], both ? 0xFFFF : 0x00FF);
     }
