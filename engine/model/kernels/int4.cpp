@@ -125,8 +125,8 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
       for (const uint8_t* w : {wg, wg1})
         for (int64_t line = 0; line < kGroupBlock; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w + (b + kAhead) * kGroupBlock + line), _MM_HINT_T0);
-    __m512i lows[R], highs[R];
-    for (int r = 0; r < R; ++r) lows[r] = highs[r] = _mm512_setzero_si512();
+    __m512i sums[R];  // a row's low and high halves in one chain: no add a block, and the R chains fill the units
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
       const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock + k * 32));
       const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock + k * 32));
@@ -134,14 +134,13 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
       const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq + r * K + b * kBlock;
-        lows[r] = _mm512_dpbusd_epi32(lows[r], lo, _mm512_set1_epi32(four_bytes(x + 4 * k)));
-        highs[r] = _mm512_dpbusd_epi32(highs[r], hi, _mm512_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(four_bytes(x + 4 * k)));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
       }
     }
     const __m512 d = halves(dg, b), m = halves(mg, b);
     for (int r = 0; r < R; ++r) {
-      const __m512i sums = _mm512_add_epi32(lows[r], highs[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[r * KB + b]), acc[r]);
     }
   }
