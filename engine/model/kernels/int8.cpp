@@ -172,35 +172,7 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 template <int R>
 static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
                                        int64_t blocks, int64_t K, float* y, int64_t y_stride) {
-#if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
-  // Two blocks a register: lanes 0-7 the even block's eight lane sums and lanes 8-15 the odd one's, which are
-  // scaled_block_sums' two accumulators side by side, with the same operations in the same order, so the AVX2
-  // build's sums are these to the bit. The activations are made unsigned (xq + 128) for VNNI, and the
-  // 128 * sum(w) that adds is taken back out.
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; b += 2) {
-    const bool both = b + 1 < blocks;
-    auto bytes = [&](const int8_t* p) {  // both blocks, or the last one alone with zeros beside it
-      return both ? _mm512_loadu_si512(p)
-                  : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    };
-    const __m512i w = bytes(wr + b * kBlock);
-    const __m512i back = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
-    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(d[b])),
-                                         _mm256_set1_ps(both ? half_to_float(d[b + 1]) : 0.f), 1);
-    for (int r = 0; r < R; ++r) {
-      const float* dxr = dx + r * blocks + b;
-      const __m512 scale =
-          _mm512_mul_ps(dw, _mm512_insertf32x8(_mm512_set1_ps(dxr[0]), _mm256_set1_ps(both ? dxr[1] : 0.f), 1));
-      const __m512i ints = _mm512_dpbusd_epi32(back, _mm512_xor_si512(bytes(xq + r * K + b * kBlock), flip), w);
-      acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, acc[r], both ? 0xFFFF : 0x00FF);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    y[r * y_stride] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   auto load = [&](int64_t r, int64_t b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
   };
@@ -229,15 +201,82 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
+#define HAVE_INT8_BLOCK_PAIRS 1
+// The activations as the 512-bit path reads them, made once for all the weight rows: each byte made unsigned
+// (xq + 128) for VNNI, and each pair of blocks' scales spread over a register (eight lanes each, zeros beside a
+// lone last block).
+struct PairedActivations {
+  std::vector<uint8_t> u;
+  std::vector<__m512> scales;
+  int64_t pairs;
+  PairedActivations(const BlockActivations& a, int64_t M, int64_t K)
+      : u(a.q.size()), scales(static_cast<size_t>(M * ((K / kBlock + 1) / 2))), pairs((K / kBlock + 1) / 2) {
+    const int64_t blocks = K / kBlock;
+    for (size_t i = 0; i < u.size(); ++i) u[i] = static_cast<uint8_t>(a.q[i] ^ 0x80);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t p = 0; p < pairs; ++p) {
+        const float* dx = a.d.data() + r * blocks + 2 * p;
+        scales[r * pairs + p] =
+            _mm512_insertf32x8(_mm512_set1_ps(dx[0]), _mm256_set1_ps(2 * p + 1 < blocks ? dx[1] : 0.f), 1);
+      }
+  }
+};
+
+// int8_block_rows_dot with two blocks a register: lanes 0-7 hold the even block's eight lane sums and lanes 8-15
+// the odd one's, which are scaled_block_sums' two accumulators side by side, with the same operations in the same
+// order, so the AVX2 build's sums are these to the bit. The 128 * sum(w) that the unsigned activations add is
+// taken back out.
+constexpr int64_t kPairsAhead = 1024;  // bytes ahead that the weights are fetched
+
+template <int R>
+static inline void int8_block_pairs_dot(const int8_t* wr, const at::Half* d, const uint8_t* xu, const __m512* scales,
+                                        int64_t pairs, int64_t blocks, int64_t K, float* y, int64_t y_stride) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    const bool both = b + 1 < blocks;
+    auto bytes = [&](const void* at) {  // both blocks, or the last one alone with zeros beside it
+      return both ? _mm512_loadu_si512(at)
+                  : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    };
+    // the weights are one stream, row after row, whose loads otherwise wait on memory
+    _mm_prefetch(reinterpret_cast<const char*>(wr + b * kBlock + kPairsAhead), _MM_HINT_T0);
+    const __m512i w = bytes(wr + b * kBlock);
+    const __m512i back = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
+    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(d[b])),
+                                         _mm256_set1_ps(both ? half_to_float(d[b + 1]) : 0.f), 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512i ints = _mm512_dpbusd_epi32(back, bytes(xu + r * K + b * kBlock), w);
+      acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, scales[r * pairs + p]), acc[r],
+                                     both ? 0xFFFF : 0x00FF);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    y[r * y_stride] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+}
+#endif
+
 void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
                             float* yp) {
   const int64_t KB = K / kBlock;
   const BlockActivations a(xp, M, K);
+#ifdef HAVE_INT8_BLOCK_PAIRS
+  const PairedActivations paired(a, M, K);
+#endif
   shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       in_row_groups(M, [&](auto rows, int64_t r) {
-        int8_block_rows_dot<decltype(rows)::value>(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB,
-                                                   KB, K, yp + r * N + n, N);
+        constexpr int R = decltype(rows)::value;
+#ifdef HAVE_INT8_BLOCK_PAIRS
+        int8_block_pairs_dot<R>(wp + n * K, dp + n * KB, paired.u.data() + r * K,
+                                paired.scales.data() + r * paired.pairs, paired.pairs, KB, K, yp + r * N + n, N);
+#else
+        int8_block_rows_dot<R>(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB, K,
+                               yp + r * N + n, N);
+#endif
       });
   });
 }
