@@ -145,6 +145,23 @@ at::Tensor silu_mul(at::Tensor x) {
   return out;
 }
 
+// o[d] = the sum over t of p[t] * v[t * D + d], added in the order of t. A slice of 64 outputs at a time
+// keeps its sums in registers over all positions, four or more chains side by side: summed in o itself,
+// each position's add waited for the store of the one before.
+static void weighted_values(const float* p, const float* v, int64_t T, int64_t D, float* o) {
+  constexpr int64_t kSlice = 64;
+  int64_t d0 = 0;
+  for (; d0 + kSlice <= D; d0 += kSlice) {
+    float acc[kSlice] = {};
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < kSlice; ++j) acc[j] += p[t] * v[t * D + d0 + j];
+    std::memcpy(o + d0, acc, sizeof acc);
+  }
+  std::fill(o + d0, o + D, 0.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * v[t * D + d];
+}
+
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
 // cache, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
 // for the threads as many times); each head's arithmetic is the same whatever runs beside it.
@@ -171,13 +188,8 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
       exp_shifted(w.data(), T, top);
       float total = 0.f;
       for (int64_t t = 0; t < T; ++t) total += w[t];
-      float* o = op + bh * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t t = 0; t < T; ++t) {
-        const float p = w[t] / total;
-        const float* vt = vh + t * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += p * vt[d];
-      }
+      for (int64_t t = 0; t < T; ++t) w[t] /= total;
+      weighted_values(w.data(), vh, T, D, op + bh * D);
     }
   });
 }
