@@ -1,5 +1,6 @@
 """What the benchmarks share: the prompt, decode rates that resist a shared machine's spikes, a ratio of two
-settings with its 95% interval over the rounds, and the result file each benchmark writes (bench/results/<name>.md, stamped with date, machine, command, commit)."""
+settings with its 95% interval over the rounds, and the result file each benchmark writes (bench/results/<name>.md,
+stamped with date, machine, memory bandwidth, command, commit)."""
 import contextlib
 import io
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from engine.measure.compare import compare
 from engine.run.generate import Generation, GenConfig
-from engine.measure.hardware import cpu_facts
+from engine.measure.hardware import cpu_facts, measure_stream_bandwidth
 from engine.paths import REPO_ROOT, RESULTS
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -89,10 +90,17 @@ def _commit() -> str:
     return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def _stream_gbps() -> float:
+    import torch  # here, not above: the engine sets OpenMP's wait before torch first loads
+
+    return measure_stream_bandwidth(torch.device("cpu"))
+
+
 @contextlib.contextmanager
 def recorded(name: str):
     """Print as usual, and write everything printed to bench/results/<name>.md when the block ends."""
     buffer = io.StringIO()
+    start_gbps = _stream_gbps()
     with contextlib.redirect_stdout(_Tee(sys.stdout, buffer)):
         yield
     cpu = cpu_facts()
@@ -101,6 +109,8 @@ def recorded(name: str):
              f"- machine: {cpu['model']}, {cpu['physical_cores']} physical / {cpu['logical_cores']} logical cores, "
              f"{cpu['ram_bytes'] / 2**30:.0f} GiB; load average {os.getloadavg()[0]:.1f} at the end",
              f"- OpenMP threads between regions: {cpu['openmp_wait']}",
+             f"- memory: a streaming read of 1 GiB ran at {start_gbps:.1f} GB/s at the start and {_stream_gbps():.1f} "
+             "at the end (the load average does not show other machines on the host drawing on the same memory)",
              f"- command: `python {' '.join(sys.argv)}`",
              f"- commit: {_commit()}", "", "```"]
     RESULTS.mkdir(parents=True, exist_ok=True)
