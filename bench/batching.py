@@ -40,7 +40,7 @@ from engine.measure import hardware
 from engine.measure.accounting import model_shape
 from engine.model.loader import default_gguf_path, load_model
 from engine.run.batch import BatchEngine
-from engine.run.generate import GenConfig, Generation
+from engine.run.generate import GenConfig, Generation, collector_spared
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
 from engine.spec import MAX_BATCH
@@ -57,18 +57,19 @@ def request(n: int) -> GenConfig:
 
 def decode_step_ms(lm, users: int, n: int, calibration) -> tuple[list[float], list[float]]:
     """The wall time and the process's CPU time (all its threads) of each step of `users` identical requests
-    once all of them decode (no prefill in it), in ms."""
+    once all of them decode (no prefill in it), in ms; the cycle collector spared as the engine's run() spares it."""
     engine = BatchEngine(lm, max_batch=users, calibration=calibration)
     seqs = [engine.submit(request(n)) for _ in range(users)]
     wall, cpu = [], []
-    while True:
-        all_decoding = all(s.phase == "decode" for s in seqs)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        if not engine.step():
-            return wall, cpu
-        if all_decoding:
-            wall.append((time.perf_counter() - start) * 1e3)
-            cpu.append((time.process_time() - start_cpu) * 1e3)
+    with collector_spared():
+        while True:
+            all_decoding = all(s.phase == "decode" for s in seqs)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if not engine.step():
+                return wall, cpu
+            if all_decoding:
+                wall.append((time.perf_counter() - start) * 1e3)
+                cpu.append((time.process_time() - start_cpu) * 1e3)
 
 
 def step_line(lm, batches: list[int], medians: list[float], calibration) -> str:
@@ -87,11 +88,13 @@ def step_line(lm, batches: list[int], medians: list[float], calibration) -> str:
 
 
 def engine_tokens(lm, n: int, calibration):
-    """A one-user batch engine as an iterator: one item per step, as a Generation yields one per token."""
+    """A one-user batch engine as an iterator: one item per step, as a Generation yields one per token, the cycle
+    collector spared as both spare it."""
     engine = BatchEngine(lm, max_batch=1, calibration=calibration)
     engine.submit(request(n))
-    while engine.step():
-        yield True
+    with collector_spared():
+        while engine.step():
+            yield True
 
 
 def holds(level: dict) -> bool:
