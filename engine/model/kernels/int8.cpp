@@ -223,12 +223,12 @@ struct PairedActivations {
   }
 };
 
+constexpr int64_t kPairsAhead = 1024;  // bytes ahead that the weights are fetched
+
 // int8_block_rows_dot with two blocks a register: lanes 0-7 hold the even block's eight lane sums and lanes 8-15
 // the odd one's, which are scaled_block_sums' two accumulators side by side, with the same operations in the same
 // order, so the AVX2 build's sums are these to the bit. The 128 * sum(w) that the unsigned activations add is
 // taken back out.
-constexpr int64_t kPairsAhead = 1024;  // bytes ahead that the weights are fetched
-
 template <int R>
 static inline void int8_block_pairs_dot(const int8_t* wr, const at::Half* d, const uint8_t* xu, const __m512* scales,
                                         int64_t pairs, int64_t blocks, int64_t K, float* y, int64_t y_stride) {
