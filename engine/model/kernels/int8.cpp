@@ -207,11 +207,11 @@ static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, cons
 // (xq + 128) for VNNI, and each pair of blocks' scales spread over a register (eight lanes each, zeros beside a
 // lone last block).
 struct PairedActivations {
+  int64_t pairs;
   std::vector<uint8_t> u;
   std::vector<__m512> scales;
-  int64_t pairs;
   PairedActivations(const BlockActivations& a, int64_t M, int64_t K)
-      : u(a.q.size()), scales(static_cast<size_t>(M * ((K / kBlock + 1) / 2))), pairs((K / kBlock + 1) / 2) {
+      : pairs((K / kBlock + 1) / 2), u(a.q.size()), scales(static_cast<size_t>(M * pairs)) {
     const int64_t blocks = K / kBlock;
     for (size_t i = 0; i < u.size(); ++i) u[i] = static_cast<uint8_t>(a.q[i] ^ 0x80);
     for (int64_t r = 0; r < M; ++r)
@@ -231,7 +231,8 @@ constexpr int64_t kPairsAhead = 1024;  // bytes ahead that the weights are fetch
 // taken back out.
 template <int R>
 static inline void int8_block_pairs_dot(const int8_t* wr, const at::Half* d, const uint8_t* xu, const __m512* scales,
-                                        int64_t pairs, int64_t blocks, int64_t K, float* y, int64_t y_stride) {
+                                        int64_t blocks, int64_t K, float* y, int64_t y_stride) {
+  const int64_t pairs = (blocks + 1) / 2;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -272,7 +273,7 @@ void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Hal
         constexpr int R = decltype(rows)::value;
 #ifdef HAVE_INT8_BLOCK_PAIRS
         int8_block_pairs_dot<R>(wp + n * K, dp + n * KB, paired.u.data() + r * K,
-                                paired.scales.data() + r * paired.pairs, paired.pairs, KB, K, yp + r * N + n, N);
+                                paired.scales.data() + r * paired.pairs, KB, K, yp + r * N + n, N);
 #else
         int8_block_rows_dot<R>(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB, K,
                                yp + r * N + n, N);
