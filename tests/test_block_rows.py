@@ -18,7 +18,8 @@ ROUNDING = 1e-6
 def _int8_block_reference(layer: Int8BlockLinear, x: torch.Tensor, magnitude: bool = False) -> torch.Tensor:
     """What the int8 head computes, in float64 from its stored parts: x quantized per block of 32 to int8,
     times w = q * d per block; with `magnitude`, the sum of the products' absolute values instead."""
-    w = layer.weight_int8.reshape(layer.out_features, -1, 32).double() * layer.d.double()[..., None]
+    q, d = layer.unpacked()
+    w = q.double() * d.double()[..., None]
     xq = _block_activations(x)
     return torch.einsum("rbk,nbk->rn", xq.abs(), w.abs()) if magnitude else torch.einsum("rbk,nbk->rn", xq, w)
 

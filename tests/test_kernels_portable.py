@@ -32,7 +32,7 @@ def outputs(kernel) -> dict:
     scales = torch.rand(960, generator=g) / 100
     q4 = torch.randint(0, 256, (120, 18 * 128), generator=g, dtype=torch.uint8)  # 957 rows in groups of 8
     d4, m4 = (torch.rand(120, 18, 8, generator=g) / 50).half(), (torch.randn(120, 18, 8, generator=g) / 50).half()
-    d = d4.reshape(960, 18)
+    q8 = torch.randint(1, 256, (120, 18 * 256), generator=g, dtype=torch.uint8)  # q + 128, q in [-127, 127]
     q, k, v = torch.randn(1, 9, 1, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g)
     cos, sin = torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 64, generator=g)
     gate_up = torch.randn(3, 2 * 1536, generator=g) * 4
@@ -43,9 +43,8 @@ def outputs(kernel) -> dict:
         "int8_linear": kernel.int8_linear(x, int8, scales, int8.sum(dim=1, dtype=torch.int32)),
         "int8_wo_linear": kernel.int8_wo_linear(x, int8, scales.bfloat16()),
         "int8_wo_linear_prefill": kernel.int8_wo_linear(wide, int8, scales.bfloat16()),
-        "int8_block_linear": kernel.int8_block_linear(x, int8, d),
-        "int8_block_linear_odd_blocks": kernel.int8_block_linear(x[:, :544], int8[:, :544].contiguous(),
-                                                                 d[:, :17].contiguous()),
+        "int8_block_linear": kernel.int8_block_linear(x, q8, d4, 957),
+        "int8_block_linear_odd_groups": kernel.int8_block_linear(x, q8[:119], d4[:119], 950),
         "int4_dyn_linear": kernel.int4_dyn_linear(x, q4, d4, m4, 957),
         "int4_dyn_linear_odd_groups": kernel.int4_dyn_linear(x, q4[:119], d4[:119], m4[:119], 950),
         "sparse_skip": kernel.sparse_linear(gate_up[:, :1536], w_t, 0.9, True)[0],

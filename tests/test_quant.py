@@ -109,10 +109,12 @@ def test_int8_block_kernel_computes_its_reference(rows, width):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(width, 1030, bias=False)
     layer = Int8BlockLinear(linear)
-    assert layer.weight_int8.dtype == torch.int8 and layer.d.dtype == torch.float16
+    assert layer.weight_q8.dtype == torch.uint8 and layer.weight_q8.numel() == 1032 * width  # 8 rows a group
+    assert layer.d.dtype == torch.float16 and layer.d.numel() == 1032 * width // 32
     x = torch.randn(rows, width)
     x[0, :32] = 0
-    w = layer.weight_int8.reshape(1030, -1, 32).double() * layer.d.double()[..., None]
+    q, d = layer.unpacked()
+    w = q.double() * d.double()[..., None]
     reference = torch.einsum("rbk,nbk->rn", _block_activations(x), w)
     y = layer(x)
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
@@ -153,8 +155,9 @@ def test_int8_blocks_recover_weights_already_on_their_grid():
     linear = torch.nn.Linear(64, 8, bias=False)
     linear.weight.data = (q * d).reshape(8, 64)
     layer = Int8BlockLinear(linear)
-    assert torch.equal(layer.weight_int8.reshape(8, 2, 32).float(), q)
-    assert torch.equal(layer.d.float(), d[..., 0])
+    stored_q, stored_d = layer.unpacked()
+    assert torch.equal(stored_q.float(), q)
+    assert torch.equal(stored_d.float(), d[..., 0])
 
 
 def test_int8_dynamic_smoothing_is_exact_before_rounding():

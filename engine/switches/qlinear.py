@@ -155,6 +155,7 @@ class _BlockLinear(torch.nn.Module):
     kernel multiplies them."""
 
     block = 32
+    group = 8  # output rows stored together (engine/model/kernels/int4.cpp and int8.cpp have the layouts)
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -164,6 +165,20 @@ class _BlockLinear(torch.nn.Module):
     def weight_blocks(self, linear: torch.nn.Linear) -> torch.Tensor:
         """The float32 weights as [out, in / 32, 32]."""
         return linear.weight.detach().float().reshape(self.out_features, self.in_features // self.block, self.block)
+
+    def padded(self, *per_row: torch.Tensor) -> list[torch.Tensor]:
+        """[out, ...] tensors with zero rows added up to a whole number of groups."""
+        pad = -self.out_features % self.group
+        return [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in per_row]
+
+    def interleaved(self, per_block: torch.Tensor) -> torch.Tensor:
+        """[rows, blocks, 1] as fp16 [groups, blocks, 8]: a group's eight values of a block side by side."""
+        return per_block[..., 0].reshape(-1, self.group, per_block.shape[1]).transpose(1, 2).to(torch.float16) \
+            .contiguous()
+
+    def per_row(self, interleaved: torch.Tensor) -> torch.Tensor:
+        """interleaved()'s [groups, blocks, 8] back as [out, blocks], without padding."""
+        return interleaved.transpose(1, 2).reshape(-1, interleaved.shape[1])[:self.out_features]
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -181,28 +196,19 @@ class Int4DynamicLinear(_BlockLinear):
     zero rows), so that one vector instruction serves eight rows, or two groups' sixteen with AVX-512
     (engine/model/kernels/int4.cpp has the layout); unpacked() gives the parts back in the rows' order."""
 
-    group = 8
-
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)
         blocks = self.weight_blocks(linear)
         lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         d = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((blocks - lo) / d).clamp(0, 15).to(torch.uint8)
-        pad = -self.out_features % self.group
-        q, d, lo = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, d, lo))
-        groups, n_blocks = (self.out_features + pad) // self.group, self.in_features // self.block
+        q, d, lo = self.padded(torch.round((blocks - lo) / d).clamp(0, 15).to(torch.uint8), d, lo)
+        groups, n_blocks = q.shape[0] // self.group, self.in_features // self.block
         # q[16h + 4k + e] of row i goes to half h of byte (k, i, e) of its group's block
         nibbles = q.reshape(groups, self.group, n_blocks, 2, 4, 4)
         packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # [group, row, block, k, e]
         self.register_buffer("weight_q4", packed.permute(0, 2, 3, 1, 4).reshape(groups, -1).contiguous())
-        self.register_buffer("d", self._interleaved(d))
-        self.register_buffer("m", self._interleaved(lo))
-
-    def _interleaved(self, per_block: torch.Tensor) -> torch.Tensor:
-        """[rows, blocks, 1] as fp16 [groups, blocks, 8]: a group's eight values of a block side by side."""
-        return per_block[..., 0].reshape(-1, self.group, per_block.shape[1]).transpose(1, 2).to(torch.float16) \
-            .contiguous()
+        self.register_buffer("d", self.interleaved(d))
+        self.register_buffer("m", self.interleaved(lo))
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored parts in the rows' order, without padding: q [out, in / 32, 32] (0..15), d and m
@@ -210,8 +216,7 @@ class Int4DynamicLinear(_BlockLinear):
         groups, n_blocks = self.weight_q4.shape[0], self.in_features // self.block
         packed = self.weight_q4.reshape(groups, n_blocks, 4, self.group, 4).permute(0, 3, 1, 2, 4)
         q = torch.stack([packed & 0xF, packed >> 4], dim=3).reshape(-1, n_blocks, self.block)
-        d, m = (t.transpose(1, 2).reshape(-1, n_blocks) for t in (self.d, self.m))
-        return q[:self.out_features], d[:self.out_features], m[:self.out_features]
+        return q[:self.out_features], self.per_row(self.d), self.per_row(self.m)
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         return optional_kernel().int4_dyn_linear(x2, self.weight_q4, self.d, self.m, self.out_features)
@@ -223,23 +228,36 @@ class Int4DynamicLinear(_BlockLinear):
 
 
 class Int8BlockLinear(_BlockLinear):
-    """int8 weights with an fp16 scale per block (w = q * d: the layout of llama.cpp's Q8_0); the kernel
-    sums each block with the int8 activations in integers. int4-dyn's output head."""
+    """int8 weights with an fp16 scale per block (w = q * d, q in [-127, 127]: the arithmetic of llama.cpp's
+    Q8_0); the kernel sums each block with the int8 activations in integers. int4-dyn's output head. The rows are
+    stored as int4-dyn's are, in groups of eight interleaved block by block, each q as q + 128
+    (engine/model/kernels/int8.cpp has the layout); unpacked() gives the parts back in the rows' order."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear)
         blocks = self.weight_blocks(linear)
         d = (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-        q = torch.round(blocks / d).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight_int8", q.reshape(self.out_features, self.in_features))
-        self.register_buffer("d", d[..., 0].to(torch.float16))
+        q, d = self.padded(torch.round(blocks / d).clamp(-127, 127).to(torch.int16), d)
+        groups, n_blocks = q.shape[0] // self.group, self.in_features // self.block
+        # q[4k + e] of row i goes to byte (k, i, e) of its group's block
+        runs = (q + 128).to(torch.uint8).reshape(groups, self.group, n_blocks, self.block // 4, 4)
+        self.register_buffer("weight_q8", runs.permute(0, 2, 3, 1, 4).reshape(groups, -1).contiguous())
+        self.register_buffer("d", self.interleaved(d))
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored parts in the rows' order, without padding: q [out, in / 32, 32] (int8) and d [out, in / 32]."""
+        groups, n_blocks = self.weight_q8.shape[0], self.in_features // self.block
+        runs = self.weight_q8.reshape(groups, n_blocks, self.block // 4, self.group, 4).permute(0, 3, 1, 2, 4)
+        q = (runs.to(torch.int16) - 128).to(torch.int8).reshape(-1, n_blocks, self.block)
+        return q[:self.out_features], self.per_row(self.d)
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
-        return optional_kernel().int8_block_linear(x2, self.weight_int8, self.d)
+        return optional_kernel().int8_block_linear(x2, self.weight_q8, self.d, self.out_features)
 
     def decode_form(self) -> tuple:
-        """This layer as the kernels' decode_layers reads it."""
-        return (5, self.weight_int8, self.d, None, None, 0, self.bias)
+        """This layer as the kernels' decode_layers reads it (its number of outputs where others give a group
+        size, as int4-dyn's)."""
+        return (5, self.weight_q8, self.d, None, None, self.out_features, self.bias)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:

@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, std::vector<LayerForm>, HeadForm>());
   m.def("decode_layers", &decode_layers, "the logits of one new token per sequence: its embedding, every Llama decoder layer, appending to each sequence's KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
-  m.def("int8_block_linear", &int8_block_linear, "x w^T with Q8_0-layout int8 weights, x quantized to int8 per block of 32");
+  m.def("int8_block_linear", &int8_block_linear, "x w^T with int8 weights in blocks (Q8_0 arithmetic) for N outputs, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("sparse_linear", &sparse_linear, "x W^T with inputs below a threshold as zero, skipping their weight rows or multiplying their zeros, the same sums either way");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");

@@ -9,10 +9,10 @@ namespace tokenpath {
 
 static int64_t linear_outputs(const LinearForm& form) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
-  // PyTorch's int4 packing keeps N in its scales' shape; int4-dyn's groups of eight rows are padded, so its
-  // form says N in the slot kind 3 gives its group size
+  // PyTorch's int4 packing keeps N in its scales' shape; the block formats' groups of eight rows are padded, so
+  // their forms say N in the slot kind 3 gives its group size
   if (kind == 3) return scales->size(1);
-  return kind == 4 ? group : w.size(0);
+  return kind == 4 || kind == 5 ? group : w.size(0);
 }
 
 // y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in
@@ -43,7 +43,7 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
       std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
       break;
     }
-    case 5: int8_block_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
+    case 5: int8_block_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
     case 4: int4_dyn_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }

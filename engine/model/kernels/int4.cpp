@@ -16,14 +16,7 @@
 
 namespace tokenpath {
 
-constexpr int64_t kGroup = 8;                          // output rows stored together
 constexpr int64_t kGroupBlock = kGroup * kBlock / 2;  // bytes of a group's block
-
-static inline int32_t four_bytes(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
 
 // Rows of activations past each group at once: their sums and the block's unpacked run stay in registers.
 constexpr int kInt4Rows = kRowsAtOnce;
@@ -113,11 +106,6 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
                                  int64_t outputs) {
   const __m512i low = _mm512_set1_epi8(0xF);
   const uint8_t* wg1 = wg + KB * kGroupBlock;
-  auto halves = [&](const at::Half* h, int64_t b) {  // the two groups' eight values of block b, as floats
-    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b * kGroup));
-    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (KB + b) * kGroup));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1));
-  };
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -138,7 +126,7 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
         sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
       }
     }
-    const __m512 d = halves(dg, b), m = halves(mg, b);
+    const __m512 d = two_groups_values(dg, b, KB), m = two_groups_values(mg, b, KB);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[r * KB + b]), acc[r]);

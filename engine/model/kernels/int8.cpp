@@ -1,7 +1,7 @@
 // The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level; with
 // AVX-512 VNNI one instruction multiplies and sums 64 byte pairs, with AVX2 a few multiply 32, elsewhere a
 // plain loop gives the same integers), int8_wo_linear (int8 weights, float activations) and
-// int8_block_linear (llama.cpp's Q8_0 layout), and has_vnni.
+// int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and has_vnni.
 #include "kernels.h"
 
 namespace tokenpath {
@@ -164,136 +164,176 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 }
 
 
-// int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in
-// [-127, 127]: the layout of llama.cpp's Q8_0), times activations quantized per block as above:
-// sum over blocks of d * dx * sum(q * xq), each block's sum exact in integers. One weight row against
-// R rows of activations (row r: xq + r * K, dx + r * blocks), written to y[r * y_stride]: each weight block
-// is read once for all R rows, and every row's operations and their order are those of a lone row.
-template <int R>
-static inline void int8_block_rows_dot(const int8_t* wr, const at::Half* d, const int8_t* xq, const float* dx,
-                                       int64_t blocks, int64_t K, float* y, int64_t y_stride) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  auto load = [&](int64_t r, int64_t b) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
-  };
-  // |w| times x with w's sign, as dot_s8s8 does: no pair sum saturates
-  auto weight = [&](int64_t b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * kBlock));
-    return std::pair{w, _mm256_abs_epi8(w)};
-  };
-  auto ints = [&](const std::pair<__m256i, __m256i>& w, int r, int64_t b) {
-    return sum_u8s8(w.second, _mm256_sign_epi8(load(r, b), w.first));
-  };
-  float dots[R];
-  scaled_block_sums<R>(d, dx, blocks, weight, ints, dots);
-  for (int r = 0; r < R; ++r) y[r * y_stride] = dots[r];
-#else
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xr = xq + r * K;
-    float acc = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kBlock; ++k) sum += static_cast<int32_t>(wr[b * kBlock + k]) * xr[b * kBlock + k];
-      acc += static_cast<float>(sum) * (half_to_float(d[b]) * dx[r * blocks + b]);
-    }
-    y[r * y_stride] = acc;
+// int8 weights in blocks of 32 along the input with an fp16 scale d each (w = q * d, q in [-127, 127]: the
+// arithmetic of llama.cpp's Q8_0), times activations quantized per block as above: sum over blocks of
+// d * dx * sum(q * xq), each block's sum exact in integers. The weights are stored as int4_dyn_linear's are
+// (int4.cpp), for the products of several activation rows: output rows in groups of eight (the last group
+// padded with zero rows), a group's blocks one after another, 256 bytes a block. Those are eight runs of 32
+// bytes; in run k, row i's four bytes (at 4 * i) hold q[4k .. 4k + 3] + 128, unsigned. A group's d of a block
+// are its eight rows' values side by side. So a dot product of a run with four activation bytes copied to every
+// lane adds four products to each of the eight rows' sums, and one multiply-add a block scales eight output
+// rows' sums: each weight row was a register of products summed across its lanes.
+constexpr int64_t kGroupBlock8 = kGroup * kBlock;  // bytes of a group's block
+constexpr int kRuns = kBlock / 4;
+
+// Each row's blocks' -128 * sum(xq): what the unsigned weights add to a block's integer sum (VNNI multiplies
+// unsigned bytes by signed ones), taken back out by starting the sum from it.
+static std::vector<int32_t> unsigned_weights_back(const BlockActivations& a) {
+  std::vector<int32_t> back(a.d.size());
+  for (size_t j = 0; j < back.size(); ++j) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) sum += a.q[j * kBlock + k];
+    back[j] = -128 * sum;
   }
-#endif
+  return back;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
-#define HAVE_INT8_BLOCK_PAIRS 1
-// The activations as the 512-bit path reads them, made once for all the weight rows: each byte made unsigned
-// (xq + 128) for VNNI, and each pair of blocks' scales spread over a register (eight lanes each, zeros beside a
-// lone last block).
-struct PairedActivations {
-  int64_t pairs;
-  std::vector<uint8_t> u;
-  std::vector<__m512> scales;
-  PairedActivations(const BlockActivations& a, int64_t M, int64_t K)
-      : pairs((K / kBlock + 1) / 2), u(a.q.size()), scales(static_cast<size_t>(M * pairs)) {
-    const int64_t blocks = K / kBlock;
-    for (size_t i = 0; i < u.size(); ++i) u[i] = static_cast<uint8_t>(a.q[i] ^ 0x80);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t p = 0; p < pairs; ++p) {
-        const float* dx = a.d.data() + r * blocks + 2 * p;
-        scales[r * pairs + p] =
-            _mm512_insertf32x8(_mm512_set1_ps(dx[0]), _mm256_set1_ps(2 * p + 1 < blocks ? dx[1] : 0.f), 1);
-      }
-  }
-};
-
-constexpr int64_t kPairsAhead = 1024;  // bytes ahead that the weights are fetched
-
-// int8_block_rows_dot with two blocks a register: lanes 0-7 hold the even block's eight lane sums and lanes 8-15
-// the odd one's, which are scaled_block_sums' two accumulators side by side, with the same operations in the same
-// order, so the AVX2 build's sums are these to the bit. The 128 * sum(w) that the unsigned activations add is
-// taken back out.
+// One group of weight rows (wg, with its blocks' d) against R rows of activations quantized per block (row r:
+// xq + r * K, dx and back + r * KB): for each activation row and output row i, the sum over blocks of
+// d * dx * sum(q * xq), written to y[r * y_stride + i] for the group's first `outputs` rows. Each run is read
+// once for all R rows; every row's own operations and their order are those of a lone row, so a row's result
+// does not depend on how many share the weights.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 template <int R>
-static inline void int8_block_pairs_dot(const int8_t* wr, const at::Half* d, const uint8_t* xu, const __m512* scales,
-                                        int64_t blocks, int64_t K, float* y, int64_t y_stride) {
-  const int64_t pairs = (blocks + 1) / 2;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
+                                  const int32_t* back, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                  int64_t outputs) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      sums[r] = _mm256_set1_epi32(back[r * KB + b]);
+#else
+      sums[r] = _mm256_setzero_si256();
+#endif
+    }
+    for (int k = 0; k < kRuns; ++k) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock8 + k * 32));
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+      // without VNNI the signed weights: |q| times x with q's sign, as dot_s8s8 does, so no pair sum saturates
+      const __m256i q = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))), size = _mm256_abs_epi8(q);
+#endif
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_set1_epi32(four_bytes(xq + r * K + b * kBlock + 4 * k));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        sums[r] = _mm256_dpbusd_epi32(sums[r], raw, x);
+#else
+        sums[r] = add_u8s8(sums[r], size, _mm256_sign_epi8(x, q));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * kGroup)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * KB + b])), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kGroup];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * y_stride, out, sizeof(float) * outputs);
+  }
+}
+#else
+template <int R>
+static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
+                                  const int32_t*, int64_t KB, int64_t K, float* y, int64_t y_stride, int64_t outputs) {
+  for (int r = 0; r < R; ++r) {
+    float acc[kGroup] = {};
+    for (int64_t b = 0; b < KB; ++b) {
+      const int8_t* x = xq + r * K + b * kBlock;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kRuns; ++k)
+          for (int64_t e = 0; e < 4; ++e)
+            sum += (static_cast<int32_t>(wg[b * kGroupBlock8 + k * 32 + i * 4 + e]) - 128) * x[4 * k + e];
+        acc[i] += static_cast<float>(sum) * (half_to_float(dg[b * kGroup + i]) * dx[r * KB + b]);
+      }
+    }
+    std::memcpy(y + r * y_stride, acc, sizeof(float) * outputs);
+  }
+}
+#endif
+
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAVE_INT8_PAIRS 1
+// As int4.cpp's int4_pair_dot: two groups at a time in 512-bit registers (the second group's blocks follow the
+// first's), each instruction serving sixteen output rows, with int8_group_dot's integers and float operations.
+constexpr int64_t kGroupsAtOnce8 = 2;
+constexpr int64_t kAhead8 = 4;  // blocks ahead that a pair's weights are fetched
+
+template <int R>
+static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
+                                 const int32_t* back, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                 int64_t outputs) {
+  const uint8_t* wg1 = wg + KB * kGroupBlock8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t b = 2 * p;
-    const bool both = b + 1 < blocks;
-    auto bytes = [&](const void* at) {  // both blocks, or the last one alone with zeros beside it
-      return both ? _mm512_loadu_si512(at)
-                  : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-    };
-    // the weights are one stream, row after row, whose loads otherwise wait on memory
-    _mm_prefetch(reinterpret_cast<const char*>(wr + b * kBlock + kPairsAhead), _MM_HINT_T0);
-    const __m512i w = bytes(wr + b * kBlock);
-    const __m512i back = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w));
-    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(d[b])),
-                                         _mm256_set1_ps(both ? half_to_float(d[b + 1]) : 0.f), 1);
-    for (int r = 0; r < R; ++r) {
-      const __m512i ints = _mm512_dpbusd_epi32(back, bytes(xu + r * K + b * kBlock), w);
-      acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(dw, scales[r * pairs + p]), acc[r],
-                                     both ? 0xFFFF : 0x00FF);
+  for (int64_t b = 0; b < KB; ++b) {
+    if (b + kAhead8 < KB)  // the two streams' loads would otherwise wait on memory with nothing else in flight
+      for (const uint8_t* w : {wg, wg1})
+        for (int64_t line = 0; line < kGroupBlock8; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (b + kAhead8) * kGroupBlock8 + line), _MM_HINT_T0);
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(back[r * KB + b]);
+    for (int k = 0; k < kRuns; ++k) {
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock8 + k * 32));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock8 + k * 32));
+      const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+      for (int r = 0; r < R; ++r)
+        sums[r] = _mm512_dpbusd_epi32(sums[r], raw, _mm512_set1_epi32(four_bytes(xq + r * K + b * kBlock + 4 * k)));
     }
+    const __m512 d = two_groups_values(dg, b, KB);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
   }
-  for (int r = 0; r < R; ++r)
-    y[r * y_stride] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+  const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
 }
+#else
+constexpr int64_t kGroupsAtOnce8 = 1;
 #endif
 
-void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
-                            float* yp) {
-  const int64_t KB = K / kBlock;
+// y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 256] uint8 and
+// d [ceil(N / 8), K / 32, 8] fp16. Threads take shares of the groups (kGroupsAtOnce8 at a time); the activation
+// rows go in groups past each.
+void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, int64_t K,
+                     float* yp) {
+  const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   const BlockActivations a(xp, M, K);
-#ifdef HAVE_INT8_BLOCK_PAIRS
-  const PairedActivations paired(a, M, K);
-#endif
-  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
+  const std::vector<int32_t> back = unsigned_weights_back(a);
+  shared_rows((groups + kGroupsAtOnce8 - 1) / kGroupsAtOnce8, kGroupsAtOnce8 * kGroup * K * 4, [&](int64_t begin,
+                                                                                                int64_t end) {
+    for (int64_t g = begin * kGroupsAtOnce8; g < std::min(groups, end * kGroupsAtOnce8); g += kGroupsAtOnce8)
       in_row_groups(M, [&](auto rows, int64_t r) {
         constexpr int R = decltype(rows)::value;
-#ifdef HAVE_INT8_BLOCK_PAIRS
-        int8_block_pairs_dot<R>(wp + n * K, dp + n * KB, paired.u.data() + r * K,
-                                paired.scales.data() + r * paired.pairs, KB, K, yp + r * N + n, N);
-#else
-        int8_block_rows_dot<R>(wp + n * K, dp + n * KB, a.q.data() + r * K, a.d.data() + r * KB, KB, K,
-                               yp + r * N + n, N);
+        const uint8_t* wg = wp + g * KB * kGroupBlock8;
+        const at::Half* dg = dp + g * KB * kGroup;
+        const int8_t* xq = a.q.data() + r * K;
+        const float* dx = a.d.data() + r * KB;
+        const int32_t* rb = back.data() + r * KB;
+#ifdef HAVE_INT8_PAIRS
+        if (g + 1 < groups)
+          return int8_pair_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N,
+                                  std::min(2 * kGroup, N - g * kGroup));
 #endif
+        int8_group_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
       });
   });
 }
 
-// y = x w^T for x [M, K] float32, w [N, K] int8 and d [N, K / 32] fp16; each row of y on its own.
-at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d) {
+// y = x w^T for x [M, K] float32 and N output rows stored as above; each row of y on its own.
+at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
-              "w must be contiguous int8 [N, K]");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * (K / kBlock),
-              "d: fp16 [N, K / 32]");
+  TORCH_CHECK(N > 0 && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == groups &&
+              w.size(1) == KB * kGroupBlock8, "w must be contiguous uint8 [ceil(N / 8), K / 32 * 256]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == groups * KB * kGroup,
+              "d: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
   auto y = x.new_empty({M, N});
-  int8_block_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), d.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
+  int8_block_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
   return y;
 }
 

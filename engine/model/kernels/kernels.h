@@ -226,6 +226,26 @@ static inline float half_to_float(const at::Half h) {
 #endif
 }
 
+// The block kernels' weights are stored in groups of this many output rows, whose values of a block lie side by
+// side (int4.cpp, int8.cpp).
+constexpr int64_t kGroup = 8;
+
+static inline int32_t four_bytes(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512F__)
+// Two groups' eight fp16 values of block b as sixteen floats, where the second group's blocks follow the
+// first's KB blocks.
+static inline __m512 two_groups_values(const at::Half* h, int64_t b, int64_t KB) {
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b * kGroup));
+  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (KB + b) * kGroup));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1));
+}
+#endif
+
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
 // (1 where the block is all zero), and each block's dx * sum(q). With AVX-512 a block is two registers; the
 // division, the rounding to nearest even and the integers are the plain loop's.
@@ -315,55 +335,13 @@ static inline __m256i add_u8s8(__m256i acc, __m256i a, __m256i b) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// One weight row of a block format against R rows of activations quantized per block (row r's dx at
-// dx + r * blocks): out[r] = the sum over blocks of (the block's integer lane sums as floats) * d * dx.
-// weight(block) reads a block's weights once for all R rows, ints(that, r, block) gives row r's lane sums.
-// Two accumulators take alternate blocks and the scales of eight blocks are multiplied at a time; each
-// row's operations and their order are those of a lone row, and its accumulators stay in registers.
-template <int R, typename Weight, typename Ints>
-static inline void scaled_block_sums(const at::Half* d, const float* dx, int64_t blocks, const Weight& weight,
-                                     const Ints& ints, float* out) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  alignas(32) float scale[R][8];
-  auto add = [&](__m256 acc, __m256i sums, int r, int64_t j) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(scale[r] + j), acc);
-  };
-  for (int64_t b = 0; b < blocks; b += 8) {
-    const int64_t n = std::min<int64_t>(8, blocks - b);
-    if (n == 8) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
-      for (int r = 0; r < R; ++r)
-        _mm256_store_ps(scale[r], _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * blocks + b)));
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < n; ++j) scale[r][j] = _cvtsh_ss(d[b + j].x) * dx[r * blocks + b + j];
-    }
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      const auto w0 = weight(b + j), w1 = weight(b + j + 1);
-      for (int r = 0; r < R; ++r) {
-        acc0[r] = add(acc0[r], ints(w0, r, b + j), r, j);
-        acc1[r] = add(acc1[r], ints(w1, r, b + j + 1), r, j + 1);
-      }
-    }
-    if (j < n) {
-      const auto w0 = weight(b + j);
-      for (int r = 0; r < R; ++r) acc0[r] = add(acc0[r], ints(w0, r, b + j), r, j);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-}
-#endif
-
 // One linear layer as decode_layers takes it from Python (each layer class's decode_form()):
 // (kind, weight, scales, row sums, inverse smoothing factors, group size, bias), where kind says
 // which of the kernels above reads the weight: 0 float32 (small_linear), 1 int8 weight-only,
 // 2 int8 weights and activations, 3 PyTorch's packed int4, 4 int4 weights and int8 activations
 // (scales holding d, sums m, and the group size's slot the number of outputs, which its padded weights
-// do not say), 5 int8 weights in blocks and int8 activations (scales holding d). The arithmetic is the
-// layer's own forward.
+// do not say), 5 int8 weights in blocks and int8 activations (scales holding d, and the number of outputs
+// in the same slot as 4). The arithmetic is the layer's own forward.
 using LinearForm = std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                               c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>>;
 
@@ -387,7 +365,7 @@ void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, i
 void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K, float* yp);
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
                    int64_t K, float* yp);
-void int8_block_rows(const float* xp, int64_t M, const int8_t* wp, const at::Half* dp, int64_t N, int64_t K,
+void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, int64_t K,
                      float* yp);
 void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
                    int64_t K, float* yp);
@@ -409,7 +387,7 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum);  // int8.cpp
 at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales);
-at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d);
+at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N);
 bool has_vnni();
 at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m, int64_t N);  // int4.cpp
 std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor w_t, double threshold,
