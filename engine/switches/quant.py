@@ -186,7 +186,7 @@ class Int4Dynamic(IntegerLevel):
     name = "int4-dyn"
     help = ("half a byte per weight plus an fp16 scale and minimum per block of 32 (llama.cpp's Q4_1 arithmetic, "
             "rows stored in groups of eight), activations quantized to int8 per block of 32; integer sums; output head "
-            "at int8 in blocks of 32 with an fp16 scale each (Q8_0's layout)")
+            "at int8 in blocks of 32 with an fp16 scale each (Q8_0's arithmetic, stored the same way)")
 
     def info(self, device):
         return LevelInfo(self.name, f"Tokenpath's int4 x int8 kernel ({integer_vectors()}; engine/model/kernels)", True,
