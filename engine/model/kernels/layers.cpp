@@ -162,6 +162,58 @@ static void weighted_values(const float* p, const float* v, int64_t T, int64_t D
     for (int64_t d = d0; d < D; ++d) o[d] += p[t] * v[t * D + d];
 }
 
+#if defined(__AVX512F__)
+// w[j] = dot(q, keys + j * D, D) * s for 16 keys, bit for bit, returned as well: each key's two registers
+// of lanes summed as dot() sums them (8 keys side by side, each load of q serving the 8), then the 16
+// keys' registers added together in the order _mm512_reduce_add_ps adds one register's lanes (lane i and
+// i + 8, then i and i + 4, i and i + 2, i and i + 1), each shuffle and add serving 2 to 16 keys. The
+// reduction of each key's register on its own, 8 shuffles and adds for one number, took most of the
+// scores' time.
+static __m512 scores16(const float* q, const float* keys, int64_t D, float s, float* w) {
+  __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
+#pragma GCC unroll 2  // keeps v in registers
+  for (int g = 0; g < 16; g += 8) {
+    __m512 acc0[8], acc1[8];
+    for (int j = 0; j < 8; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + d + 16);
+      for (int j = 0; j < 8; ++j) {
+        acc0[j] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(keys + (g + j) * D + d), acc0[j]);
+        acc1[j] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(keys + (g + j) * D + d + 16), acc1[j]);
+      }
+    }
+    if (d + 16 <= D)
+      for (int j = 0; j < 8; ++j)
+        acc0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + (g + j) * D + d), acc0[j]);
+    for (int j = 0; j < 8; ++j) v[4 * ((g + j) % 4) + (g + j) / 4] = _mm512_add_ps(acc0[j], acc1[j]);
+  }
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: 2 keys a register, 8 lanes each
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters: 4 keys a register, 4 lanes each
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // lanes 2 apart: 8 keys a register, 2 lanes each
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  if (D % 16 == 0) {
+    const __m512 scores = _mm512_mul_ps(sums, _mm512_set1_ps(s));
+    _mm512_storeu_ps(w, scores);
+    return scores;
+  }
+  float sum[16];  // then the last few products one by one, as dot() adds them
+  _mm512_storeu_ps(sum, sums);
+  for (int j = 0; j < 16; ++j) {
+    for (int64_t d = D - D % 16; d < D; ++d) sum[j] += q[d] * keys[j * D + d];
+    w[j] = sum[j] * s;
+  }
+  return _mm512_loadu_ps(w);
+}
+#endif
+
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
 // cache, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
 // for the threads as many times); each head's arithmetic is the same whatever runs beside it.
@@ -181,7 +233,15 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
       const float* kh = c.keys + h / group * c.k_stride;
       const float* vh = c.values + h / group * c.v_stride;
       float top = -INFINITY;
-      for (int64_t t = 0; t < T; ++t) {
+      int64_t t = 0;
+#if defined(__AVX512F__)
+      // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
+      // which give every output the same bits either way
+      __m512 tops = _mm512_set1_ps(-INFINITY);
+      for (; t + 16 <= T; t += 16) tops = _mm512_max_ps(tops, scores16(qh, kh + t * D, D, s, w.data() + t));
+      top = _mm512_reduce_max_ps(tops);
+#endif
+      for (; t < T; ++t) {
         w[t] = dot(qh, kh + t * D, D) * s;
         top = std::max(top, w[t]);
       }
