@@ -109,10 +109,7 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    if (b + kAhead < KB)  // the two streams' loads would otherwise wait on memory with nothing else in flight
-      for (const uint8_t* w : {wg, wg1})
-        for (int64_t line = 0; line < kGroupBlock; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (b + kAhead) * kGroupBlock + line), _MM_HINT_T0);
+    prefetch_pair_block(wg, b + kAhead, KB, kGroupBlock);
     __m512i sums[R];  // a row's low and high halves in one chain: no add a block, and the R chains fill the units
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {

@@ -270,10 +270,7 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    if (b + kAhead8 < KB)  // the two streams' loads would otherwise wait on memory with nothing else in flight
-      for (const uint8_t* w : {wg, wg1})
-        for (int64_t line = 0; line < kGroupBlock8; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (b + kAhead8) * kGroupBlock8 + line), _MM_HINT_T0);
+    prefetch_pair_block(wg, b + kAhead8, KB, kGroupBlock8);
     __m512i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(back[r * KB + b]);
     for (int k = 0; k < kRuns; ++k) {

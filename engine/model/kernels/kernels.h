@@ -246,6 +246,19 @@ static inline __m512 two_groups_values(const at::Half* h, int64_t b, int64_t KB)
 }
 #endif
 
+#if defined(__AVX512F__)
+// Fetches block `a` of a pair of groups stored one after another from wg (KB blocks of `bytes` each), both
+// groups' copies: the pair's own while a < KB, else the next pair's block a - KB, so the fetches run ahead across
+// the pairs a thread takes in turn. The two streams' loads would otherwise wait on memory with nothing else in
+// flight. A fetch past the weights' end is dropped, never a fault: the address is only a hint.
+static inline void prefetch_pair_block(const uint8_t* wg, int64_t a, int64_t KB, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(wg) + static_cast<uintptr_t>((a < KB ? a : KB + a) * bytes);
+  for (const uintptr_t at : {first, first + static_cast<uintptr_t>(KB * bytes)})
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(line)), _MM_HINT_T0);
+}
+#endif
+
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
 // (1 where the block is all zero), and each block's dx * sum(q). With AVX-512 a block is two registers; the
 // division, the rounding to nearest even and the integers are the plain loop's.
