@@ -18,9 +18,6 @@ namespace tokenpath {
 
 constexpr int64_t kGroupBlock = kGroup * kBlock / 2;  // bytes of a group's block
 
-// Rows of activations past each group at once: their sums and the block's unpacked run stay in registers.
-constexpr int kInt4Rows = kRowsAtOnce;
-
 // One group of weight rows (wg, with its blocks' d and m) against R rows of activations quantized per
 // block (row r: xq + r * K, dx and dsum + r * KB): for each activation row and output row i, the sum over
 // blocks of d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride + i] for the group's first
@@ -91,13 +88,11 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define HAVE_INT4_PAIRS 1
+#ifdef HAVE_GROUP_PAIRS
 // With AVX-512, groups two at a time: a 512-bit register holds a run of both (the second group's blocks follow
 // the first's), so each instruction serves sixteen output rows, which pays where the cores have 512-bit units
 // (and costs nothing where they split the instructions in two). The integers, and each (row, output)'s float
 // operations in their order, are int4_group_dot's: a result does not depend on which of the two computed it.
-constexpr int64_t kGroupsAtOnce = 2;
 constexpr int64_t kAhead = 8;  // blocks ahead that a pair's weights are fetched
 
 template <int R>
@@ -132,34 +127,26 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
   const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
 }
-#else
-constexpr int64_t kGroupsAtOnce = 1;
 #endif
 
 // y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 128] uint8,
-// d and m [ceil(N / 8), K / 32, 8] fp16. Threads take shares of the groups (kGroupsAtOnce at a time); the
-// activation rows go in groups past each.
+// d and m [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights (past_groups).
 void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
                    int64_t N, int64_t K, float* yp) {
   const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   const BlockActivations a(xp, M, K);
-  shared_rows((groups + kGroupsAtOnce - 1) / kGroupsAtOnce, kGroupsAtOnce * kGroup * K * 4, [&](int64_t begin,
-                                                                                              int64_t end) {
-    for (int64_t g = begin * kGroupsAtOnce; g < std::min(groups, end * kGroupsAtOnce); g += kGroupsAtOnce)
-      in_row_groups<kInt4Rows>(M, [&](auto rows, int64_t r) {
-        constexpr int R = decltype(rows)::value;
-        const uint8_t* wg = wp + g * KB * kGroupBlock;
-        const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
-        const int8_t* xq = a.q.data() + r * K;
-        const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
-#ifdef HAVE_INT4_PAIRS
-        if (g + 1 < groups)
-          return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
-                                  std::min(2 * kGroup, N - g * kGroup));
+  past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
+    constexpr int R = decltype(rows)::value;
+    const uint8_t* wg = wp + g * KB * kGroupBlock;
+    const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
+    const int8_t* xq = a.q.data() + r * K;
+    const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
+#ifdef HAVE_GROUP_PAIRS
+    if (g + 1 < groups)
+      return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
+                              std::min(2 * kGroup, N - g * kGroup));
 #endif
-        int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
-                          std::min(kGroup, N - g * kGroup));
-      });
+    int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
   });
 }
 

@@ -255,11 +255,9 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
 }
 #endif
 
-#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define HAVE_INT8_PAIRS 1
+#ifdef HAVE_GROUP_PAIRS
 // As int4.cpp's int4_pair_dot: two groups at a time in 512-bit registers (the second group's blocks follow the
 // first's), each instruction serving sixteen output rows, with int8_group_dot's integers and float operations.
-constexpr int64_t kGroupsAtOnce8 = 2;
 constexpr int64_t kAhead8 = 4;  // blocks ahead that a pair's weights are fetched
 
 template <int R>
@@ -287,35 +285,28 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
   const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
 }
-#else
-constexpr int64_t kGroupsAtOnce8 = 1;
 #endif
 
 // y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 256] uint8 and
-// d [ceil(N / 8), K / 32, 8] fp16. Threads take shares of the groups (kGroupsAtOnce8 at a time); the activation
-// rows go in groups past each.
+// d [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights (past_groups).
 void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, int64_t K,
                      float* yp) {
   const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   const BlockActivations a(xp, M, K);
   const std::vector<int32_t> back = unsigned_weights_back(a);
-  shared_rows((groups + kGroupsAtOnce8 - 1) / kGroupsAtOnce8, kGroupsAtOnce8 * kGroup * K * 4, [&](int64_t begin,
-                                                                                                int64_t end) {
-    for (int64_t g = begin * kGroupsAtOnce8; g < std::min(groups, end * kGroupsAtOnce8); g += kGroupsAtOnce8)
-      in_row_groups(M, [&](auto rows, int64_t r) {
-        constexpr int R = decltype(rows)::value;
-        const uint8_t* wg = wp + g * KB * kGroupBlock8;
-        const at::Half* dg = dp + g * KB * kGroup;
-        const int8_t* xq = a.q.data() + r * K;
-        const float* dx = a.d.data() + r * KB;
-        const int32_t* rb = back.data() + r * KB;
-#ifdef HAVE_INT8_PAIRS
-        if (g + 1 < groups)
-          return int8_pair_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N,
-                                  std::min(2 * kGroup, N - g * kGroup));
+  past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
+    constexpr int R = decltype(rows)::value;
+    const uint8_t* wg = wp + g * KB * kGroupBlock8;
+    const at::Half* dg = dp + g * KB * kGroup;
+    const int8_t* xq = a.q.data() + r * K;
+    const float* dx = a.d.data() + r * KB;
+    const int32_t* rb = back.data() + r * KB;
+#ifdef HAVE_GROUP_PAIRS
+    if (g + 1 < groups)
+      return int8_pair_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N,
+                              std::min(2 * kGroup, N - g * kGroup));
 #endif
-        int8_group_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
-      });
+    int8_group_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
   });
 }
 

@@ -326,6 +326,27 @@ static inline void in_row_groups(int64_t M, const G& g) {
   if (r < M) g(std::integral_constant<int, 1>{}, r);
 }
 
+// The block kernels take their groups two at a time with AVX-512 VNNI, a run of both in a 512-bit register, each
+// instruction serving sixteen output rows (int4.cpp, int8.cpp); one at a time elsewhere.
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAVE_GROUP_PAIRS 1
+constexpr int64_t kGroupsAtOnce = 2;
+#else
+constexpr int64_t kGroupsAtOnce = 1;
+#endif
+
+// f(rows, g, r) for each group g of a block kernel's weights (kGroupsAtOnce at a time, which the pair product takes
+// where g + 1 < groups) and each group of activation rows past it, from r (rows as in_row_groups gives it): threads
+// take shares of the groups, so every weight is read once for all M rows.
+template <typename F>
+static void past_groups(int64_t groups, int64_t K, int64_t M, const F& f) {
+  shared_rows((groups + kGroupsAtOnce - 1) / kGroupsAtOnce, kGroupsAtOnce * kGroup * K * 4, [&](int64_t begin,
+                                                                                              int64_t end) {
+    for (int64_t g = begin * kGroupsAtOnce; g < std::min(groups, end * kGroupsAtOnce); g += kGroupsAtOnce)
+      in_row_groups(M, [&](auto rows, int64_t r) { f(rows, g, r); });
+  });
+}
+
 #if defined(__AVX2__)
 // Lane i: the sum of the four products of bytes 4i..4i+3 of unsigned a and signed b, exact in int32 for
 // a <= 127 and |b| <= 127 (no pair's sum saturates 16 bits on the way): with AVX-512 VNNI one instruction,
