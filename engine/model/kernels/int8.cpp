@@ -172,7 +172,7 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 // bytes; in run k, row i's four bytes (at 4 * i) hold q[4k .. 4k + 3] + 128, unsigned. A group's d of a block
 // are its eight rows' values side by side. So a dot product of a run with four activation bytes copied to every
 // lane adds four products to each of the eight rows' sums, and one multiply-add a block scales eight output
-// rows' sums: each weight row was a register of products summed across its lanes.
+// rows' sums, where a register of one row's products would need its lanes summed, then scaling, block by block.
 constexpr int64_t kGroupBlock8 = kGroup * kBlock;  // bytes of a group's block
 constexpr int kRuns = kBlock / 4;
 

@@ -244,9 +244,7 @@ static inline __m512 two_groups_values(const at::Half* h, int64_t b, int64_t KB)
   const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (KB + b) * kGroup));
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1));
 }
-#endif
 
-#if defined(__AVX512F__)
 // Fetches block `a` of a pair of groups stored one after another from wg (KB blocks of `bytes` each), both
 // groups' copies: the pair's own while a < KB, else the next pair's block a - KB, so the fetches run ahead across
 // the pairs a thread takes in turn. The two streams' loads would otherwise wait on memory with nothing else in

@@ -166,9 +166,8 @@ static void weighted_values(const float* p, const float* v, int64_t T, int64_t D
 // w[j] = dot(q, keys + j * D, D) * s for 16 keys, bit for bit, returned as well: each key's two registers
 // of lanes summed as dot() sums them (8 keys side by side, each load of q serving the 8), then the 16
 // keys' registers added together in the order _mm512_reduce_add_ps adds one register's lanes (lane i and
-// i + 8, then i and i + 4, i and i + 2, i and i + 1), each shuffle and add serving 2 to 16 keys. The
-// reduction of each key's register on its own, 8 shuffles and adds for one number, took most of the
-// scores' time.
+// i + 8, then i and i + 4, i and i + 2, i and i + 1), each shuffle and add serving 2 to 16 keys, where
+// reducing each key's register on its own takes 8 shuffles and adds for one number.
 static __m512 scores16(const float* q, const float* keys, int64_t D, float s, float* w) {
   __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
 #pragma GCC unroll 2  // keeps v in registers
