@@ -176,27 +176,16 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 constexpr int64_t kGroupBlock8 = kGroup * kBlock;  // bytes of a group's block
 constexpr int kRuns = kBlock / 4;
 
-// Each row's blocks' -128 * sum(xq): what the unsigned weights add to a block's integer sum (VNNI multiplies
-// unsigned bytes by signed ones), taken back out by starting the sum from it.
-static std::vector<int32_t> unsigned_weights_back(const BlockActivations& a) {
-  std::vector<int32_t> back(a.d.size());
-  for (size_t j = 0; j < back.size(); ++j) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < kBlock; ++k) sum += a.q[j * kBlock + k];
-    back[j] = -128 * sum;
-  }
-  return back;
-}
-
 // One group of weight rows (wg, with its blocks' d) against R rows of activations quantized per block (row r:
-// xq + r * K, dx and back + r * KB): for each activation row and output row i, the sum over blocks of
+// xq + r * K, dx and xsums + r * KB): for each activation row and output row i, the sum over blocks of
 // d * dx * sum(q * xq), written to y[r * y_stride + i] for the group's first `outputs` rows. Each run is read
 // once for all R rows; every row's own operations and their order are those of a lone row, so a row's result
-// does not depend on how many share the weights.
+// does not depend on how many share the weights. With VNNI, which multiplies unsigned bytes by signed ones, the
+// weights' + 128 adds 128 * sum(xq) to a block's sum, which starting the sum from -128 * sum(xq) takes back out.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 template <int R>
 static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
-                                  const int32_t* back, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                  const int32_t* xsums, int64_t KB, int64_t K, float* y, int64_t y_stride,
                                   int64_t outputs) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -204,7 +193,7 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
     __m256i sums[R];
     for (int r = 0; r < R; ++r) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      sums[r] = _mm256_set1_epi32(back[r * KB + b]);
+      sums[r] = _mm256_set1_epi32(-128 * xsums[r * KB + b]);
 #else
       sums[r] = _mm256_setzero_si256();
 #endif
@@ -262,7 +251,7 @@ constexpr int64_t kAhead8 = 4;  // blocks ahead that a pair's weights are fetche
 
 template <int R>
 static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
-                                 const int32_t* back, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                 const int32_t* xsums, int64_t KB, int64_t K, float* y, int64_t y_stride,
                                  int64_t outputs) {
   const uint8_t* wg1 = wg + KB * kGroupBlock8;
   __m512 acc[R];
@@ -270,7 +259,7 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_pair_block(wg, b + kAhead8, KB, kGroupBlock8);
     __m512i sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(back[r * KB + b]);
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(-128 * xsums[r * KB + b]);
     for (int k = 0; k < kRuns; ++k) {
       const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock8 + k * 32));
       const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock8 + k * 32));
@@ -293,20 +282,19 @@ void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Ha
                      float* yp) {
   const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   const BlockActivations a(xp, M, K);
-  const std::vector<int32_t> back = unsigned_weights_back(a);
   past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock8;
     const at::Half* dg = dp + g * KB * kGroup;
     const int8_t* xq = a.q.data() + r * K;
     const float* dx = a.d.data() + r * KB;
-    const int32_t* rb = back.data() + r * KB;
+    const int32_t* xsums = a.sums.data() + r * KB;
 #ifdef HAVE_GROUP_PAIRS
     if (g + 1 < groups)
-      return int8_pair_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N,
+      return int8_pair_dot<R>(wg, dg, xq, dx, xsums, KB, K, yp + r * N + g * kGroup, N,
                               std::min(2 * kGroup, N - g * kGroup));
 #endif
-    int8_group_dot<R>(wg, dg, xq, dx, rb, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
+    int8_group_dot<R>(wg, dg, xq, dx, xsums, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
   });
 }
 

@@ -258,9 +258,9 @@ static inline void prefetch_pair_block(const uint8_t* wg, int64_t a, int64_t KB,
 #endif
 
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
-// (1 where the block is all zero), and each block's dx * sum(q). With AVX-512 a block is two registers; the
-// division, the rounding to nearest even and the integers are the plain loop's.
-static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, float* dsum) {
+// (1 where the block is all zero), and each block's sum(q) and dx * sum(q). With AVX-512 a block is two registers;
+// the division, the rounding to nearest even and the integers are the plain loop's.
+static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, int32_t* sums, float* dsum) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
 #if defined(__AVX512F__)
@@ -276,7 +276,8 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
     dx[b] = d;
-    dsum[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    dsum[b] = d * static_cast<float>(sums[b]);
 #else
     float amax = 0.f;
     for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -288,6 +289,7 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
       sum += v;
     }
     dx[b] = d;
+    sums[b] = sum;
     dsum[b] = d * static_cast<float>(sum);
 #endif
   }
@@ -296,11 +298,15 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, flo
 // M rows of K activations quantized per block, as the block kernels take them.
 struct BlockActivations {
   std::vector<int8_t> q;
-  std::vector<float> d, dsum;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+  std::vector<float> dsum;
   BlockActivations(const float* x, int64_t M, int64_t K)
-      : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), dsum(d.size()) {
-    for (int64_t r = 0; r < M; ++r)
-      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + r * K / kBlock, dsum.data() + r * K / kBlock);
+      : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()), dsum(d.size()) {
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t at = r * K / kBlock;
+      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + at, sums.data() + at, dsum.data() + at);
+    }
   }
 };
 
