@@ -7,12 +7,17 @@ namespace tokenpath {
 // RMSNorm of each row of x (float32, last dimension contiguous): w * (x / sqrt(mean(x^2) + eps)),
 // the products in the same order as transformers' LlamaRMSNorm. One small loop: the operations
 // PyTorch would chain for it each cost several microseconds on a decode step, whose caches the
-// weight stream has just flushed.
+// weight stream has just flushed. The squares are exact in double and summed in eight chains, added
+// in a fixed order: one chain waited for each add before the next.
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = xp + r * H;
-    double squares = 0.0;
-    for (int64_t k = 0; k < H; ++k) squares += static_cast<double>(row[k]) * row[k];
+    double lanes[8] = {};
+    int64_t k = 0;
+    for (; k + 8 <= H; k += 8)
+      for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(row[k + j]) * row[k + j];
+    double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; k < H; ++k) squares += static_cast<double>(row[k]) * row[k];
     const float scale = 1.f / std::sqrt(static_cast<float>(squares / H) + static_cast<float>(eps));
     for (int64_t k = 0; k < H; ++k) op[r * H + k] = wp[k] * (row[k] * scale);
   }
@@ -145,21 +150,41 @@ at::Tensor silu_mul(at::Tensor x) {
   return out;
 }
 
-// o[d] = the sum over t of p[t] * v[t * D + d], added in the order of t. A slice of 64 outputs at a time
-// keeps its sums in registers over all positions, four or more chains side by side: summed in o itself,
-// each position's add waited for the store of the one before.
+// o[d] = the sum over t of p[t] * v[t * D + d]: the even positions' sum and the odd positions' sum, each added
+// in the order of t, then added together. A slice of 64 outputs at a time keeps its sums in registers over all
+// positions, eight chains side by side: each multiply-add waits for the one before in its chain, so four chains
+// waited on that alone, and summed in o itself each position's add waited for the store of the one before.
 static void weighted_values(const float* p, const float* v, int64_t T, int64_t D, float* o) {
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
-    float acc[kSlice] = {};
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < kSlice; ++j) acc[j] += p[t] * v[t * D + d0 + j];
-    std::memcpy(o + d0, acc, sizeof acc);
+    float even[kSlice] = {}, odd[kSlice] = {};
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2)
+      for (int64_t j = 0; j < kSlice; ++j) {
+        even[j] += p[t] * v[t * D + d0 + j];
+        odd[j] += p[t + 1] * v[(t + 1) * D + d0 + j];
+      }
+    if (t < T)
+      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * v[t * D + d0 + j];
+    for (int64_t j = 0; j < kSlice; ++j) o[d0 + j] = even[j] + odd[j];
   }
   std::fill(o + d0, o + D, 0.f);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t d = d0; d < D; ++d) o[d] += p[t] * v[t * D + d];
+}
+
+// The sum of w[0..T) in 16 lanes, added in a fixed order: one running sum waited for each add.
+static float lanes_sum(const float* w, int64_t T) {
+  float lanes[16] = {};
+  int64_t t = 0;
+  for (; t + 16 <= T; t += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += w[t + j];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  float total = lanes[0];
+  for (; t < T; ++t) total += w[t];
+  return total;
 }
 
 #if defined(__AVX512F__)
@@ -245,8 +270,7 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
         top = std::max(top, w[t]);
       }
       exp_shifted(w.data(), T, top);
-      float total = 0.f;
-      for (int64_t t = 0; t < T; ++t) total += w[t];
+      const float total = lanes_sum(w.data(), T);
       for (int64_t t = 0; t < T; ++t) w[t] /= total;
       weighted_values(w.data(), vh, T, D, op + bh * D);
     }
