@@ -3,6 +3,8 @@
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/from_blob.h>
 
+#include <optional>
+
 #include "kernels.h"
 
 namespace tokenpath {
@@ -15,12 +17,22 @@ static int64_t linear_outputs(const LinearForm& form) {
   return kind == 4 || kind == 5 ? group : w.size(0);
 }
 
+// Whether the layer's kernel takes its activations quantized per block (int4-dyn's, and the int8 blocks of its head).
+static bool takes_blocks(const LinearForm& form) {
+  const int64_t kind = std::get<0>(form);
+  return kind == 4 || kind == 5;
+}
+
 // y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in
-// between. Each weight row is read once for all M rows, and a row's result does not depend on M.
-static void apply_linear(const LinearForm& form, const float* x, int64_t M, int64_t K, float* y) {
+// between. Each weight row is read once for all M rows, and a row's result does not depend on M. A layer that
+// takes blocks takes `blocks` where given (x's rows already quantized), else quantizes x itself.
+static void apply_linear(const LinearForm& form, const float* x, int64_t M, int64_t K, float* y,
+                         const BlockActivations* blocks = nullptr) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
   const int64_t N = linear_outputs(form);
   std::vector<float> smoothed;
+  std::optional<BlockActivations> own;
+  if (takes_blocks(form) && blocks == nullptr) blocks = &own.emplace(x, M, K);
   switch (kind) {
     case 0: small_linear_rows(x, M, w.data_ptr<float>(), N, K, y); break;
     case 1:
@@ -43,8 +55,10 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
       std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
       break;
     }
-    case 5: int8_block_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), N, K, y); break;
-    case 4: int4_dyn_rows(x, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, K, y); break;
+    case 5: int8_block_rows(*blocks, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), N, y); break;
+    case 4:
+      int4_dyn_rows(*blocks, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, y);
+      break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
   if (bias.has_value()) {
@@ -148,15 +162,37 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     cache = regrown(cache, row, KV, D);
     return false;
   };
-  auto add_residual = [&]() {
-    for (int64_t k = 0; k < B * H; ++k) residual[k] += delta[k];
+  // The work row by row between the products, shared by the threads where there are rows enough: below
+  // kRowsToShare, waking the other thread and waiting for it costs more than its half of the rows saves.
+  constexpr int64_t kRowsToShare = 4;
+  auto each_row = [&](const auto& f) {
+    if (B < kRowsToShare) {
+      for (int64_t b = 0; b < B; ++b) f(b);
+      return;
+    }
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) f(b);
+    });
+  };
+  // The rows the block products take, quantized where the rows are made: [B, H] for the products of the normed
+  // residual, [B, inner] for down's.
+  BlockActivations narrow(B, H);
+  std::optional<BlockActivations> wide;
+  // Row b of the residual plus delta (the last product's rows, unless `added` is false), normed with norm's weight
+  // into normed, and quantized where `next` takes blocks.
+  auto added_and_normed = [&](int64_t b, bool added, const at::Tensor& norm, double eps, const LinearForm& next) {
+    float* row = residual + b * H;
+    if (added)
+      for (int64_t k = 0; k < H; ++k) row[k] += delta[b * H + k];
+    rms_norm_rows(row, norm.data_ptr<float>(), eps, 1, H, normed.data() + b * H);
+    if (takes_blocks(next)) narrow.quantize_row(normed.data() + b * H, b);
   };
   for (int64_t i = 0; i < L; ++i) {
     const auto& [norm1, norm2, eps, qkv, o, up, down] = layers[i];
-    rms_norm_rows(residual, norm1.data_ptr<float>(), eps, B, H, normed.data());
+    each_row([&](int64_t b) { added_and_normed(b, i > 0, norm1, eps, qkv); });
     const int64_t width = linear_outputs(qkv);
     fused.resize(static_cast<size_t>(B * width));
-    apply_linear(qkv, normed.data(), B, H, fused.data());
+    apply_linear(qkv, normed.data(), B, H, fused.data(), &narrow);
     views.clear();
     for (int64_t b = 0; b < B; ++b) {
       const int64_t c = b * L + i;
@@ -173,20 +209,22 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     }
     attend(rotated.data(), rotated_heads * D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), B, heads * D, delta.data());
-    add_residual();
-    rms_norm_rows(residual, norm2.data_ptr<float>(), eps, B, H, normed.data());
+    each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
     const int64_t inner = linear_outputs(up) / 2;
     gate_up.resize(static_cast<size_t>(B * 2 * inner));
     act.resize(static_cast<size_t>(B * inner));
-    apply_linear(up, normed.data(), B, H, gate_up.data());
-    silu_mul_rows(gate_up.data(), B, inner, act.data());
-    apply_linear(down, act.data(), B, inner, delta.data());
-    add_residual();
+    apply_linear(up, normed.data(), B, H, gate_up.data(), &narrow);
+    if (takes_blocks(down) && (!wide || wide->K != inner)) wide.emplace(B, inner);
+    each_row([&](int64_t b) {
+      silu_mul_rows(gate_up.data() + b * 2 * inner, 1, inner, act.data() + b * inner);
+      if (takes_blocks(down)) wide->quantize_row(act.data() + b * inner, b);
+    });
+    apply_linear(down, act.data(), B, inner, delta.data(), wide ? &*wide : nullptr);
   }
   const auto& [norm, eps, linear] = forms.head;
-  rms_norm_rows(residual, norm.data_ptr<float>(), eps, B, H, normed.data());
+  each_row([&](int64_t b) { added_and_normed(b, L > 0, norm, eps, linear); });
   auto logits = out.new_empty({B, 1, linear_outputs(linear)});
-  apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>());
+  apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>(), &narrow);
   // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
   // or freed, and Python's caches need no new objects.
   std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> copied;

@@ -129,12 +129,12 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
 }
 #endif
 
-// y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 128] uint8,
-// d and m [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights (past_groups).
-void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
-                   int64_t N, int64_t K, float* yp) {
-  const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  const BlockActivations a(xp, M, K);
+// y = x w^T for M rows of activations x quantized [M, K] and N output rows stored as above: w [ceil(N / 8),
+// K / 32 * 128] uint8, d and m [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of
+// weights (past_groups).
+void int4_dyn_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
+                   int64_t N, float* yp) {
+  const int64_t K = a.K, KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock;
@@ -161,8 +161,8 @@ at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor 
               "d and m: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
   auto y = x.new_empty({M, N});
-  int4_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), N, K,
-                y.data_ptr<float>());
+  int4_dyn_rows(BlockActivations(x.data_ptr<float>(), M, K), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(),
+                m.data_ptr<at::Half>(), N, y.data_ptr<float>());
   return y;
 }
 

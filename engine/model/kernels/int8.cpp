@@ -276,12 +276,12 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
 }
 #endif
 
-// y = x w^T for x [M, K] float32 and N output rows stored as above: w [ceil(N / 8), K / 32 * 256] uint8 and
-// d [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights (past_groups).
-void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, int64_t K,
+// y = x w^T for M rows of activations x quantized [M, K] and N output rows stored as above: w [ceil(N / 8),
+// K / 32 * 256] uint8 and d [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights
+// (past_groups).
+void int8_block_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N,
                      float* yp) {
-  const int64_t KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  const BlockActivations a(xp, M, K);
+  const int64_t K = a.K, KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock8;
@@ -309,7 +309,8 @@ at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N
               "d: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
   auto y = x.new_empty({M, N});
-  int8_block_rows(x.data_ptr<float>(), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
+  int8_block_rows(BlockActivations(x.data_ptr<float>(), M, K), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), N,
+                  y.data_ptr<float>());
   return y;
 }
 

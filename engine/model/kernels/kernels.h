@@ -295,18 +295,22 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, int
   }
 }
 
-// M rows of K activations quantized per block, as the block kernels take them.
+// M rows of K activations quantized per block, as the block kernels take them: all at once, or room for them that
+// quantize_row fills row by row (each row's own memory, so threads may fill different rows).
 struct BlockActivations {
+  int64_t K;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums;
   std::vector<float> dsum;
-  BlockActivations(const float* x, int64_t M, int64_t K)
-      : q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()), dsum(d.size()) {
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t at = r * K / kBlock;
-      quantize_blocks(x + r * K, K, q.data() + r * K, d.data() + at, sums.data() + at, dsum.data() + at);
-    }
+  BlockActivations(int64_t M, int64_t K)
+      : K(K), q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()), dsum(d.size()) {}
+  BlockActivations(const float* x, int64_t M, int64_t K) : BlockActivations(M, K) {
+    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, r);
+  }
+  void quantize_row(const float* x, int64_t r) {
+    const int64_t at = r * K / kBlock;
+    quantize_blocks(x, K, q.data() + r * K, d.data() + at, sums.data() + at, dsum.data() + at);
   }
 };
 
@@ -398,15 +402,15 @@ struct DecodeForms {
   HeadForm head;
 };
 
-// Row functions: y = x w^T for x [M, K] float32 in each weight format (small_rows.cpp, int8.cpp, int4.cpp).
+// Row functions: y = x w^T for x [M, K] float32 in each weight format (small_rows.cpp, int8.cpp, int4.cpp), the
+// block formats' x already quantized.
 void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp);
 void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K, float* yp);
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
                    int64_t K, float* yp);
-void int8_block_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, int64_t K,
-                     float* yp);
-void int4_dyn_rows(const float* xp, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
-                   int64_t K, float* yp);
+void int8_block_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
+void int4_dyn_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
+                   int64_t N, float* yp);
 
 // The layer pieces around the products (layers.cpp).
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);
