@@ -19,14 +19,14 @@ namespace tokenpath {
 constexpr int64_t kGroupBlock = kGroup * kBlock / 2;  // bytes of a group's block
 
 // One group of weight rows (wg, with its blocks' d and m) against R rows of activations quantized per
-// block (row r: xq + r * K, dx and dsum + r * KB): for each activation row and output row i, the sum over
+// block (row r's block b at row_block<R>(b, r) of xq, dx and dsum): for each activation row and output row i, the sum over
 // blocks of d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride + i] for the group's first
 // `outputs` rows. Each run of a block is unpacked once for all R rows; every row's own operations and their
 // order are those of a lone row, so a row's result does not depend on how many share the weights.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 template <int R>
 static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
-                                  const float* dx, const float* dsum, int64_t KB, int64_t K, float* y,
+                                  const float* dx, const float* dsum, int64_t KB, float* y,
                                   int64_t y_stride, int64_t outputs) {
   const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc[R];
@@ -40,7 +40,7 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock + k * 32));
       const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq + r * K + b * kBlock;
+        const int8_t* x = xq + row_block<R>(b, r) * kBlock;
         lows[r] = add_u8s8(lows[r], lo, _mm256_set1_epi32(four_bytes(x + 4 * k)));
         highs[r] = add_u8s8(highs[r], hi, _mm256_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
       }
@@ -49,8 +49,8 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * kGroup)));
     for (int r = 0; r < R; ++r) {
       const __m256i sums = _mm256_add_epi32(lows[r], highs[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * KB + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dsum[r * KB + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dsum[row_block<R>(b, r)]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -66,12 +66,12 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
 #else
 template <int R>
 static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
-                                  const float* dx, const float* dsum, int64_t KB, int64_t K, float* y,
+                                  const float* dx, const float* dsum, int64_t KB, float* y,
                                   int64_t y_stride, int64_t outputs) {
   for (int r = 0; r < R; ++r) {
     float acc[kGroup] = {};
     for (int64_t b = 0; b < KB; ++b) {
-      const int8_t* x = xq + r * K + b * kBlock;
+      const int8_t* x = xq + row_block<R>(b, r) * kBlock;
       for (int64_t i = 0; i < kGroup; ++i) {
         int32_t sum = 0;
         for (int64_t k = 0; k < 4; ++k)
@@ -79,8 +79,8 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
             const uint8_t w = wg[b * kGroupBlock + k * 32 + i * 4 + e];
             sum += static_cast<int32_t>(w & 0xF) * x[4 * k + e] + static_cast<int32_t>(w >> 4) * x[kBlock / 2 + 4 * k + e];
           }
-        acc[i] += static_cast<float>(sum) * (half_to_float(dg[b * kGroup + i]) * dx[r * KB + b]);
-        acc[i] += half_to_float(mg[b * kGroup + i]) * dsum[r * KB + b];
+        acc[i] += static_cast<float>(sum) * (half_to_float(dg[b * kGroup + i]) * dx[row_block<R>(b, r)]);
+        acc[i] += half_to_float(mg[b * kGroup + i]) * dsum[row_block<R>(b, r)];
       }
     }
     std::memcpy(y + r * y_stride, acc, sizeof(float) * outputs);
@@ -97,7 +97,7 @@ constexpr int64_t kAhead = 8;  // blocks ahead that a pair's weights are fetched
 
 template <int R>
 static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at::Half* mg, const int8_t* xq,
-                                 const float* dx, const float* dsum, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                 const float* dx, const float* dsum, int64_t KB, float* y, int64_t y_stride,
                                  int64_t outputs) {
   const __m512i low = _mm512_set1_epi8(0xF);
   const uint8_t* wg1 = wg + KB * kGroupBlock;
@@ -113,15 +113,15 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
       const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
       const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq + r * K + b * kBlock;
+        const int8_t* x = xq + row_block<R>(b, r) * kBlock;
         sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(four_bytes(x + 4 * k)));
         sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(x + kBlock / 2 + 4 * k)));
       }
     }
     const __m512 d = two_groups_values(dg, b, KB), m = two_groups_values(mg, b, KB);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[r * KB + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[row_block<R>(b, r)]), acc[r]);
     }
   }
   const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
@@ -143,10 +143,10 @@ void int4_dyn_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, cons
     const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
 #ifdef HAVE_GROUP_PAIRS
     if (g + 1 < groups)
-      return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N,
+      return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, yp + r * N + g * kGroup, N,
                               std::min(2 * kGroup, N - g * kGroup));
 #endif
-    int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
+    int4_group_dot<R>(wg, dg, mg, xq, dx, dsum, KB, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
   });
 }
 

@@ -176,8 +176,8 @@ at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 constexpr int64_t kGroupBlock8 = kGroup * kBlock;  // bytes of a group's block
 constexpr int kRuns = kBlock / 4;
 
-// One group of weight rows (wg, with its blocks' d) against R rows of activations quantized per block (row r:
-// xq + r * K, dx and xsums + r * KB): for each activation row and output row i, the sum over blocks of
+// One group of weight rows (wg, with its blocks' d) against R rows of activations quantized per block (row r's
+// block b at row_block<R>(b, r) of xq, dx and xsums): for each activation row and output row i, the sum over blocks of
 // d * dx * sum(q * xq), written to y[r * y_stride + i] for the group's first `outputs` rows. Each run is read
 // once for all R rows; every row's own operations and their order are those of a lone row, so a row's result
 // does not depend on how many share the weights. With VNNI, which multiplies unsigned bytes by signed ones, the
@@ -185,7 +185,7 @@ constexpr int kRuns = kBlock / 4;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 template <int R>
 static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
-                                  const int32_t* xsums, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                  const int32_t* xsums, int64_t KB, float* y, int64_t y_stride,
                                   int64_t outputs) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -193,7 +193,7 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
     __m256i sums[R];
     for (int r = 0; r < R; ++r) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      sums[r] = _mm256_set1_epi32(-128 * xsums[r * KB + b]);
+      sums[r] = _mm256_set1_epi32(-128 * xsums[row_block<R>(b, r)]);
 #else
       sums[r] = _mm256_setzero_si256();
 #endif
@@ -205,7 +205,7 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
       const __m256i q = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))), size = _mm256_abs_epi8(q);
 #endif
       for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_set1_epi32(four_bytes(xq + r * K + b * kBlock + 4 * k));
+        const __m256i x = _mm256_set1_epi32(four_bytes(xq + row_block<R>(b, r) * kBlock + 4 * k));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         sums[r] = _mm256_dpbusd_epi32(sums[r], raw, x);
 #else
@@ -215,7 +215,7 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * kGroup)));
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * KB + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float out[kGroup];
@@ -226,17 +226,17 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
 #else
 template <int R>
 static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
-                                  const int32_t*, int64_t KB, int64_t K, float* y, int64_t y_stride, int64_t outputs) {
+                                  const int32_t*, int64_t KB, float* y, int64_t y_stride, int64_t outputs) {
   for (int r = 0; r < R; ++r) {
     float acc[kGroup] = {};
     for (int64_t b = 0; b < KB; ++b) {
-      const int8_t* x = xq + r * K + b * kBlock;
+      const int8_t* x = xq + row_block<R>(b, r) * kBlock;
       for (int64_t i = 0; i < kGroup; ++i) {
         int32_t sum = 0;
         for (int64_t k = 0; k < kRuns; ++k)
           for (int64_t e = 0; e < 4; ++e)
             sum += (static_cast<int32_t>(wg[b * kGroupBlock8 + k * 32 + i * 4 + e]) - 128) * x[4 * k + e];
-        acc[i] += static_cast<float>(sum) * (half_to_float(dg[b * kGroup + i]) * dx[r * KB + b]);
+        acc[i] += static_cast<float>(sum) * (half_to_float(dg[b * kGroup + i]) * dx[row_block<R>(b, r)]);
       }
     }
     std::memcpy(y + r * y_stride, acc, sizeof(float) * outputs);
@@ -251,7 +251,7 @@ constexpr int64_t kAhead8 = 4;  // blocks ahead that a pair's weights are fetche
 
 template <int R>
 static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const int8_t* xq, const float* dx,
-                                 const int32_t* xsums, int64_t KB, int64_t K, float* y, int64_t y_stride,
+                                 const int32_t* xsums, int64_t KB, float* y, int64_t y_stride,
                                  int64_t outputs) {
   const uint8_t* wg1 = wg + KB * kGroupBlock8;
   __m512 acc[R];
@@ -259,17 +259,17 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_pair_block(wg, b + kAhead8, KB, kGroupBlock8);
     __m512i sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(-128 * xsums[r * KB + b]);
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(-128 * xsums[row_block<R>(b, r)]);
     for (int k = 0; k < kRuns; ++k) {
       const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * kGroupBlock8 + k * 32));
       const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock8 + k * 32));
       const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
       for (int r = 0; r < R; ++r)
-        sums[r] = _mm512_dpbusd_epi32(sums[r], raw, _mm512_set1_epi32(four_bytes(xq + r * K + b * kBlock + 4 * k)));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], raw, _mm512_set1_epi32(four_bytes(xq + row_block<R>(b, r) * kBlock + 4 * k)));
     }
     const __m512 d = two_groups_values(dg, b, KB);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
   }
   const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
@@ -291,10 +291,10 @@ void int8_block_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, co
     const int32_t* xsums = a.sums.data() + r * KB;
 #ifdef HAVE_GROUP_PAIRS
     if (g + 1 < groups)
-      return int8_pair_dot<R>(wg, dg, xq, dx, xsums, KB, K, yp + r * N + g * kGroup, N,
+      return int8_pair_dot<R>(wg, dg, xq, dx, xsums, KB, yp + r * N + g * kGroup, N,
                               std::min(2 * kGroup, N - g * kGroup));
 #endif
-    int8_group_dot<R>(wg, dg, xq, dx, xsums, KB, K, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
+    int8_group_dot<R>(wg, dg, xq, dx, xsums, KB, yp + r * N + g * kGroup, N, std::min(kGroup, N - g * kGroup));
   });
 }
 

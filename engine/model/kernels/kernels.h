@@ -258,10 +258,12 @@ static inline void prefetch_pair_block(const uint8_t* wg, int64_t a, int64_t KB,
 #endif
 
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
-// (1 where the block is all zero), and each block's sum(q) and dx * sum(q). With AVX-512 a block is two registers;
+// (1 where the block is all zero), and each block's sum(q) and dx * sum(q), block b's at q + b * step * 32 and at
+// dx, sums and dsum + b * step. With AVX-512 a block is two registers;
 // the division, the rounding to nearest even and the integers are the plain loop's.
-static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, int32_t* sums, float* dsum) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+static void quantize_blocks(const float* x, int64_t K, int64_t step, int8_t* q, float* dx, int32_t* sums,
+                            float* dsum) {
+  for (int64_t b = 0, at = 0; b < K / kBlock; ++b, at += step) {
     const float* xb = x + b * kBlock;
 #if defined(__AVX512F__)
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -273,11 +275,11 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, int
       return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
     };
     const __m512i q0 = ints(x0), q1 = ints(x1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    dx[b] = d;
-    sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    dsum[b] = d * static_cast<float>(sums[b]);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    dx[at] = d;
+    sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    dsum[at] = d * static_cast<float>(sums[at]);
 #else
     float amax = 0.f;
     for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -285,34 +287,15 @@ static void quantize_blocks(const float* x, int64_t K, int8_t* q, float* dx, int
     int32_t sum = 0;
     for (int64_t k = 0; k < kBlock; ++k) {
       const int32_t v = static_cast<int32_t>(std::min(std::max(std::nearbyint(xb[k] / d), -127.f), 127.f));
-      q[b * kBlock + k] = static_cast<int8_t>(v);
+      q[at * kBlock + k] = static_cast<int8_t>(v);
       sum += v;
     }
-    dx[b] = d;
-    sums[b] = sum;
-    dsum[b] = d * static_cast<float>(sum);
+    dx[at] = d;
+    sums[at] = sum;
+    dsum[at] = d * static_cast<float>(sum);
 #endif
   }
 }
-
-// M rows of K activations quantized per block, as the block kernels take them: all at once, or room for them that
-// quantize_row fills row by row (each row's own memory, so threads may fill different rows).
-struct BlockActivations {
-  int64_t K;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> sums;
-  std::vector<float> dsum;
-  BlockActivations(int64_t M, int64_t K)
-      : K(K), q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()), dsum(d.size()) {}
-  BlockActivations(const float* x, int64_t M, int64_t K) : BlockActivations(M, K) {
-    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, r);
-  }
-  void quantize_row(const float* x, int64_t r) {
-    const int64_t at = r * K / kBlock;
-    quantize_blocks(x, K, q.data() + r * K, d.data() + at, sums.data() + at, dsum.data() + at);
-  }
-};
 
 // Activation rows a block kernel takes past each weight row at once, each weight block read and unpacked
 // once for all of them: as many as keep their accumulators in registers (AVX-512's 32 or AVX2's 16).
@@ -333,6 +316,41 @@ static inline void in_row_groups(int64_t M, const G& g) {
   if (r + 2 <= M) g(std::integral_constant<int, 2>{}, r), r += 2;
   if (r < M) g(std::integral_constant<int, 1>{}, r);
 }
+
+// Where row r of a group of R activation rows that a block kernel takes at once keeps its block b: the rows'
+// blocks interleaved block by block, so that one pointer with fixed offsets reaches every row's bytes and scales,
+// where a pointer of each row's own left the kernels too few registers.
+template <int R>
+static constexpr int64_t row_block(int64_t b, int r) {
+  return b * R + r;
+}
+
+// M rows of K activations quantized per block, as the block kernels take them: each group of rows that
+// in_row_groups makes starts at its first row's place (q at r * K, the scales and sums at r * K / 32), its rows'
+// blocks interleaved (row_block). All at once, or room for them that quantize_row fills row by row (each row's
+// own memory, so threads may fill different rows).
+struct BlockActivations {
+  int64_t M, K;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+  std::vector<float> dsum;
+  BlockActivations(int64_t M, int64_t K)
+      : M(M), K(K), q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()),
+        dsum(d.size()) {}
+  BlockActivations(const float* x, int64_t M, int64_t K) : BlockActivations(M, K) {
+    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, r);
+  }
+  void quantize_row(const float* x, int64_t r) {
+    int64_t first = r, R = 1;
+    in_row_groups(M, [&](auto rows, int64_t from) {
+      if (r >= from && r < from + decltype(rows)::value) first = from, R = decltype(rows)::value;
+    });
+    const int64_t at = first * K / kBlock + (r - first);
+    quantize_blocks(x, K, R, q.data() + first * K + (r - first) * kBlock, d.data() + at, sums.data() + at,
+                    dsum.data() + at);
+  }
+};
 
 // The block kernels take their groups two at a time with AVX-512 VNNI, a run of both in a 512-bit register, each
 // instruction serving sixteen output rows (int4.cpp, int8.cpp); one at a time elsewhere.
