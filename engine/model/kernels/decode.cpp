@@ -3,6 +3,9 @@
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/from_blob.h>
 
+#include <strings.h>
+
+#include <cstdlib>
 #include <optional>
 
 #include "kernels.h"
@@ -66,6 +69,17 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
   }
+}
+
+// Whether OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, which the engine chooses on a
+// busy machine): a region then takes about 8 microseconds to wake the other thread, against about 1 for a spinning
+// one. OpenMP reads the policy once, as the process starts, and so does this.
+static bool threads_sleep() {
+  static const bool sleeping = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy != nullptr && strcasecmp(policy, "passive") == 0;
+  }();
+  return sleeping;
 }
 
 // Positions a growing cache reserves at a time: copying a layer's keys and values to add each token
@@ -162,11 +176,12 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     cache = regrown(cache, row, KV, D);
     return false;
   };
-  // The work row by row between the products, shared by the threads where there are rows enough: below
-  // kRowsToShare, waking the other thread and waiting for it costs more than its half of the rows saves.
-  constexpr int64_t kRowsToShare = 4;
+  // The work row by row between the products, shared by the threads where there are rows enough: with fewer,
+  // waking the other thread and waiting for it costs more than its half of the rows saves (a row's norm or SiLU
+  // and quantization take a microsecond or two).
+  const int64_t rows_to_share = threads_sleep() ? 16 : 4;
   auto each_row = [&](const auto& f) {
-    if (B < kRowsToShare) {
+    if (B < rows_to_share) {
       for (int64_t b = 0; b < B; ++b) f(b);
       return;
     }
