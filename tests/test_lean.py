@@ -248,7 +248,8 @@ def test_the_rotary_table_gives_the_embeddings_own_numbers(pair):
     torch.randn(49152), torch.randn(13), torch.tensor([1., 3., 3., 2.]), torch.full((20,), -float("inf")),
     torch.tensor([1., float("nan"), 5., float("nan")]), torch.tensor([0.] * 9 + [5., float("nan")]),
     torch.cat([torch.randn(40), torch.tensor([9., 9.])]),
-], ids=["logits", "short", "tie", "all -inf", "nan", "nan in the tail", "tie in the tail"])
+    torch.cat([torch.zeros(41), torch.tensor([7.]), torch.zeros(17), torch.tensor([7.]), torch.zeros(40)]),
+], ids=["logits", "short", "tie", "all -inf", "nan", "nan in the tail", "tie in the tail", "tie far apart"])
 def test_the_argmax_kernel_returns_what_torch_argmax_does(values):
     kernel = optional_kernel()
     if kernel is None:
