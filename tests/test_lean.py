@@ -249,7 +249,9 @@ def test_the_rotary_table_gives_the_embeddings_own_numbers(pair):
     torch.tensor([1., float("nan"), 5., float("nan")]), torch.tensor([0.] * 9 + [5., float("nan")]),
     torch.cat([torch.randn(40), torch.tensor([9., 9.])]),
     torch.cat([torch.zeros(41), torch.tensor([7.]), torch.zeros(17), torch.tensor([7.]), torch.zeros(40)]),
-], ids=["logits", "short", "tie", "all -inf", "nan", "nan in the tail", "tie in the tail", "tie far apart"])
+    torch.cat([torch.randn(40), torch.tensor([float("nan")]), torch.randn(59), torch.tensor([float("nan")])]),
+], ids=["logits", "short", "tie", "all -inf", "nan", "nan in the tail", "tie in the tail", "tie far apart",
+        "nan among the lanes"])
 def test_the_argmax_kernel_returns_what_torch_argmax_does(values):
     kernel = optional_kernel()
     if kernel is None:

@@ -36,6 +36,7 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
   std::vector<float> smoothed;
   std::optional<BlockActivations> own;
   if (takes_blocks(form) && blocks == nullptr) blocks = &own.emplace(x, M, K);
+  TORCH_CHECK(!takes_blocks(form) || (blocks->M == M && blocks->K == K), "activations quantized for another shape");
   switch (kind) {
     case 0: small_linear_rows(x, M, w.data_ptr<float>(), N, K, y); break;
     case 1:
@@ -58,9 +59,9 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
       std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
       break;
     }
-    case 5: int8_block_rows(*blocks, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), N, y); break;
+    case 5: int8_block_rows(*blocks, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), N, y); break;
     case 4:
-      int4_dyn_rows(*blocks, M, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, y);
+      int4_dyn_rows(*blocks, w.data_ptr<uint8_t>(), scales->data_ptr<at::Half>(), sums->data_ptr<at::Half>(), N, y);
       break;
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
@@ -72,12 +73,14 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
 }
 
 // Whether OpenMP's threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, which the engine chooses on a
-// busy machine): a region then takes about 8 microseconds to wake the other thread, against about 1 for a spinning
-// one. OpenMP reads the policy once, as the process starts, and so does this.
+// busy machine before PyTorch loads OpenMP, or GOMP_SPINCOUNT=0): a region then takes about 8 microseconds to wake
+// the other thread, against about 1 for a spinning one. OpenMP reads the variables once, as it loads; this reads
+// them at the first decode step, the same values unless the process changed them in between.
 static bool threads_sleep() {
   static const bool sleeping = [] {
-    const char* policy = std::getenv("OMP_WAIT_POLICY");
-    return policy != nullptr && strcasecmp(policy, "passive") == 0;
+    const char *policy = std::getenv("OMP_WAIT_POLICY"), *spins = std::getenv("GOMP_SPINCOUNT");
+    return (policy != nullptr && strcasecmp(policy, "passive") == 0) ||
+           (spins != nullptr && std::strcmp(spins, "0") == 0);
   }();
   return sleeping;
 }

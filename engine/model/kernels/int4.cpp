@@ -19,8 +19,8 @@ namespace tokenpath {
 constexpr int64_t kGroupBlock = kGroup * kBlock / 2;  // bytes of a group's block
 
 // One group of weight rows (wg, with its blocks' d and m) against R rows of activations quantized per
-// block (row r's block b at row_block<R>(b, r) of xq, dx and dsum): for each activation row and output row i, the sum over
-// blocks of d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride + i] for the group's first
+// block (row r's block b at row_block<R>(b, r) of xq, dx and dsum): for each activation row and output row i, the
+// sum over blocks of d * dx * sum(q * xq) + m * dx * sum(xq), written to y[r * y_stride + i] for the group's first
 // `outputs` rows. Each run of a block is unpacked once for all R rows; every row's own operations and their
 // order are those of a lone row, so a row's result does not depend on how many share the weights.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -49,7 +49,8 @@ static inline void int4_group_dot(const uint8_t* wg, const at::Half* dg, const a
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * kGroup)));
     for (int r = 0; r < R; ++r) {
       const __m256i sums = _mm256_add_epi32(lows[r], highs[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])),
+                               acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dsum[row_block<R>(b, r)]), acc[r]);
     }
   }
@@ -120,7 +121,8 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
     }
     const __m512 d = two_groups_values(dg, b, KB), m = two_groups_values(mg, b, KB);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])),
+                               acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum[row_block<R>(b, r)]), acc[r]);
     }
   }
@@ -129,13 +131,13 @@ static inline void int4_pair_dot(const uint8_t* wg, const at::Half* dg, const at
 }
 #endif
 
-// y = x w^T for M rows of activations x quantized [M, K] and N output rows stored as above: w [ceil(N / 8),
-// K / 32 * 128] uint8, d and m [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of
-// weights (past_groups).
-void int4_dyn_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
-                   int64_t N, float* yp) {
+// y = x w^T for the rows of activations x quantized in a (BlockActivations) and N output rows stored as above:
+// w [ceil(N / 8), K / 32 * 128] uint8, d and m [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each
+// group of weights (past_groups).
+void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
+                   float* yp) {
   const int64_t K = a.K, KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
+  past_groups(groups, K, a.M, [&](auto rows, int64_t g, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock;
     const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
@@ -161,7 +163,7 @@ at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor 
               "d and m: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
   auto y = x.new_empty({M, N});
-  int4_dyn_rows(BlockActivations(x.data_ptr<float>(), M, K), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(),
+  int4_dyn_rows(BlockActivations(x.data_ptr<float>(), M, K), w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(),
                 m.data_ptr<at::Half>(), N, y.data_ptr<float>());
   return y;
 }

@@ -215,7 +215,8 @@ static inline void int8_group_dot(const uint8_t* wg, const at::Half* dg, const i
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * kGroup)));
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[row_block<R>(b, r)])),
+                               acc[r]);
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float out[kGroup];
@@ -265,24 +266,25 @@ static inline void int8_pair_dot(const uint8_t* wg, const at::Half* dg, const in
       const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg1 + b * kGroupBlock8 + k * 32));
       const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
       for (int r = 0; r < R; ++r)
-        sums[r] = _mm512_dpbusd_epi32(sums[r], raw, _mm512_set1_epi32(four_bytes(xq + row_block<R>(b, r) * kBlock + 4 * k)));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], raw,
+                                      _mm512_set1_epi32(four_bytes(xq + row_block<R>(b, r) * kBlock + 4 * k)));
     }
     const __m512 d = two_groups_values(dg, b, KB);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[row_block<R>(b, r)])),
+                               acc[r]);
   }
   const __mmask16 kept = static_cast<__mmask16>((1u << outputs) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, kept, acc[r]);
 }
 #endif
 
-// y = x w^T for M rows of activations x quantized [M, K] and N output rows stored as above: w [ceil(N / 8),
-// K / 32 * 256] uint8 and d [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each group of weights
-// (past_groups).
-void int8_block_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N,
-                     float* yp) {
+// y = x w^T for the rows of activations x quantized in a (BlockActivations) and N output rows stored as above:
+// w [ceil(N / 8), K / 32 * 256] uint8 and d [ceil(N / 8), K / 32, 8] fp16, the activation rows in groups past each
+// group of weights (past_groups).
+void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp) {
   const int64_t K = a.K, KB = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  past_groups(groups, K, M, [&](auto rows, int64_t g, int64_t r) {
+  past_groups(groups, K, a.M, [&](auto rows, int64_t g, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock8;
     const at::Half* dg = dp + g * KB * kGroup;
@@ -309,7 +311,7 @@ at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N
               "d: fp16 [ceil(N / 8), K / 32, 8]");
   x = x.contiguous();
   auto y = x.new_empty({M, N});
-  int8_block_rows(BlockActivations(x.data_ptr<float>(), M, K), M, w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), N,
+  int8_block_rows(BlockActivations(x.data_ptr<float>(), M, K), w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), N,
                   y.data_ptr<float>());
   return y;
 }

@@ -326,9 +326,9 @@ static constexpr int64_t row_block(int64_t b, int r) {
 }
 
 // M rows of K activations quantized per block, as the block kernels take them: each group of rows that
-// in_row_groups makes starts at its first row's place (q at r * K, the scales and sums at r * K / 32), its rows'
-// blocks interleaved (row_block). All at once, or room for them that quantize_row fills row by row (each row's
-// own memory, so threads may fill different rows).
+// in_row_groups makes (with its default widest group, as past_groups takes the rows) starts at its first row's place
+// (q at r * K, the scales and sums at r * K / 32), its rows' blocks interleaved (row_block). All at once, or room
+// for them that quantize_row fills row by row (each row's own memory, so threads may fill different rows).
 struct BlockActivations {
   int64_t M, K;
   std::vector<int8_t> q;
@@ -426,9 +426,9 @@ void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, i
 void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K, float* yp);
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
                    int64_t K, float* yp);
-void int8_block_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
-void int4_dyn_rows(const BlockActivations& a, int64_t M, const uint8_t* wp, const at::Half* dp, const at::Half* mp,
-                   int64_t N, float* yp);
+void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
+void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
+                   float* yp);
 
 // The layer pieces around the products (layers.cpp).
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);

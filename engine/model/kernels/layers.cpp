@@ -150,10 +150,11 @@ at::Tensor silu_mul(at::Tensor x) {
   return out;
 }
 
-// o[d] = the sum over t of p[t] * v[t * D + d]: the even positions' sum and the odd positions' sum, each added
-// in the order of t, then added together. A slice of 64 outputs at a time keeps its sums in registers over all
-// positions, eight chains side by side: each multiply-add waits for the one before in its chain, so four chains
-// waited on that alone, and summed in o itself each position's add waited for the store of the one before.
+// o[d] = the sum over t of p[t] * v[t * D + d]: in each slice of 64 outputs, the even positions' sum and the odd
+// positions' sum, each added in the order of t, then added together; outputs past the last full slice in one sum
+// in the order of t. A slice keeps its sums in registers over all positions, two sets of chains side by side: each
+// add waits for the one before in its chain, so one set waited on that alone, and summed in o itself each
+// position's add waited for the store of the one before.
 static void weighted_values(const float* p, const float* v, int64_t T, int64_t D, float* o) {
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
