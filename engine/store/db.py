@@ -56,7 +56,10 @@ def lock_path(db_path: Path) -> Path:
 @contextmanager
 def signals_deferred():
     """Ctrl-C and SIGTERM wait until the block is done, then interrupt as usual: for what must happen whole (a run
-    row and its journal, a file's attachment and its count), in the main thread, where Python delivers signals."""
+    row and its journal, a file's attachment and its count), in the main thread, where Python delivers signals.
+    The first one that came goes to the handler the block put aside, as it would have without the block: one that
+    notes the interrupt and ignores the next ones (a command's interrupt_once) keeps doing so, and an ignored
+    signal stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -69,7 +72,11 @@ def signals_deferred():
         for s, handler in previous.items():
             signal.signal(s, handler)
         if caught:
-            raise KeyboardInterrupt
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _instance() -> duckdb.DuckDBPyConnection:
