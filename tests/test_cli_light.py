@@ -90,3 +90,36 @@ def test_an_interrupt_python_had_to_drop_is_delivered_again(monkeypatch):
         while time.monotonic() < deadline:
             time.sleep(0.01)
     assert ref() is None
+
+
+def test_a_ctrl_c_held_back_by_a_whole_write_goes_to_the_handler_it_put_aside():
+    """Two Ctrl-C during a write that must happen whole: after it, the command's handler sees the first, as it
+    would have without the write, so that a handler that ignores the ones after it (a command's) still does."""
+    import signal
+
+    from engine.store.db import signals_deferred
+
+    seen = []
+
+    def once(signum, frame):
+        seen.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def arrives():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs a handler between two instructions of the main thread
+
+    previous = signal.signal(signal.SIGINT, once)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                arrives()
+                arrives()
+        assert seen == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        with signals_deferred():  # ignored before the write, ignored after it
+            arrives()
+        arrives()
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)

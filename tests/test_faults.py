@@ -12,7 +12,7 @@ import duckdb
 import pytest
 
 from engine.store import journal
-from engine.store.db import Store, signals_deferred
+from engine.store.db import Store
 from commands import start_engine
 from test_served import stream_server  # noqa: F401 (a fixture: a small real streaming server)
 
@@ -281,35 +281,6 @@ def finished_journal(db: Path) -> dict | None:
         if finish:
             return finish
     return None
-
-
-def test_a_ctrl_c_held_back_by_a_whole_write_goes_to_the_handler_it_put_aside():
-    """Two Ctrl-C during a write that must happen whole: after it, the command's handler sees the first, as it
-    would have without the write, so that a handler that ignores the ones after it (a command's) still does."""
-    seen = []
-
-    def once(signum, frame):
-        seen.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    def arrives():
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)  # Python runs a handler between two instructions of the main thread
-
-    previous = signal.signal(signal.SIGINT, once)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with signals_deferred():
-                arrives()
-                arrives()
-        assert seen == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        with signals_deferred():  # ignored before the write, ignored after it
-            arrives()
-        arrives()
-        assert seen == [signal.SIGINT]
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_double_ctrl_c_right_after_the_last_token_says_what_became_of_the_run(tiny_folder, tmp_path):
