@@ -259,8 +259,8 @@ static inline void prefetch_pair_block(const uint8_t* wg, int64_t a, int64_t KB,
 
 // One row of activations quantized per block: q = round(x / dx) in [-127, 127], dx = max|x| / 127
 // (1 where the block is all zero), and each block's sum(q) and dx * sum(q), block b's at q + b * step * 32 and at
-// dx, sums and dsum + b * step. With AVX-512 a block is two registers;
-// the division, the rounding to nearest even and the integers are the plain loop's.
+// dx, sums and dsum + b * step. With AVX-512 a block is two registers; the division, the rounding to nearest even
+// and the integers are the plain loop's.
 static void quantize_blocks(const float* x, int64_t K, int64_t step, int8_t* q, float* dx, int32_t* sums,
                             float* dsum) {
   for (int64_t b = 0, at = 0; b < K / kBlock; ++b, at += step) {
