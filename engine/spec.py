@@ -20,7 +20,7 @@ MAX_WAIT_S = 86_400.0  # served: the most a stall timeout or a deadline may be
 DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stall timeout plus this per token
 # Up to 24 rows the kernels' products keep each row's arithmetic independent of the rows beside it
 # (engine/model/kernels), so a sequence decodes the same tokens in any batch up to this size.
-MAX_BATCH = 16
+MAX_BATCH = 64
 
 # What a served run cannot honour: the server decides these, so a served spec that sets them is refused
 # (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.

@@ -288,7 +288,7 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
     p.add_argument("--weights", help="with --local: the weight level the whole batch runs at (default fp32; "
                                      "int8-dyn, int4-dyn, ...: `generate --help` lists them)")
-    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-16)")
+    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-64)")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")
     p.add_argument("--slo", required=slo_required, help="targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also itl_ms, "

@@ -291,7 +291,8 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> dict[str, f
     return figures
 
 
-# rows of the prefill chunks whose products are timed (the engine's chunks hold at most 128 prompt tokens)
+# rows of the prefill chunks whose products are timed (the rate levels off by 128 rows: the planner takes that
+# figure for larger chunks)
 PREFILL_ROWS = (16, 32, 64, 128)
 # a pass takes milliseconds, and two threads sharing cores with other work meet in step only now and then
 PREFILL_ROUNDS = 20

@@ -46,7 +46,7 @@ from engine.run.step import select_token
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
-PREFILL_CHUNK = 128  # prompt tokens a step prefills, between the running sequences' decode steps
+PREFILL_CHUNK = 512  # prompt tokens a step prefills, between the running sequences' decode steps
 CACHE_ROOM = 128  # positions a decode grows a full cache by (engine/model/lean.py, kernels/decode.cpp)
 
 
