@@ -296,6 +296,51 @@ def test_each_token_carries_its_share_of_the_weights_and_the_buckets_sum_to_each
         assert buckets == pytest.approx(tokens["t_ms"].iloc[-1], rel=1e-9)
 
 
+def test_prompts_prefilled_in_one_forward_share_its_weights_and_their_buckets_sum_to_their_time(
+        levels, calibration, store):
+    """int4-dyn's products take a row at a time, so the prompts a step admits are prefilled in one forward: each
+    prefill row names the sequences in it and carries its share of the weights."""
+    lm = levels["int4-dyn"]
+    assert lm.model.products_rows_apart() and not levels["fp32"].model.products_rows_apart()
+    one = batched(lm, [greedy(PROMPTS[0], tokens=4)], calibration)[0].steps[0]
+    engine = BatchEngine(lm, store, max_batch=4, calibration=calibration)
+    seqs = [engine.submit(greedy(PROMPTS[0], tokens=4)) for _ in range(3)]
+    engine.run()
+    for seq in seqs:
+        first = store.steps(seq.run_id).to_dict("records")[0]
+        assert first["kind"] == "prefill" and first["batch"] == 3
+        assert first["weight_bytes"] == one["weight_bytes"] // 3 and first["flops"] == one["flops"]
+        tokens = store.tokens(seq.run_id)
+        buckets = sum(tokens[f"{b}_ms"].sum() for b in ("physical", "memory", "compute", "time", "decision"))
+        assert buckets == pytest.approx(tokens["t_ms"].iloc[-1], rel=1e-9)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("level", ["int4-dyn", "int8-dyn"])
+def test_the_default_model_prefills_chunks_side_by_side_as_it_prefills_each_alone(default_lm, level):
+    """A whole prompt, the second half of one whose first half is cached, and a last token of one prefilled in one
+    forward (LeanLlama.prefill_batch): each chunk's logits and cache equal its own forward's, to the bit."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    lm = quantize(default_lm, level)
+    assert lm.model.products_rows_apart()
+    ids = [lm.tokenizer(p)["input_ids"] for p in PROMPTS[1:]]
+    cached = [0, len(ids[1]) // 2, len(ids[2]) - 1]
+    alone, together = [], []
+    for seq, before in zip(ids, cached):
+        for kept in (alone, together):
+            kept.append(DynamicCache(config=lm.config))
+            if before:
+                lm.model(input_ids=torch.tensor([seq[:before]]), cache=kept[-1], use_cache=True)
+    own = [lm.model(input_ids=torch.tensor([seq[before:]]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+           for seq, before, cache in zip(ids, cached, alone)]
+    side_by_side = lm.model.prefill_batch([seq[before:] for seq, before in zip(ids, cached)], together)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert torch.equal(side_by_side[i], own[i]), f"chunk {i}"
+        for layer_a, layer_b in zip(a.layers, b.layers):
+            assert torch.equal(layer_a.keys, layer_b.keys) and torch.equal(layer_a.values, layer_b.values)
+
+
 def test_time_waiting_to_be_admitted_is_the_time_distance(tiny_lm, calibration):
     engine = BatchEngine(tiny_lm, max_batch=1, calibration=calibration)
     now = time.perf_counter_ns()  # both clocks start together: the second is admitted after the first's last token

@@ -151,15 +151,29 @@ class LeanAttention(nn.Module):
             batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
             q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+        if isinstance(cache, Packed):  # several sequences' tokens side by side, each attending over its own cache
+            return self.o_proj(torch.cat([self.attend(q[:, :, at], k[:, :, at], v[:, :, at], part, part_mask, x.dtype)
+                                          for at, part, part_mask in cache.parts], dim=1))
+        return self.o_proj(self.attend(q, k, v, cache, mask, x.dtype))
+
+    def attend(self, q, k, v, cache, mask, dtype) -> torch.Tensor:
+        """[batch, length, heads * head_dim]: the new positions' attention over the cache they join."""
+        batch, _, length, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         kernel = cpu_kernel(q) if length == 1 and mask is None else None
         if kernel is not None:  # one new token that sees every cached one: a decode step
-            return self.o_proj(kernel.decode_attention(q, k, v, self.scaling).to(x.dtype))
+            return kernel.decode_attention(q, k, v, self.scaling).to(dtype)
         causal = mask is None and length > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                              enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1).to(x.dtype))
+        return out.transpose(1, 2).reshape(batch, length, -1).to(dtype)
+
+
+class Packed(NamedTuple):
+    """Several sequences' new tokens in one row of positions (LeanLlama.prefill_batch): each part's positions, the
+    cache it joins and its visibility mask (None: causal)."""
+    parts: list[tuple[slice, object, torch.Tensor | None]]
 
 
 class LeanMLP(nn.Module):
@@ -397,6 +411,37 @@ class LeanLlama(nn.Module):
                     flat[i].keys, flat[i].values = keys, values
                 return LeanOutput(logits=logits[:, 0], kv_bytes=(read, written))
         return self._decode_batch_modules(ids, positions, caches, kv_dtype)
+
+    def products_rows_apart(self) -> bool:
+        """Whether no product of this model depends on the rows beside its own, at any count of rows: every linear
+        layer is one the project's kernels compute a row at a time (a `rows_apart` layer: int4-dyn's, int8-dyn's)
+        and none is a float32 one, which PyTorch's GEMM computes above a few rows. Only then do chunks prefilled
+        side by side (prefill_batch) get the logits each gets alone, to the bit."""
+        products = [m for m in self.modules() if isinstance(m, nn.Linear) or hasattr(m, "rows_apart")]
+        return bool(products) and all(getattr(m, "rows_apart", False) for m in products)
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: list[list[int]], caches: list, kv_dtype=None) -> torch.Tensor:
+        """The logits [len(chunks), vocabulary] of each chunk's last token: the chunks (each a sequence's next
+        prompt tokens, its DynamicCache holding the ones before) side by side in one row of positions, so every
+        product takes all their rows at once and reads each weight once for them all, and each sequence attends
+        over its own cache. A row's products, norms and attention are those of its chunk run alone, so where the
+        products do not depend on how many rows share them (the project's kernels) the logits are the same."""
+        device = self.model.embed_tokens.weight.device
+        pasts = [cache.get_seq_length() for cache in caches]
+        x = self.model.embed_tokens(torch.tensor([[t for chunk in chunks for t in chunk]], device=device))
+        positions = torch.tensor([[past + i for chunk, past in zip(chunks, pasts) for i in range(len(chunk))]],
+                                 device=device)
+        cos, sin = self.rotary(x, positions, 0, x.shape[1])
+        parts, start = [], 0
+        for chunk, past, cache in zip(chunks, pasts, caches):
+            mask = _visibility(None, past, len(chunk), device) if past and len(chunk) > 1 else None
+            parts.append((slice(start, start + len(chunk)), cache, mask))
+            start += len(chunk)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, Packed(parts), None, kv_dtype)
+        last = torch.tensor([at.stop - 1 for at, _, _ in parts], device=device)
+        return self.lm_head(self.model.norm(x[0, last]))
 
     def _decode_batch_modules(self, ids, positions: list[int], caches: list, kv_dtype) -> LeanOutput:
         x = self.model.embed_tokens(ids[:, None])

@@ -8,17 +8,18 @@ the budget runs out it preempts the newest-admitted sequence, as vLLM does, free
 at the front of the queue, to be recomputed (one prefill of its prompt and the tokens it has so far, which gives
 its next token) when memory allows. Then, unless it preempted, it admits the arrivals that a free slot and the
 budget allow, runs up to prefill_chunk prompt tokens of the admitted ones (oldest first, a long prompt in chunks
-over several steps), and one batched decode of every sequence past its prefill. Sequences join and leave between
+over several steps; in one forward where no product depends on the rows beside it, LeanLlama.prefill_batch, else one
+forward a sequence), and one batched decode of every sequence past its prefill. Sequences join and leave between
 steps; a cancelled one frees its slot and its cache at the next step. A request too long for the budget even alone
 is refused before it is queued.
 
 Every sequence is its own recorded run with its own journal; the engine's Writer (engine.store.writer) writes the
-runs' rows together, off the stepping thread. A sequence's rows share each step it took part in: its
-memory estimate carries 1/batch of the weights' trip (engine.store.rows), its own KV bytes and FLOPs stay its own,
-and the rest of the step, like the time it waited to be admitted or while another sequence's prefill ran, is
-the time distance; its steps tile its timeline, so its buckets sum to its measured time. A preempted sequence's
-recompute is a step of its run (kind recompute), and the time from its preemption to its recompute's forward is
-the time distance too."""
+runs' rows together, off the stepping thread. A sequence's rows share each forward it took part in (a prefill's,
+the last one that prefilled it): its memory estimate carries 1/batch of the weights' trip (engine.store.rows), its
+own KV bytes and FLOPs stay its own, and the rest of the step, like the time it waited to be admitted or while
+another sequence's prefill ran, is the time distance; its steps tile its timeline, so its buckets sum to its
+measured time. A preempted sequence's recompute is a step of its run (kind recompute), and the time from its
+preemption to its recompute's forward is the time distance too."""
 from __future__ import annotations
 
 import math
@@ -162,6 +163,7 @@ class BatchEngine:
         self.kv_dtype_name = kv_dtype
         self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
+        self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.products_rows_apart()
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
             self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
@@ -239,11 +241,7 @@ class BatchEngine:
             return False
         try:
             decoding = [s for s in self.running if s.phase == "decode"]
-            budget = self.prefill_chunk  # prompt tokens this step, over as many arrivals as it covers
-            for seq in [s for s in self.running if s.phase == "prefill"]:
-                if budget <= 0:
-                    break
-                budget -= self._prefill_chunk(seq, budget)
+            self._prefill([s for s in self.running if s.phase == "prefill"])
             if decoding:
                 self._decode(decoding)
         except Exception as exc:  # the step failed for every sequence in it: each run ends with the error
@@ -311,34 +309,54 @@ class BatchEngine:
             seq.cache = DynamicCache(config=self.lm.config)
             self.running.append(seq)
 
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Up to prefill_chunk tokens of the prompts in their prefill (oldest first; after a preemption, a
+        sequence's prompt and output tokens): in one forward where no product depends on the rows beside it, else
+        one forward a sequence, so that each sequence's logits are those it gets alone."""
+        parts, budget = [], self.prefill_chunk
+        for seq in seqs:
+            if budget <= 0:
+                break
+            chunk = seq.fill_ids[seq.filled:seq.filled + budget]
+            parts.append((seq, chunk))
+            budget -= len(chunk)
+        for together in [parts] if self.prefills_together and len(parts) > 1 else [[part] for part in parts]:
+            self._prefill_forward(together)
+
     @torch.inference_mode()
-    def _prefill_chunk(self, seq: Sequence, most: int) -> int:
-        """Up to `most` of the sequence's prompt tokens (after a preemption, its prompt and output tokens) through
-        the model; how many it took."""
-        fill = seq.fill_ids
-        chunk = fill[seq.filled:seq.filled + most]
+    def _prefill_forward(self, parts: list[tuple[Sequence, list[int]]]) -> None:
+        """The sequences' chunks through the model in one forward; a sequence whose prefill it ends takes its
+        first token (after a preemption, its next)."""
         t_forward = time.perf_counter_ns()
-        extra = {"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {}
-        out = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache, use_cache=True,
-                            logits_to_keep=1, **extra)
+        if len(parts) == 1:
+            (seq, chunk), = parts
+            extra = {"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {}
+            logits = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache,
+                                   use_cache=True, logits_to_keep=1, **extra).logits[0, -1:]
+        else:
+            logits = self.lm.model.prefill_batch([chunk for _, chunk in parts], [seq.cache for seq, _ in parts],
+                                                 self.kv_dtype)
         hardware.sync(self.lm.device)
         t_sync = time.perf_counter_ns()
-        seq.prefill_forward_ns += t_sync - t_forward
-        seq.filled += len(chunk)
-        if seq.filled < len(fill):
-            return len(chunk)
-        token = select_token(out.logits[0, -1].float().cpu(), seq.cfg, seq.generator)
+        ended = []
+        for (seq, chunk), row in zip(parts, logits):
+            seq.prefill_forward_ns += t_sync - t_forward
+            seq.filled += len(chunk)
+            if seq.filled == len(seq.fill_ids):
+                ended.append((seq, select_token(row.float().cpu(), seq.cfg, seq.generator)))
         t_host = time.perf_counter_ns()
-        # the prefill's forwards as one phase, which ended at t_sync; everything else since the request or its
-        # previous step (waiting to be admitted or readmitted, the other sequences' steps between the chunks) is
-        # the host phase: serial waiting
-        began = t_sync - seq.prefill_forward_ns
-        seq.past = len(fill)
-        seq.phase = seq.status = "decode"
-        self._emit(seq, Outcome(n_input=len(fill), past=0, drafted=0, accepted=0, emitted=[token],
-                                marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host)),
-                   kind="recompute" if seq.preemptions and seq.step else None)
-        return len(chunk)
+        for seq, token in ended:
+            # the prefill's forwards as one phase, which ended at t_sync; everything else since the request or its
+            # previous step (waiting to be admitted or readmitted, the other sequences' steps between the chunks)
+            # is the host phase: serial waiting. The weights its last forward read were read for every sequence in
+            # it, so it carries its share of them.
+            began = t_sync - seq.prefill_forward_ns
+            seq.past = len(seq.fill_ids)
+            seq.phase = seq.status = "decode"
+            self._emit(seq, Outcome(n_input=seq.past, past=0, drafted=0, accepted=0, emitted=[token],
+                                    marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
+                                    batch=len(parts)),
+                       kind="recompute" if seq.preemptions and seq.step else None)
 
     @torch.inference_mode()
     def _decode(self, seqs: list[Sequence]) -> None:

@@ -77,6 +77,11 @@ class Int8DynamicLinear(torch.nn.Module):
         self.packed_weight_nbytes = q.int_repr().nbytes + q.q_per_channel_scales().nbytes \
             + q.q_per_channel_zero_points().nbytes
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether a row's product does not depend on the rows beside it (the project's kernel; not fbgemm's)."""
+        return self.own_kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = _linear_input(x.float())
         if self.inv_smooth is not None:
@@ -156,6 +161,7 @@ class _BlockLinear(torch.nn.Module):
 
     block = 32
     group = 8  # output rows stored together (engine/model/kernels/int4.cpp and int8.cpp have the layouts)
+    rows_apart = True  # a row's product does not depend on the rows beside it
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
