@@ -315,6 +315,23 @@ def test_prompts_prefilled_in_one_forward_share_its_weights_and_their_buckets_su
         assert buckets == pytest.approx(tokens["t_ms"].iloc[-1], rel=1e-9)
 
 
+def test_prompts_split_into_chunks_prefilled_together_get_the_tokens_they_get_one_forward_each(levels, calibration):
+    """A step's budget of prompt tokens splits prompts into chunks, several in one forward: the same tokens as when
+    each chunk has a forward of its own."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    cfgs = [sampled(p, 6, i) for i, p in enumerate(PROMPTS)]
+    apart = BatchEngine(levels["int4-dyn"], max_batch=4, calibration=calibration, prefill_chunk=5)
+    apart.prefills_together = False
+    runs = []
+    for engine in (apart, BatchEngine(levels["int4-dyn"], max_batch=4, calibration=calibration, prefill_chunk=5)):
+        seqs = [engine.submit(cfg) for cfg in cfgs]
+        engine.run()
+        runs.append([seq.token_ids for seq in seqs])
+    assert runs[0] == runs[1]
+    assert max(seq.steps[0]["batch"] for seq in seqs) > 1  # some prefill ended in a forward of several chunks
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("level", ["int4-dyn", "int8-dyn"])
 def test_the_default_model_prefills_chunks_side_by_side_as_it_prefills_each_alone(default_lm, level):
