@@ -24,7 +24,8 @@ def _int8_block_reference(layer: Int8BlockLinear, x: torch.Tensor, magnitude: bo
     return torch.einsum("rbk,nbk->rn", xq.abs(), w.abs()) if magnitude else torch.einsum("rbk,nbk->rn", xq, w)
 
 
-@pytest.mark.parametrize("rows", [8, 15])  # one group of eight; then eight, four, two and one
+# one group of eight; then eight, four, two and one; then more than a thread's share of rows to quantize
+@pytest.mark.parametrize("rows", [8, 15, 61])
 def test_the_default_models_int4_dyn_rows_follow_the_reference_and_equal_each_row_alone(default_lm, rows):
     if optional_kernel() is None:
         pytest.skip("int4-dyn needs the C++ extension, which cannot be built here")

@@ -89,6 +89,22 @@ def test_cpu_kernels_compute_the_pytorch_expressions():
     torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+def test_the_row_kernels_give_each_row_of_a_prefill_what_they_give_it_alone():
+    """rms_norm, silu_mul and rotary share a prefill's rows over the threads: a row's result is its own."""
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    torch.manual_seed(1)
+    x, w, gate_up = torch.randn(1, 200, 576), torch.randn(576), torch.randn(1, 200, 2 * 1536)
+    qkv, cos, sin = torch.randn(1, 200, 15 * 64), torch.randn(1, 200, 64), torch.randn(1, 200, 64)
+    normed, acted, rotated = kernel.rms_norm(x, w, 1e-5), kernel.silu_mul(gate_up), kernel.rotary(qkv, cos, sin, 12, 64)
+    for r in range(0, 200, 7):
+        at = slice(r, r + 1)
+        assert torch.equal(normed[:, at], kernel.rms_norm(x[:, at], w, 1e-5))
+        assert torch.equal(acted[:, at], kernel.silu_mul(gate_up[:, at]))
+        assert torch.equal(rotated[:, :, at], kernel.rotary(qkv[:, at], cos[:, at], sin[:, at], 12, 64))
+
+
 def test_silu_mul_follows_pytorch_across_the_float_range_and_gives_a_value_the_same_bits_in_any_lane():
     kernel = optional_kernel()
     if kernel is None:

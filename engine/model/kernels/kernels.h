@@ -90,6 +90,13 @@ static void shared_streams(int64_t N, int64_t row_bytes, const F& f) {
   });
 }
 
+// f(begin, end) over independent rows [0, rows) of `width` floats each, split over the threads where each share
+// has enough work to pay for waking a thread (a prefill's rows), else on the calling thread (a decode step's few).
+template <typename F>
+static void over_rows(int64_t rows, int64_t width, const F& f) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(width, 1)), f);
+}
+
 // f(begin, end) over rows [0, N), one range after another (shared_streams with one stream).
 template <typename F>
 static void shared_rows(int64_t N, int64_t row_bytes, const F& f) {
@@ -339,7 +346,9 @@ struct BlockActivations {
       : M(M), K(K), q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()),
         dsum(d.size()) {}
   BlockActivations(const float* x, int64_t M, int64_t K) : BlockActivations(M, K) {
-    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, r);
+    over_rows(M, K, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, r);
+    });
   }
   void quantize_row(const float* x, int64_t r) {
     int64_t first = r, R = 1;

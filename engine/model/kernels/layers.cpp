@@ -29,7 +29,12 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   const int64_t H = x.size(-1), rows = x.numel() / H;
   TORCH_CHECK(w.numel() == H, "the weight's width differs from x's");
   auto out = x.new_empty(x.sizes());
-  rms_norm_rows(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), eps, rows, H, out.data_ptr<float>());
+  w = w.contiguous();
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_rows(rows, H, [&](int64_t begin, int64_t end) {
+    rms_norm_rows(xp + begin * H, wp, eps, end - begin, H, op + begin * H);
+  });
   return out;
 }
 
@@ -64,10 +69,10 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, i
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l)
-      rotary_row(xp + (b * L + l) * width, cp + (b * L + l) * D, sp + (b * L + l) * D, heads, D,
-                 op + (b * heads * L + l) * D, L * D);
+  over_rows(B * L, heads * D, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      rotary_row(xp + i * width, cp + i * D, sp + i * D, heads, D, op + (i / L * heads * L + i % L) * D, L * D);
+  });
   return out;
 }
 
@@ -146,7 +151,11 @@ at::Tensor silu_mul(at::Tensor x) {
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   auto out = x.new_empty(sizes);
-  silu_mul_rows(x.data_ptr<float>(), rows, I, out.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_rows(rows, 2 * I, [&](int64_t begin, int64_t end) {
+    silu_mul_rows(xp + begin * 2 * I, end - begin, I, op + begin * I);
+  });
   return out;
 }
 
