@@ -18,8 +18,9 @@ MAX_SEED = 2**64 - 1  # torch generators take an unsigned 64-bit seed
 STALL_TIMEOUT_S = 120.0  # served: the longest wait for the next token before the run is cut short
 MAX_WAIT_S = 86_400.0  # served: the most a stall timeout or a deadline may be
 DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stall timeout plus this per token
-# Up to 24 rows the kernels' products keep each row's arithmetic independent of the rows beside it
-# (engine/model/kernels), so a sequence decodes the same tokens in any batch up to this size.
+# Sequences a batch holds. A decode step in one kernel call keeps each row's arithmetic independent of the rows
+# beside it at any size, so a sequence decodes the tokens it decodes alone; the modules' path (another KV precision,
+# hooks on modules) runs float32 products above 24 rows in PyTorch's GEMM, whose rows may differ in the last bits.
 MAX_BATCH = 64
 
 # What a served run cannot honour: the server decides these, so a served spec that sets them is refused

@@ -412,13 +412,15 @@ class LeanLlama(nn.Module):
                 return LeanOutput(logits=logits[:, 0], kv_bytes=(read, written))
         return self._decode_batch_modules(ids, positions, caches, kv_dtype)
 
-    def products_rows_apart(self) -> bool:
-        """Whether no product of this model depends on the rows beside its own, at any count of rows: every linear
-        layer is one the project's kernels compute a row at a time (a `rows_apart` layer: int4-dyn's, int8-dyn's)
-        and none is a float32 one, which PyTorch's GEMM computes above a few rows. Only then do chunks prefilled
-        side by side (prefill_batch) get the logits each gets alone, to the bit."""
-        products = [m for m in self.modules() if isinstance(m, nn.Linear) or hasattr(m, "rows_apart")]
-        return bool(products) and all(getattr(m, "rows_apart", False) for m in products)
+    def prefills_side_by_side(self) -> bool:
+        """Whether chunks prefilled side by side (prefill_batch) get the logits each gets alone, to the bit: every
+        linear layer is one the project's kernels compute a row at a time, at any count of rows (a `rows_apart`
+        layer: int4-dyn's, int8-dyn's where the kernels are built; not a float32 one, which PyTorch's GEMM computes
+        above a few rows, nor another level's), and the rotary embedding does not change with the longest
+        position (prefill_batch asks it once for all the chunks)."""
+        products = [m for m in self.modules() if isinstance(m, nn.Linear) or hasattr(m, "decode_form")
+                    or hasattr(m, "rows_apart")]
+        return bool(products) and all(getattr(m, "rows_apart", False) for m in products) and not self._rope_varies()
 
     @torch.inference_mode()
     def prefill_batch(self, chunks: list[list[int]], caches: list, kv_dtype=None) -> torch.Tensor:

@@ -53,7 +53,8 @@ CACHE_ROOM = 128  # positions a decode grows a full cache by (engine/model/lean.
 
 def decoded_room(positions: int) -> int:
     """Positions of room a cache holding `positions` takes once the decode has grown it; a prefill takes no more
-    (its chunks concatenate, and a last chunk of one token grows the cache as a decode does)."""
+    (its chunks concatenate, and a last chunk of one token in a forward of its own grows the cache as a decode
+    does)."""
     return -(-positions // CACHE_ROOM) * CACHE_ROOM
 
 
@@ -163,7 +164,7 @@ class BatchEngine:
         self.kv_dtype_name = kv_dtype
         self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
-        self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.products_rows_apart()
+        self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.prefills_side_by_side()
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
             self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),

@@ -91,7 +91,7 @@ static void shared_streams(int64_t N, int64_t row_bytes, const F& f) {
 }
 
 // f(begin, end) over independent rows [0, rows) of `width` floats each, split over the threads where each share
-// has enough work to pay for waking a thread (a prefill's rows), else on the calling thread (a decode step's few).
+// has enough work to pay for waking a thread (a prefill's rows, a large batch's), else on the calling thread.
 template <typename F>
 static void over_rows(int64_t rows, int64_t width, const F& f) {
   at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(width, 1)), f);
