@@ -171,7 +171,8 @@ def test_a_sweep_where_every_request_failed_says_so_and_exits_non_zero(known_ser
 
 
 BAD = [
-    (["--rate", "0"], "above 0"), (["--rate", "-1"], "above 0"), (["--rate", "nan"], "above 0"),
+    (["--rate", "0"], "from 0.01 to 1000"), (["--rate", "-1"], "from 0.01"), (["--rate", "nan"], "from 0.01"),
+    (["--rate", "1e-10"], "from 0.01"), (["--rate", "1e-300"], "from 0.01"),
     (["--rate", "1,x"], "not a request rate"), (["--rate", "1", "--concurrency", "2"], "not both"),
     (["--rate", "1", "--burstiness", "0"], "--burstiness"), (["--rate", "1", "--slo", "ttft=5"], "Unknown SLO metric"),
     (["--rate", "1", "--slo", "ttft_ms=abc"], "must be a number"), (["--rate", "1", "--slo", "ttft_ms"], "metric=milliseconds"),
@@ -192,12 +193,17 @@ def test_bad_load_input_is_one_sentence_exit_2_and_nothing_stored(known_server, 
         (tmp_path / f"{name}.jsonl").write_text(text)
         cases.append((["--trace", str(tmp_path / f"{name}.jsonl")], "trace"))
     (tmp_path / "folder").mkdir()
+    notes = tmp_path / "notes.txt"  # a file of the user's own, the database say: never written over
+    notes.write_text('{"status": "mine"}')
     cases += [(["--rate", "1", "--progress", str(tmp_path / "folder")], "progress file"),
-              (["--rate", "1", "--progress", str(tmp_path / "no" / "such" / "p.json")], "progress file")]
+              (["--rate", "1", "--progress", str(tmp_path / "no" / "such" / "p.json")], "progress file"),
+              (["--rate", "1", "--progress", str(notes)], "not a sweep's progress file"),
+              (["--rate", "1", "--progress", str(db)], "is the database")]
     for args, words in cases:
         code = main(["load", "--endpoint", url, "--input-tokens", "4", *args, "--db", str(db)])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, (args, err)
+    assert notes.read_text() == '{"status": "mine"}'
     if db.exists():
         from engine.store.db import Store
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -359,6 +360,17 @@ def level_items(cfg: SweepConfig, spec: dict, index: int) -> list[arrivals.Item]
             for i, (out, t) in enumerate(zip(outs, offsets))]
 
 
+def is_progress(path: Path) -> bool:
+    """Whether the file holds a sweep's progress (a small JSON object with its sweep_id and status)."""
+    try:
+        if path.stat().st_size > 2**16:
+            return False
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and {"sweep_id", "status"} <= state.keys()
+
+
 class Sweep:
     """One sweep: run() goes level by level and stores as it goes; stop() from any thread (or a
     signal handler) ends it after cutting the requests in flight, keeping what finished. For a search
@@ -370,6 +382,12 @@ class Sweep:
         cfg.check()
         self.cfg, self.store = cfg, store
         self.progress_path = Path(progress_path) if progress_path else None
+        if self.progress_path is not None and os.path.realpath(self.progress_path) == store.file:
+            raise ServedError(f"{self.progress_path} is the database the sweep is stored in: give the progress a file of "
+                              "its own.")
+        if self.progress_path is not None and self.progress_path.is_file() and not is_progress(self.progress_path):
+            raise ServedError(f"{self.progress_path} is not a sweep's progress file, and the progress is never written "
+                              "over another file: give a new file.")
         self.on_progress = on_progress
         self._progress_lock = threading.Lock()  # request threads share one progress file
         self.done, self.total, self.sweep_id, self.level_now = 0, 0, None, None
