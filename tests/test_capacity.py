@@ -27,6 +27,9 @@ def test_the_search_doubles_until_a_level_fails_then_bisects_towards_the_edge():
     assert (good["rate"], bad, error) == (100.0, None, "the level at 200 req/s broke: it stopped answering")
     tried.clear()
     assert find_edge(level, lambda lv: True, 1.0, steps=3, stopped=lambda: True)[0]["rate"] == 1.0 and tried == [1.0]
+    tried.clear()  # halving stops above the slowest rate a level may take
+    good, bad, error = find_edge(level, lambda lv: False, 0.04, steps=3)
+    assert tried == [0.04, 0.02, 0.01] and good is None and bad["rate"] == 0.01
 
 
 def test_halving_stops_at_a_failing_level_whose_requests_each_ran_alone():
@@ -90,7 +93,7 @@ def test_the_first_metric_to_fail_is_the_one_fewest_requests_met():
     (["--slo", "ttft_ms=0"], "positive"), (["--slo", "speed=3"], "Unknown SLO metric"),
     (["--slo", "ttft_ms=500", "--attainment", "1.5"], "--attainment"),
     (["--slo", "ttft_ms=500", "--think-time", "-1"], "--think-time"),
-    (["--slo", "ttft_ms=500", "--start-rate", "0"], "above 0"),
+    (["--slo", "ttft_ms=500", "--start-rate", "0"], "from 0.01"),
     (["--slo", "ttft_ms=500", "--duration", "nan"], "--duration"),
 ])
 def test_bad_capacity_input_is_one_sentence_and_exit_2(args, words, tmp_path, capsys):

@@ -12,6 +12,7 @@ import numpy as np
 from engine.serve.client import ServedError
 
 MAX_RATE = 1000.0  # requests/s
+MIN_RATE = 0.01  # a request every 100 s on average: a slower level would take hours
 MAX_REQUESTS = 10_000
 MAX_INPUT_TOKENS = 32_768
 MAX_OUTPUT_TOKENS = 4096
@@ -41,13 +42,13 @@ def _number(text: str, what: str) -> float:
 
 
 def parse_rates(text: str) -> list[float]:
-    """'0.5,1,2' -> [0.5, 1.0, 2.0] requests/s, each positive, finite and at most MAX_RATE."""
+    """'0.5,1,2' -> [0.5, 1.0, 2.0] requests/s, each between MIN_RATE and MAX_RATE."""
     rates = [_number(part, "request rate") for part in str(text).split(",") if part.strip()]
     if not rates:
         raise ServedError("--rate needs at least one request rate, e.g. 0.5,1,2,4.")
     for r in rates:
-        if not math.isfinite(r) or not 0 < r <= MAX_RATE:
-            raise ServedError(f"A request rate must be a number of requests per second above 0 and at most "
+        if not math.isfinite(r) or not MIN_RATE <= r <= MAX_RATE:
+            raise ServedError(f"A request rate must be a number of requests per second from {MIN_RATE:g} to "
                               f"{MAX_RATE:g}, not {r:g}.")
     return rates
 

@@ -63,7 +63,7 @@ def find_edge(run_level, level_holds, start_rate: float, steps: int, stopped=lam
             good, rate = level, rate * 2
         else:
             bad, rate = level, rate / 2
-        if (good and bad) or stopped() or not 0 < rate <= arrivals.MAX_RATE or alone_failed(good, bad):
+        if (good and bad) or stopped() or not arrivals.MIN_RATE <= rate <= arrivals.MAX_RATE or alone_failed(good, bad):
             break
     for _ in range(steps if good and bad else 0):
         if stopped():
