@@ -405,15 +405,60 @@ def test_one_user_s_json_has_the_batch_s_figures(tiny_folder, tmp_path):
     assert result["users"] == 1 and result["tokens_per_s_total"] == result["tokens_per_s_per_user"] == result["tokens_per_s"]
 
 
-def test_a_stopped_batch_names_each_run_by_the_status_it_was_recorded_with():
+@pytest.mark.parametrize("users", ["1", "2"])
+def test_json_with_repeat_is_one_array_of_every_run_s_object(tiny_folder, tmp_path, users):
+    import json
+
+    out = cli("--prompt", "Count the stars", "--users", users, "--repeat", "2", "--max-new-tokens", "3", "--json",
+              db=tmp_path / "r.duckdb", model=tiny_folder)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)
+    assert isinstance(results, list) and len(results) == 2 and all(r["users"] == int(users) for r in results)
+    ids = [r["run_id"] for r in results] if users == "1" else [i for r in results for i in r["run_ids"]]
+    assert sorted(ids) == list(range(1, 2 * int(users) + 1))
+
+
+def test_a_batch_s_rates_and_run_ends_leave_out_the_time_its_rows_wait_to_be_written(tiny_lm, tmp_path, monkeypatch):
+    """A database held by another process delays the final write: the batch's tokens/s in total and each run's end
+    are the decoding's, not the wait's."""
+    from engine.run.local import BatchRun
+    from engine.spec import RunSpec
+    from engine.store.writer import Writer
+
+    written = {}
+    plain = Writer.write
+
+    def late_write(self):
+        written.setdefault("at", time.perf_counter())
+        time.sleep(0.5)
+        plain(self)
+
+    monkeypatch.setattr(Writer, "write", late_write)
+    store = Store(tmp_path / "r.duckdb")
+    run = BatchRun(tiny_lm, RunSpec(gen=GenConfig("Count the stars", max_new_tokens=3, raw=True), users=2), store)
+    before = time.perf_counter()
+    result = run.run()
+    assert result["wall_s"] <= written["at"] - before
+    runs = store.query("SELECT epoch(finished_at) - epoch(started_at) AS s, total_ms FROM runs")
+    assert len(runs) == 2 and (runs["s"] < written["at"] - before + 0.25).all()  # a late end would add 0.5
+
+
+def test_a_stopped_batch_names_each_run_by_the_status_it_was_recorded_with_or_its_journal():
     from types import SimpleNamespace
 
     from engine.cli.main import batch_outcome
 
-    seqs = [SimpleNamespace(run_id=i, status=s) for i, s in [(4, "ok"), (5, "cancelled"), (6, "ok"), (7, "cancelled")]]
+    def seq(i, status, written=True):
+        return SimpleNamespace(run_id=i, status=status, recorder=SimpleNamespace(written=written))
+
+    seqs = [seq(4, "ok"), seq(5, "cancelled"), seq(6, "ok"), seq(7, "cancelled")]
     assert batch_outcome(SimpleNamespace(sequences=seqs)) == "runs 4, 6 recorded as ok; runs 5, 7 recorded as cancelled"
     assert batch_outcome(SimpleNamespace(sequences=seqs[:1])) == "run 4 recorded as ok"
     assert batch_outcome(SimpleNamespace(sequences=[])) == "no run was recorded"
+    # the database was held as the batch ended: its rows wait in the journals
+    waiting = [seq(5, "ok", written=False), seq(6, "ok", written=False)]
+    assert batch_outcome(SimpleNamespace(sequences=waiting)) == (
+        "runs 5, 6 kept in their journals (they go into the database the next time Tokenpath opens it)")
 
 
 def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path):
@@ -439,6 +484,7 @@ def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path)
     (["--users", "0"], "between 1 and 64"),
     (["--users", "65"], "between 1 and 64"),
     (["--users", "2", "--kv-budget-mb", "0.0001"], "smaller than one sequence"),
+    (["--users", "2", "--kv-budget-mb", "1e308"], "--kv-budget-mb"),
     (["--users", "2", "--kv-budget-mb", "0.1", "--max-new-tokens", "300"], "smaller than one sequence"),
     (["--users", "2", "--max-new-tokens", "4000"], "context"),
     (["--users", "2", "--speculative", "prompt-lookup"], "Speculative decoding"),
@@ -451,6 +497,7 @@ def test_bad_batch_input_is_one_sentence_exit_2_and_nothing_recorded(tiny_folder
     assert out.returncode == 2, out.stderr
     assert says in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not db.exists() or Store(db).runs(10).empty
+    assert not db.exists() or Store(db).reserve_run_ids(1) == [1]  # no run id taken either
 
 
 def test_a_kill_mid_batch_keeps_every_sequences_tokens(long_tiny_folder, tmp_path):

@@ -46,6 +46,7 @@ def test_a_batchs_runs_are_written_together_in_one_connection_with_every_step_an
     monkeypatch.setenv("TOKENPATH_WRITE_EVERY_S", "600")  # no write comes due while the batch decodes
     store = CountingStore(tmp_path / "runs.duckdb")
     engine = BatchEngine(tiny_lm, store, max_batch=4, calibration=calibration)
+    engine.ready()  # the run ids, taken before the runs start
     store.opened = 0
     seqs = [engine.submit(GenConfig(p, max_new_tokens=5 + i, ignore_eos=True, temperature=1.0, seed=i))
             for i, p in enumerate(PROMPTS)]

@@ -82,13 +82,18 @@ def cmd_generate(args) -> int:
         return generate_again(args)
     if args.prompt is None:
         raise GenerationError("Give the prompt with --prompt TEXT, or make a stored run again with --from-run ID.")
+    if args.json and args.repeat > 1:
+        args.collected = []  # one JSON array of every run's object, those that finished where one fails
+    code = 0
     for i in range(args.repeat):
         if args.repeat > 1:
             print(f"repeat {i + 1} of {args.repeat}", file=sys.stderr)
         code = generate_once(args)
         if code:
-            return code
-    return 0
+            break
+    if getattr(args, "collected", None) is not None:
+        _print_json(args.collected)
+    return code
 
 
 # what generate --from-run takes beside the run: where to read it and write the new runs, how many, what to print
@@ -164,7 +169,10 @@ def _print_run_json(args, run, result: dict) -> None:
     result = {**result, **{k: shared[k] for k in ("users", "tokens_per_s_total", "tokens_per_s_per_user")}}
     if args.tokens:
         result = {**result, "tokens": run.tokens, "steps": run.steps}
-    _print_json(result)
+    if getattr(args, "collected", None) is not None:
+        args.collected.append(result)
+    else:
+        _print_json(result)
 
 
 def _print_result(args, run, result: dict) -> None:
@@ -214,14 +222,20 @@ def generate_batch(args, spec) -> int:
 
 
 def batch_outcome(run) -> str:
-    """What became of a batch's runs, in words: their ids by the status each was recorded with."""
+    """What became of a batch's runs, in words: their ids by the status each was recorded with, or kept in their
+    journals where the database has not taken them yet."""
     by_status: dict[str, list[str]] = {}
     for seq in run.sequences:
-        by_status.setdefault(seq.status, []).append(str(seq.run_id))
+        if seq.run_id is not None:
+            written = seq.recorder is None or seq.recorder.written
+            by_status.setdefault(f"recorded as {seq.status}" if written else "kept in their journals", []).append(
+                str(seq.run_id))
     if not by_status:
         return "no run was recorded"
-    return "; ".join(f"run{'s' if len(ids) > 1 else ''} {', '.join(ids)} recorded as {status}"
-                     for status, ids in by_status.items())
+    return "; ".join(f"run{'s' if len(ids) > 1 else ''} {', '.join(ids)} {where}"
+                     for where, ids in by_status.items()) + (
+        " (they go into the database the next time Tokenpath opens it)" if "kept in their journals" in by_status
+        else "")
 
 
 def _print_batch(result: dict) -> None:
@@ -494,7 +508,8 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--from-run", type=run_id, help="make this stored run again, with every setting it had")
     g.add_argument("--from-db", help="with --from-run: the database that holds it (default: --db)")
     g.add_argument("--repeat", type=repeat_count, default=1,
-                   help=f"run it this many times, one after another (1 to {MAX_REPEAT})")
+                   help=f"run it this many times, one after another (1 to {MAX_REPEAT}); with --json, one "
+                        "JSON array of their objects")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     g.add_argument("--model", default="default", help="'default', a Hugging Face id or a local folder")
     add_weight_args(g)

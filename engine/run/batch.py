@@ -72,7 +72,7 @@ def budget_bytes(mb: float | None) -> int | None:
     """--kv-budget-mb in bytes (None: no budget); BatchError unless it is a positive number of MiB."""
     if mb is None:
         return None
-    if not (math.isfinite(mb) and mb > 0):
+    if not (math.isfinite(mb * 2**20) and mb > 0):
         raise BatchError(f"--kv-budget-mb must be a positive number of MiB, not {mb:g}.")
     return int(mb * 2**20)
 
@@ -203,10 +203,16 @@ class BatchEngine:
         most = most_positions(len(ids), cfg.max_new_tokens)
         need = most * self.shape.kv_bytes_per_token
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
-            raise BatchError(f"The KV budget ({self.kv_budget_bytes / 2**20:.2f} MiB) is smaller than one sequence "
+            raise BatchError(f"The KV budget ({self.kv_budget_bytes / 2**20:.3g} MiB) is smaller than one sequence "
                              f"needs ({need / 2**20:.2f} MiB: room for {most} positions); raise it or shorten the "
                              "request.")
         return ids
+
+    def ready(self) -> None:
+        """Take the run ids the next runs get, so that no run's clock counts the connection (a refused request
+        takes none)."""
+        if self.writer is not None:
+            self.writer.ready()
 
     def submit(self, cfg: GenConfig, tag: str | None = None, t_request: int | None = None,
                sink: queue.SimpleQueue | None = None, batch: dict | None = None) -> Sequence:

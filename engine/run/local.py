@@ -84,6 +84,7 @@ class LocalEngine:
         """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...); tag is stored
         with its run."""
         cfg = self.check(prompt, max_new_tokens, **settings)  # refused here, in the caller's thread, unrecorded
+        self.engine.ready()
         handle = Handle()
         with self._wake:
             if self._closing:
@@ -194,10 +195,12 @@ class BatchRun:
 
     def __iter__(self):
         self.status = "running"
+        self.engine.ready()
         start = time.perf_counter()
         self.sequences = [self.engine.submit(cfg, tag=self.spec.tag, batch={**self.batch, "user": user})
                           for user, cfg in enumerate(self.requests)]
         taken = [0] * len(self.sequences)
+        end = None  # when the last step ended: the rates leave out the final write
         try:
             with collector_spared():
                 while self.engine.step():
@@ -209,6 +212,7 @@ class BatchRun:
                                              buckets={b: row[f"{b}_ms"] for b in BUCKETS}, user=user,
                                              run_id=seq.run_id)
                         taken[user] = len(seq.tokens)
+            end = time.perf_counter()
             self.status = "ok" if all(s.status == "ok" for s in self.sequences) else "incomplete"
         except (GeneratorExit, KeyboardInterrupt):
             self.status = "cancelled"
@@ -217,10 +221,11 @@ class BatchRun:
             self.status = "error"
             raise
         finally:
+            end = end or time.perf_counter()
             try:
                 self.engine.close()  # every sequence still running is recorded as cancelled; every run is written
             finally:
-                self.result = self._summary(time.perf_counter() - start)
+                self.result = self._summary(end - start)
 
     def _summary(self, wall_s: float) -> dict:
         own = (self.sequences[0].result if self.sequences else None) or {}

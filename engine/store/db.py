@@ -256,13 +256,13 @@ class Store:
 
     def finish_run(self, run_id: int, *, status: str, output: str = "", token_ids=(), metrics: dict | None = None,
                    error: str | None = None, batches: dict[str, list[dict]] | None = None,
-                   columns: dict | None = None) -> None:
+                   columns: dict | None = None, finished_at=None) -> None:
         """Write the run's rows and complete its row, in one transaction."""
         with self.connect() as con:
             con.execute("BEGIN")
             insert_batches(con, batches or {})
             complete_run(con, run_id, status=status, output=output, token_ids=token_ids, metrics=metrics, error=error,
-                         columns=columns)
+                         columns=columns, finished_at=finished_at)
             con.execute("COMMIT")
 
     def insert(self, batches: dict[str, list[dict]]) -> None:

@@ -15,7 +15,7 @@ from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
 from engine.store.rows import columns
 from engine.store.db import Store, StoreError, signals_deferred
-from engine.store.sql import start_row
+from engine.store.sql import start_row, utcnow
 
 
 class RecordDeferred(StoreError):
@@ -84,8 +84,9 @@ class Recorder:
         RecordDeferred says so."""
         if self.energy is not None:
             run_columns = {**(run_columns or {}), **self.energy.stop()}
+        # when the run ended, not when a writer or a locked database lets its rows in
         ending = {"status": status, "output": output, "token_ids": list(token_ids), "metrics": metrics,
-                  "error": error, "columns": run_columns}
+                  "error": error, "columns": run_columns, "finished_at": utcnow()}
         self.journal.write("finish", {**ending, "telemetry": telemetry})
         self.journal.flush()
         batches = {name: [{"run_id": self.run_id, **r} for r in rows]

@@ -37,9 +37,11 @@ def start_row(*, model: str, device: str, dtype: str, config: dict, hardware: di
 
 
 def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metrics: dict | None,
-                 error: str | None, columns: dict | None = None) -> None:
-    """Set a run's end: status, output, summary metrics and bucket totals, and any of EXTRA_COLUMNS
-    (inside the caller's transaction)."""
+                 error: str | None, columns: dict | None = None, finished_at: datetime | str | None = None) -> None:
+    """Set a run's end: when it ended (now unless given: a journal keeps it as text), status, output, summary
+    metrics and bucket totals, and any of EXTRA_COLUMNS (inside the caller's transaction)."""
+    if isinstance(finished_at, str):
+        finished_at = datetime.fromisoformat(finished_at)
     metrics = dict(metrics or {})
     distances = metrics.get("distances_ms") or {}
     names = list(RUN_COLUMNS) + [f"{b}_ms" for b in BUCKETS]
@@ -47,7 +49,8 @@ def complete_run(con, run_id: int, *, status: str, output: str, token_ids, metri
     assignments = ", ".join(f"{c} = ?" for c in names)
     con.execute(f"UPDATE runs SET finished_at = ?, status = ?, output = ?, token_ids = ?, metrics = ?, error = ?, "
                 f"{assignments} WHERE run_id = ?",
-                [utcnow(), status, output, list(token_ids), json.dumps(metrics, default=str), error, *values, run_id])
+                [finished_at or utcnow(), status, output, list(token_ids), json.dumps(metrics, default=str), error,
+                 *values, run_id])
     extra = {c: v for c, v in (columns or {}).items() if c in EXTRA_COLUMNS}
     if extra:
         con.execute(f"UPDATE runs SET {', '.join(f'{c} = ?' for c in extra)} WHERE run_id = ?",

@@ -33,18 +33,28 @@ def flush_s() -> float:
 class Writer:
     """The rows of one engine's runs, written together. Recorder(store, writer) hands it a run's row as the run
     starts (start) and its rows and ending as it ends (end); a thread writes them, and write() does now. It keeps
-    ids_ahead run ids in hand, taken when it is made and topped up by each write of its thread, so that starting a run takes no
-    connection of its own."""
+    ids_ahead run ids in hand, taken by ready() (or the first run that starts) and topped up by each write of its
+    thread, so that starting a run takes no connection of its own; none is taken before a run could start, so a
+    request refused first leaves the database's sequence as it was."""
 
     def __init__(self, store: Store, ids_ahead: int):
         self.store, self.ids_ahead = store, ids_ahead
-        self._ids = deque(store.reserve_run_ids(ids_ahead))
+        self._ids: deque[int] = deque()
         self._rows: list[dict] = []  # run rows to insert
         self._ends: list[tuple] = []  # (recorder, batches, ending) of each ended run
         self._since: float | None = None  # when the oldest waiting row came
         self._state = threading.Condition()  # guards the lists above; never held while connecting
         self._writing = threading.Lock()  # one write at a time, so a run's ending never lands before its row
         self._thread: threading.Thread | None = None
+
+    def ready(self) -> None:
+        """Take run ids now where none are in hand, before the runs' clocks start."""
+        with self._state:
+            if self._ids:
+                return
+        ids = self.store.reserve_run_ids(self.ids_ahead)
+        with self._state:
+            self._ids.extend(ids)
 
     def run_id(self) -> int:
         """A run id of the database's sequence for a run about to start; it takes a connection only when none is
