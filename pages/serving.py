@@ -135,7 +135,7 @@ def check_target() -> None:
 
 if start:
     try:  # the quick checks here, so a mistake reads as one sentence before anything starts
-        parse_rates(levels_text) if RATES else parse_concurrency(levels_text)
+        (parse_rates if RATES else parse_concurrency)(levels_text)
         if slo_text.strip():
             parse_slo(slo_text)
         load_prompts(None if prompt_set == "every shipped workload" else prompt_set)
@@ -334,7 +334,9 @@ DELIVERY_GAP_MS = 1.0  # chunks closer than this came in one read of the stream:
 def completed_by_level(requests):
     """The completed requests grouped by their level's label, in sweep order."""
     ok = requests[requests["status"] == "ok"]
-    return ok.groupby([sweep_views.request_level(r) for r in ok.itertuples()], sort=False)
+    # a Series, not a list: pandas keys the groups of a one-item list by tuples (a stopped sweep's one request)
+    return ok.groupby(pd.Series([sweep_views.request_level(r) for r in ok.itertuples()], index=ok.index, dtype=object),
+                      sort=False)
 
 
 def chunk_gaps(requests) -> dict:

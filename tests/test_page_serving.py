@@ -77,7 +77,7 @@ def test_start_runs_the_sweep_in_a_subprocess_and_the_page_draws_it(page_db, str
     at.number_input[1].set_value(5)
     at.button[0].click()
     at.run()
-    assert not at.error
+    assert not at.error and not at.get("json")  # the levels checked, not written on the page
     job = at.session_state["load"]
     assert job.process.wait(timeout=600) == 0
     folder = job.folder
@@ -250,6 +250,21 @@ def store_a_sweep_and_one_that_completed_nothing(db, url: str) -> tuple[int, int
     assert [lv["completed"] for lv in done["levels"]] == [2] and [lv["completed"] for lv in cut["levels"]] == [0, 0]
     assert cut["status"] == "ok"  # missed deadlines are a measurement, not a broken level
     return done["sweep_id"], cut["sweep_id"]
+
+
+def test_a_sweep_that_completed_one_request_and_empty_levels(page_db, stream_url):
+    """A sweep stopped after its first request is drawn like any other; an empty Levels box is one sentence."""
+    Sweep(SweepConfig(stream_url, [1], 1, 3, load_prompts("summary")), Store(page_db)).run()
+    at = open_page()
+    assert not at.exception
+    delivery = next(d.value for d in at.dataframe if "chunks per delivery" in d.value.columns)
+    assert list(delivery["level"]) == ["1 at once"]
+    at.text_input[0].set_value(stream_url)
+    at.text_input[3].set_value(" ")
+    at.button[0].click()
+    at.run()
+    assert not at.exception and "load" not in at.session_state
+    assert len(at.error) == 1 and "at least one concurrency level" in at.error[0].value
 
 
 def test_a_sweep_whose_level_completed_nothing_offers_its_report_without_an_exception(page_db, slow_stream_url):

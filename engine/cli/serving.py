@@ -150,12 +150,12 @@ def cmd_load(args) -> int:
 
     def levels() -> dict:
         if args.rate is not None:
-            if args.concurrency:
+            if args.concurrency is not None:
                 raise ServedError("Give --rate or --concurrency, not both.")
             return {"rates": arrivals.parse_rates(args.rate)}
         if args.trace:
-            return {"concurrency": load.parse_concurrency(args.concurrency)} if args.concurrency else {}
-        return {"concurrency": load.parse_concurrency(args.concurrency or "1,2,4,8")}
+            return {"concurrency": load.parse_concurrency(args.concurrency)} if args.concurrency is not None else {}
+        return {"concurrency": load.parse_concurrency("1,2,4,8" if args.concurrency is None else args.concurrency)}
 
     sweep = _start(args, levels, None if args.json else _print_progress)
     if isinstance(sweep, int):

@@ -132,6 +132,8 @@ def parse_concurrency(text: str) -> list[int]:
         levels = [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
         raise ServedError(f"'{text}' is not a list of concurrency levels: give numbers like 1,2,4,8.") from None
+    if not levels:
+        raise ServedError("Give at least one concurrency level, such as 1,2,4,8.")
     return levels
 
 
