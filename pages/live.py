@@ -44,12 +44,13 @@ USERS = [n for n in (1, 2, 4, 8, 16) if LIMITS["users"].low <= n <= LIMITS["user
 USERS_HELP = ("Sequences decoded together: your prompt beside prompts from the workloads, each step reading the "
               "weights once for all of them, so each token carries a share of that trip. Speculative decoding and "
               "sparsity decode one sequence at a time.")
-BATCH_HELP = {"Tokens/s per user": "Each sequence's tokens over its own time from request to last token, averaged "
-                                   "over the users.",
-              "Tokens/s in total": "Every sequence's tokens over the batch's wall time, from the first request to "
-                                   "the last token.",
-              "Bytes per decode token": "Weights, KV reads and KV writes per decode token: each token's share of its "
-                                        "step's weights plus its own cache.",
+BATCH_HELP = {"Tokens/s per user, end to end": "Each sequence's tokens over its own time from request to last token "
+                                                 "(its prefill and its wait for the others' included), averaged over "
+                                                 "the users; the decode rates alone are in the table below.",
+              "Tokens/s in total, end to end": "Every sequence's tokens over the batch's wall time, from the first "
+                                               "request to the last token, prefills included.",
+              "Bytes per decode token, all users": "Weights, KV reads and KV writes per decode token of every user: "
+                                                   "each token's share of its step's weights plus its own cache.",
               "Your TTFT": "Time to your sequence's first token, prefills of the others' prompts included."}
 shipped = workloads()
 # the form's defaults: the run specification's own (engine.spec.DEFAULTS), under the page's names
@@ -218,7 +219,8 @@ def others_compact(tokens: list[dict], hidden: set[int], users: int, whole: bool
         lines.append(f'<div style="{"white-space:pre-wrap" if whole else "white-space:nowrap;overflow:hidden"}">'
                      f'<b>user {user + 1}</b>: {html.escape(shown)}</div>')
     return ('<div style="font-size:0.8rem;color:#555;font-family:monospace;margin-top:0.5rem">'
-            f'<div>Decoded beside yours ({users - 1} other users, prompts from the workloads):</div>'
+            f'<div>Decoded beside yours ({users - 1} other user{"s" if users > 2 else ""}, prompts from the '
+            'workloads):</div>'
             + "".join(lines) + "</div>")
 
 
@@ -229,9 +231,10 @@ def rate(value: float | None, unit: str = "") -> str:
 def batch_figures(done: dict) -> dict:
     """A batch's headline figures: tokens/s per user against in total, the bytes a decode token moved."""
     result, own = done["result"], own_result(done)
-    return {"Users": str(result["users"]), "Tokens/s per user": rate(result["tokens_per_s_per_user"]),
-            "Tokens/s in total": rate(result["tokens_per_s_total"]),
-            "Bytes per decode token": f"{result['bytes_per_token'] / 1e6:.0f} MB" if result["bytes_per_token"] else "n/a",
+    return {"Users": str(result["users"]), "Tokens/s per user, end to end": rate(result["tokens_per_s_per_user"]),
+            "Tokens/s in total, end to end": rate(result["tokens_per_s_total"]),
+            "Bytes per decode token, all users":
+                f"{result['bytes_per_token'] / 1e6:.0f} MB" if result["bytes_per_token"] else "n/a",
             "Your TTFT": f"{own['ttft_ms']:.0f} ms" if own.get("ttft_ms") is not None else "n/a"}
 
 
@@ -245,13 +248,16 @@ def show_prediction(result: dict) -> None:
     st.markdown(f"**Measured and planned** (the planner at batch {planned['batch']}, the mean batch of your "
                 "sequence's decode steps)")
     st.table(pd.DataFrame({
-        "": ["decode tokens/s per user", "decode tokens/s in total", "bytes per decode token"],
+        "": ["decode tokens/s per user", "decode tokens/s in total", "bytes per decode token of your sequence"],
         "measured": [rate(result["decode_tokens_per_s_per_user"]), rate(result["decode_tokens_per_s_total"]),
-                     mb(result["bytes_per_token"])],
+                     mb(result["bytes_per_token_own"])],
         "planned": [rate(planned["tokens_per_s_per_user"]), rate(planned["tokens_per_s_total"]),
                     mb(planned["bytes_per_token"])]}).set_index(""))
     st.caption("Decode rates leave out the prefill and the wait to be admitted, as the planner's do: each user's "
-               "rate is 1 / its TPOT, the total their sum while they decode together.")
+               "rate is 1 / its TPOT, the total their sum while they decode together. Your sequence's bytes are its "
+               "decode steps' share of the weights plus its own cache, the steps the planner's batch is the mean of; "
+               "the figure above the table is every user's tokens, including the steps after others finished, when "
+               "fewer shared the weights.")
 
 
 # Streamlit's running-man icon redraws several times a second, browser CPU time that the model, on the
@@ -302,6 +308,7 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
         if kind == "preparing":  # a model or variant is loading
             with st.spinner(f"Loading {spec['model']} at {spec['weights']} (first time only) and prefilling..."):
                 _, ready = next(run)
+        started["run_ids"] = ready["run_ids"]
         special = set(ready["special_ids"])
         tokens.extend(ready["tokens"])
         if redraw_s and tokens:  # the first token shows as soon as it is out
@@ -339,11 +346,12 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
                    "memory/compute split is the planner's estimate for the GPU named. Hover a figure for its "
                    "definition (vLLM's benchmark definitions).")
     elif users > 1:
-        others = ", ".join(f"#{run_id}" for run_id in done["run_ids"][1:])
-        st.caption(f"Your sequence is run #{done['run_id']}, stopped by {done['stop_reason']}; the other users' are "
-                   f"runs {others}, each recorded on its own. Token shading: darker took longer than the median token. "
-                   "Each token's memory bucket is its share of the step's weights plus its own cache; the step times "
-                   "are measured.")
+        others = done["run_ids"][1:]
+        theirs = "the other user's is" if len(others) == 1 else "the other users' are"
+        st.caption(f"Your sequence is run #{done['run_id']}, stopped by {done['stop_reason']}; {theirs} "
+                   f"{runs_said(others)}, each recorded on its own. Token shading: darker took longer than the median "
+                   "token. Each token's memory bucket is its share of the step's weights plus its own cache; the step "
+                   "times are measured.")
     else:
         st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
                    "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "
@@ -351,26 +359,48 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
     return done
 
 
-def last_run(started: dict, timeout_s: float = 15.0) -> int | None:
-    """The number of the run this session started last, once its stream is closed (and the run
-    recorded as ended). Streamlit starts the rerun that a Stop click causes while the stopped run
-    is still being closed in the old script thread, which may not even have its number yet."""
+def last_run(started: dict, timeout_s: float = 15.0) -> tuple[int | None, list[int]]:
+    """The number of the run this session started last and of every run of its batch (its own first), once its
+    stream is closed (and the runs recorded as ended). Streamlit starts the rerun that a Stop click causes while
+    the stopped run is still being closed in the old script thread, which may not even have its number yet."""
     deadline = time.monotonic() + timeout_s
     while started.get("streaming") and time.monotonic() < deadline:
         time.sleep(0.1)
-    return started.pop("run_id", None)
+    run_id, run_ids = started.pop("run_id", None), started.pop("run_ids", None)
+    return run_id, run_ids or ([run_id] if run_id is not None else [])
 
 
 def tokens_said(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
 
 
+def runs_said(ids: list[int]) -> str:
+    return ("run " if len(ids) == 1 else "runs ") + ", ".join(f"#{i}" for i in ids)
+
+
+def stopped_batch(rows: list[dict]) -> str:
+    """What a Stop did to a batch, in words: which users' runs it cancelled and which had already finished."""
+    cancelled = [r for r in rows if r["status"] == "cancelled"]
+    finished = [r for r in rows if r["status"] != "cancelled"]
+    words = (f"The batch of {len(rows)} users was stopped: {runs_said([r['run_id'] for r in cancelled])} "
+             f"{'was' if len(cancelled) == 1 else 'were'} cancelled and kept as cancelled "
+             f"({', '.join(tokens_said(r['n_new_tokens']) for r in cancelled)})")
+    if finished:
+        words += (f"; {runs_said([r['run_id'] for r in finished])} had already ended "
+                  f"({', '.join(sorted({r['status'] for r in finished}))})")
+    return words + ". Yours is below; every run is on the Runs and Distances pages."
+
+
 stop_clicked = st.session_state.pop("stop_clicked", False)
 # the run this session started last: a plain dict that stream() and the worker's generator fill without
 # touching st.session_state, where every access is a point at which a Stop click's rerun interrupts
 started = st.session_state.setdefault("started_run", {})
-last = last_run(started)
-if last is not None and not submitted and store is not None:
+last, batch_ids = last_run(started)
+batch_rows = [row for row in map(store.run, batch_ids) if row] if store is not None and len(batch_ids) > 1 else []
+if batch_rows and not submitted and any(row["status"] == "cancelled" for row in batch_rows):
+    st.warning(stopped_batch(batch_rows))
+    st.html(coloured_tokens(store.tokens(last).to_dict("records"), set()))
+elif last is not None and not submitted and store is not None:
     row = store.run(last)
     if row and row["status"] == "cancelled":
         st.warning(f"Run #{last} was stopped and is kept as cancelled ({tokens_said(row['n_new_tokens'])}).")

@@ -35,16 +35,17 @@ def test_two_users_decode_together_and_the_page_shows_both_beside_the_plan(page_
     assert list(runs["prompt"]) == ["Name a colour.", next(iter(workloads().values()))["prompt"]]
     figures = {m.label: m.value for m in at.metric}
     assert figures["Users"] == "2"
-    assert float(figures["Tokens/s per user"]) > 0 and float(figures["Tokens/s in total"]) > 0
-    assert figures["Bytes per decode token"].endswith(" MB")
+    assert float(figures["Tokens/s per user, end to end"]) > 0 and float(figures["Tokens/s in total, end to end"]) > 0
+    assert figures["Bytes per decode token, all users"].endswith(" MB")
     shown = html_text(at)
-    assert "user 2" in shown and "Decoded beside yours (1 other users" in shown
+    assert "user 2" in shown and "Decoded beside yours (1 other user," in shown
     other_text = Store(page_db).run(int(runs["run_id"].iloc[1]))["output"]
     assert other_text.strip()[:10] in shown  # the other user's sequence is on the page
     table = at.table[-1].value
-    assert list(table.columns) == ["measured", "planned"] and "bytes per decode token" in table.index
+    assert list(table.columns) == ["measured", "planned"] and "bytes per decode token of your sequence" in table.index
+    assert table.loc["bytes per decode token of your sequence", "measured"].endswith(" MB")
     assert any("the planner at batch" in m.value for m in at.markdown)
-    assert any(f"runs #{runs['run_id'].iloc[1]}" in c.value for c in at.caption)
+    assert any(f"the other user's is run #{runs['run_id'].iloc[1]}," in c.value for c in at.caption)
 
 
 @pytest.mark.parametrize("widgets,says", [({"Speculative decoding": "prompt-lookup"}, "Speculative decoding"),

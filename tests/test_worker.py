@@ -121,9 +121,12 @@ def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_deco
                                          every_s=0.05):
         if kind == "tokens":
             rows.extend(payload)
+        elif kind == "ready":  # every run of the batch, which a Stop must speak of
+            ready = payload
         elif kind == "done":
             done = payload
     assert done["users"] == 3 and len(done["run_ids"]) == 3 and done["run_id"] == done["run_ids"][0]
+    assert ready["run_ids"] == done["run_ids"] and ready["run_id"] == done["run_id"]
     assert done["tokens_per_s_total"] > 0 and done["tokens_per_s_per_user"] > 0
     assert rows and {r["run_id"] for r in rows} <= set(done["run_ids"])  # every streamed row names its run
     store = Store(db)
@@ -137,6 +140,7 @@ def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_deco
     alone = list(worker.generate({"db": str(db), "spec": RunSpec(gen=gen, device="cpu").to_dict()}, every_s=1.0))[-1][1]
     assert alone["users"] == 1 and alone["run_ids"] == [alone["run_id"]]
     assert done["bytes_per_token"] < alone["bytes_per_token"] / 2
+    assert done["bytes_per_token_own"] < alone["bytes_per_token"] / 2  # the planner's footing: yours alone
 
 
 def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is_recorded(worker, tmp_path):

@@ -249,7 +249,7 @@ def _print_batch(result: dict) -> None:
     print(f"no planner prediction: {planned['error']}" if "error" in planned else
           f"planned at batch {planned['batch']}: {figure(planned['tokens_per_s_per_user'])} decode tok/s per user "
           f"(measured {figure(result['decode_tokens_per_s_per_user'])}), {figure(planned['bytes_per_token'], 1e6)} MB "
-          "per decode token", file=sys.stderr)
+          f"per decode token of your sequence (measured {figure(result['bytes_per_token_own'], 1e6)})", file=sys.stderr)
 
 
 def cmd_quality(args) -> int:

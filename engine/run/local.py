@@ -235,6 +235,8 @@ class BatchRun:
         return {**batch_summary(self.sequences, wall_s), "status": self.status,
                 "stop_reason": own.get("stop_reason"), "text": own.get("text"), "own": own,
                 "bytes_per_token": bytes_per_token([row for s in self.sequences for row in s.steps]),
+                # on the planner's footing: the spec's own sequence, whose steps' mean batch the plan takes
+                "bytes_per_token_own": bytes_per_token(self.sequences[0].steps) if self.sequences else None,
                 # each sequence's decode rate (1 / TPOT): what the planner predicts, prefill and queue left out
                 "decode_tokens_per_s_per_user": sum(decode_rates) / len(decode_rates) if decode_rates else None,
                 "decode_tokens_per_s_total": sum(decode_rates) if decode_rates else None,

@@ -77,9 +77,9 @@ class GenerationWorker:
 
     def generate(self, request: dict, every_s: float, on_run_id=None):
         """Run one request. Yields ("preparing", None) if the first token is not out within
-        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "special_ids", "tokens"})
-        once it is (a generation's first rows), then ("tokens", new rows) about every `every_s` seconds,
-        and last ("done", summary).
+        SLOW_START_S (a model or variant is being loaded), ("ready", {"run_id", "run_ids", "special_ids",
+        "tokens"}) once it is (a generation's first rows; run_ids: every run of a batch, the request's own
+        first), then ("tokens", new rows) about every `every_s` seconds, and last ("done", summary).
         Closing the generator early stops the run, which is then recorded as cancelled.
         on_run_id(run_id) is called as soon as the run has a number, also when the generator is
         closed before it yielded "ready"."""
@@ -230,7 +230,7 @@ def run(conn, request: dict) -> None:
         for _ in events:
             if last_sent is None:
                 conn.send(("ready", {"special_ids": gen.special_ids, "run_id": gen.run_id,
-                                     "tokens": gen.live_tokens[:]}))
+                                     "run_ids": getattr(gen, "run_ids", [gen.run_id]), "tokens": gen.live_tokens[:]}))
                 # the next batch comes every_s later, not on the first decode steps
                 sent, last_sent = len(gen.live_tokens), time.monotonic()
             # in batches, as often as the page redraws: each message wakes the page's process, which
