@@ -311,7 +311,7 @@ if table["rate"].notna().any():
     st.plotly_chart(fig, width="stretch")
 
 gpus = whole_number_input(st, "GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
-                              "per-GPU axis below")
+                              "per-GPU axis below (1 for a sweep of this machine's engine: the axis is then per machine)")
 fig = go.Figure()
 for name, frame in levels.items():
     rates = sweep_views.user_and_server_rates(frame, int(gpus))
@@ -409,13 +409,21 @@ NETWORK_COLUMNS = {"dns_ms": "name lookup (ms)", "connect_ms": "connect (ms)", "
 
 
 def request_table(requests, every_column: bool) -> pd.DataFrame:
-    """One row per request with its level; every column adds the network's parts and the token counts."""
+    """One row per request with its level; every column adds the network's parts and the token counts. Requests sent
+    in process (a local sweep) have no network: its columns are left out."""
     names = {**REQUEST_COLUMNS, **(NETWORK_COLUMNS if every_column else {})}
+    if not over_network(requests):
+        names = {k: v for k, v in names.items() if k not in ("connection", "physical_ms", *NETWORK_COLUMNS)}
     if every_column:
         names.update({"n_prompt_tokens": "prompt tokens", "n_output_tokens": "output tokens"})
     table = requests[list(names)].rename(columns=names)
     table.insert(0, "level", [sweep_views.request_level(r) for r in requests.itertuples()])
     return table
+
+
+def over_network(requests) -> bool:
+    """Whether the requests went over HTTP (a server's sweep), which times each one's connection."""
+    return bool(requests["connection"].notna().any())
 
 
 st.subheader("Requests")
@@ -428,7 +436,8 @@ st.dataframe(request_table(requests, every_column), hide_index=True, width="stre
 st.caption("Physical is the request's time on the network, each part counted once: the connect (a host name's lookup "
            "inside it), TLS, sending the request and the wait for the server's first byte. A request on a kept-alive "
            "connection ('reused') pays no lookup, connect or TLS. Parts are shown to 0.01 ms; the lookup is 0 for "
-           "an address.")
+           "an address." if over_network(requests) else
+           "These requests went straight into this machine's engine, in process: no network, so no physical part.")
 
 samples = served_store.sweep_samples(store, first)
 if samples.empty:
@@ -441,8 +450,11 @@ else:
     for column, name in (("running", "running (server)"), ("waiting", "waiting (server queue)")):
         if samples[column].notna().any():
             fig.add_scatter(x=t_s, y=samples[column], name=name, mode="lines")
+    gauges = samples[["running", "waiting"]].notna().any().any()
     if samples["kv_cache_usage"].notna().any():
         fig.add_scatter(x=t_s, y=samples["kv_cache_usage"] * 100, name="KV cache used (%)", mode="lines", yaxis="y2")
+    elif gauges:
+        st.caption("No KV-cache gauge was published: the requests running and waiting are drawn without it.")
     else:
         st.caption("The server publishes no queue or KV-cache gauges on /metrics: only the client's count is drawn.")
     fig.update_layout(title="Requests in flight, the server's queue and KV cache over time",

@@ -215,6 +215,9 @@ def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_swee
     assert len(store.query("SELECT run_id FROM runs WHERE tag LIKE 'load:%'")) == 6
     at = open_page()
     assert not at.exception and len(at.dataframe[0].value) == 2
+    requests = next(d.value for d in at.dataframe if "TTFT (ms)" in d.value.columns)  # in process: no network parts
+    assert "connection" not in requests.columns and "physical (ms)" not in requests.columns
+    assert any("in process: no network" in c.value for c in at.caption)
     command = at.code[0].value
     argv = shlex.split(command)
     assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", str(page_db)]
