@@ -3,6 +3,7 @@ Pages stay thin: they send model work to the generation process and read DuckDB 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import threading
@@ -183,7 +184,22 @@ def _settings_words(row) -> str:
         words.append(_sparsity_words(row))
     if _given(row.get("speculative")) and row["speculative"] != "none":
         words.append(row["speculative"])
+    batch = _batch_of(row)
+    if batch:
+        words.append(f"user {batch['user'] + 1} of {len(batch['prompts'])} in a batch")
     return " · ".join(words)
+
+
+def _batch_of(row) -> dict | None:
+    """The batch a run was decoded in (generate --users, the Live page's Users), as its config stores it."""
+    config = row.get("config")
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return None
+    batch = config.get("batch") if isinstance(config, dict) else None
+    return batch if isinstance(batch, dict) and "user" in batch and batch.get("prompts") else None
 
 
 # the columns people compare, in words a person would say, each from a runs row: the figures first, then the
@@ -214,7 +230,7 @@ RUN_HEADERS = {
     "time per output token (ms)": st.column_config.NumberColumn("TPOT (ms)", help="time per output token (ms)"),
     "tokens/s": st.column_config.NumberColumn("tokens/s", help="tokens per second, end to end"),
     "settings": st.column_config.TextColumn("settings", help="the weights, then what differs from a plain run: "
-                                            "no KV cache, sparsity, a speculative method"),
+                                            "no KV cache, sparsity, a speculative method, a batch of users"),
 }
 
 

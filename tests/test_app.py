@@ -1,4 +1,6 @@
 """The home page through Streamlit's AppTest."""
+import json
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -48,6 +50,11 @@ def test_the_runs_tables_carry_three_significant_digits_and_say_what_differs():
     assert row["tokens/s"] == 1230.0
     assert [row["weights"], row["sparsity"], row["speculative"], row["tag"]] == [
         "int8-wo", "50% skip", "prompt-lookup", "story:memory:int8"]
+    # a sequence decoded beside others says which user of how many it was
+    batched = {**runs.iloc[0].to_dict(), "sparsity": 0.0, "speculative": "none",
+               "config": json.dumps({"batch": {"prompts": ["a", "b", "c"], "user": 1, "prompts_file": None}})}
+    assert readable_runs(pd.DataFrame([batched])).iloc[0]["settings"] == "int8-wo · user 2 of 3 in a batch"
+    assert readable_runs(pd.DataFrame([{**batched, "config": "{}"}])).iloc[0]["settings"] == "int8-wo"
 
 
 def test_a_served_run_beside_local_ones_has_a_label_without_nan():
