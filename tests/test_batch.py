@@ -418,6 +418,17 @@ def test_json_with_repeat_is_one_array_of_every_run_s_object(tiny_folder, tmp_pa
     assert sorted(ids) == list(range(1, 2 * int(users) + 1))
 
 
+def test_batches_one_after_another_number_their_runs_without_gaps(tiny_lm, tmp_path, monkeypatch):
+    """A fixed batch takes its run ids once: writes while it decodes take none ahead for runs that never come."""
+    from engine.run.local import BatchRun
+    from engine.spec import RunSpec
+
+    monkeypatch.setenv("TOKENPATH_WRITE_EVERY_S", "0.01")  # a write every step or so
+    store = Store(tmp_path / "r.duckdb")
+    spec = RunSpec(gen=GenConfig("Count the stars", max_new_tokens=24, ignore_eos=True, raw=True), users=2)
+    assert [BatchRun(tiny_lm, spec, store).run()["run_ids"] for _ in range(2)] == [[1, 2], [3, 4]]
+
+
 def test_a_batch_s_rates_and_run_ends_leave_out_the_time_its_rows_wait_to_be_written(tiny_lm, tmp_path, monkeypatch):
     """A database held by another process delays the final write: the batch's tokens/s in total and each run's end
     are the decoding's, not the wait's."""

@@ -155,11 +155,13 @@ class BatchEngine:
     its own thread."""
 
     def __init__(self, lm, store=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
-                 kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None):
+                 kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None,
+                 arrivals: bool = True):
         check_cap(max_batch)
         self.lm, self.store, self.max_batch = lm, store, max_batch
-        # the runs' rows are written together, off the stepping thread (engine.store.writer)
-        self.writer = Writer(store, ids_ahead=max_batch) if store is not None else None
+        # the runs' rows are written together, off the stepping thread (engine.store.writer); run ids are taken
+        # ahead while requests keep arriving (arrivals), once for a fixed batch
+        self.writer = Writer(store, ids_ahead=max_batch, top_up=arrivals) if store is not None else None
         self.kv_budget_bytes, self.prefill_chunk = kv_budget_bytes, prefill_chunk
         self.kv_dtype_name = kv_dtype
         self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)

@@ -163,7 +163,7 @@ class BatchRun:
                  prompts_file: str | None = None, kv_budget_bytes: int | None = None):
         self.spec = spec
         self.engine = BatchEngine(lm, store, max_batch=spec.users, kv_budget_bytes=kv_budget_bytes,
-                                  kv_dtype=spec.gen.kv_dtype, calibration=calibration)
+                                  kv_dtype=spec.gen.kv_dtype, calibration=calibration, arrivals=False)
         self.requests = [replace(spec.gen, prompt=p) for p in batch_prompts(spec.gen.prompt, spec.users, prompts_file)]
         # stored with every sequence's run: what makes the whole batch again (engine.run.reproduce)
         self.batch = {"run_spec": spec.to_dict(), "prompts": [r.prompt for r in self.requests],

@@ -37,8 +37,9 @@ class Writer:
     thread, so that starting a run takes no connection of its own; none is taken before a run could start, so a
     request refused first leaves the database's sequence as it was."""
 
-    def __init__(self, store: Store, ids_ahead: int):
+    def __init__(self, store: Store, ids_ahead: int, top_up: bool = True):
         self.store, self.ids_ahead = store, ids_ahead
+        self.top_up = top_up  # False for a fixed set of runs: ids taken after its last start would leave a gap
         self._ids: deque[int] = deque()
         self._rows: list[dict] = []  # run rows to insert
         self._ends: list[tuple] = []  # (recorder, batches, ending) of each ended run
@@ -128,7 +129,7 @@ class Writer:
         with self._state:
             rows, ends = self._rows, self._ends
             self._rows, self._ends, self._since = [], [], None
-            short = max(0, self.ids_ahead - len(self._ids)) if top_up else 0
+            short = max(0, self.ids_ahead - len(self._ids)) if top_up and self.top_up else 0
         if not rows and not ends:
             return
         try:
