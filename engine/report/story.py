@@ -221,7 +221,8 @@ HEADERS = {
                      "repeats, the figure the ratio against the baseline divides"),
     "vs baseline": ("vs baseline", "decode tokens per second against the baseline: the ratio of the repeats' geometric "
                     "means and its 95% interval; where the interval includes 1 there is no measurable difference"),
-    "decode tok/s per user": ("per user", "decode tokens per second of one user's sequence (the newest run)"),
+    "decode tok/s per user": ("per user", "decode tokens per second of one user's sequence: every user's together "
+                              "over the users"),
     "weights MB per token": ("MB/token", "megabytes of weights read per token"),
     "TPOT ms": ("TPOT (ms)", "time per output token (ms)"),
     "tokens per forward": ("tok/forward", "tokens produced per forward pass of the target model"),
@@ -257,9 +258,10 @@ def comparison_rows(store, comparison: Comparison, runs: dict[str, dict]) -> lis
         run = runs[arm.key]
         values = figures(run, baseline, quality.get(run["run_id"]), weight_bytes_per_token(store, run["run_id"]))
         rates = arm_rates(store, run["tag"], arm.users)
-        values["decode tok/s per user"] = values["decode tok/s"]  # the newest run's: one user's sequence
         # the repeats' geometric mean, every user's together: the figure the ratio against the baseline divides
         values["decode tok/s"] = statistics.geometric_mean(rates) if rates else None
+        # and a user's share of it: one user's newest run alone was the one left to decode once the others ended
+        values["decode tok/s per user"] = values["decode tok/s"] / arm.users if rates else None
         against = compare(base_rates, rates) if base_rates and rates and arm is not comparison.baseline else None
         values["speedup"] = against.ratio if against else values["speedup"]
         values["vs baseline"] = "the baseline" if arm is comparison.baseline else (
