@@ -350,8 +350,9 @@ def stream(request: dict, label: str, redraw_s: float | None, started: dict) -> 
         theirs = "the other user's is" if len(others) == 1 else "the other users' are"
         st.caption(f"Your sequence is run #{done['run_id']}, stopped by {done['stop_reason']}; {theirs} "
                    f"{runs_said(others)}, each recorded on its own. Token shading: darker took longer than the median "
-                   "token. Each token's memory bucket is its share of the step's weights plus its own cache; the step "
-                   "times are measured.")
+                   "token. Each token's memory bucket is its share of the step's weights plus its own cache, and its "
+                   "time bucket the step's work on the other users' tokens and prompts: a user's token takes longer "
+                   "in a batch while the tokens per second in total rise. The step times are measured.")
     else:
         st.caption(f"Run #{done['run_id']}, stopped by {done['stop_reason']}. Token shading: darker took longer than "
                    "the median token (hover for milliseconds). Memory and compute are roofline estimates; the step "

@@ -115,6 +115,10 @@ if chosen:
                       height=120 + 40 * len(frame), margin=dict(l=10, r=10, t=40, b=40), legend=LEGEND,
                       yaxis=dict(autorange="reversed"))  # the baseline, the first setting, at the top
     st.plotly_chart(fig, width="stretch")
+    if stored(store, sweep_id).users != [1]:
+        st.caption("A batch's bar is one user's time per token: each step decodes every user's token, so a user's "
+                   "token takes longer while the batch's tokens per second (the table) rise; its time bucket is the "
+                   "share of the steps that went to the other users' tokens and prompts.")
     frame["run_ids"] = [", ".join(f"#{i}" for i in ids) for ids in frame["run_ids"]]
     rounded = frame.map(lambda v: figure(v) if isinstance(v, float) else v).rename(columns=NAMES)
     rounded["decode vs baseline"] = ratio_cells(list(frame["decode_rates"]))

@@ -40,6 +40,18 @@ def test_a_sweep_made_on_the_page_shows_the_command_that_makes_it_again(page_db,
     assert all(re.fullmatch(r"\d+\.\d\dx \((\d+\.\d\d-\d+\.\d\d|single runs)\)", cell)
                for cell in figures["decode vs baseline"])
     assert any("bf16" in m.value and "2 vs 2 repeats" in m.value for m in at.markdown)
+    assert not any("A batch's bar" in c.value for c in at.caption)
+
+
+def test_a_sweep_of_batches_says_what_a_batch_s_bar_is(page_db, tiny_folder, monkeypatch):
+    monkeypatch.setenv("TOKENPATH_MODEL", str(tiny_folder))
+    at = open_sweeps()
+    next(m for m in at.multiselect if m.label == "Users").set_value([1, 2])
+    at.number_input[0].set_value(4)
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    assert stored(Store(page_db), stored_ids(Store(page_db))[0]).users == [1, 2]
+    assert any("A batch's bar is one user's time per token" in c.value for c in at.caption)
 
 
 def test_an_empty_grid_is_one_message_and_nothing_is_stored(page_db, tiny_folder, monkeypatch):
