@@ -258,6 +258,13 @@ def show_prediction(result: dict) -> None:
                "decode steps' share of the weights plus its own cache, the steps the planner's batch is the mean of; "
                "the figure above the table is every user's tokens, including the steps after others finished, when "
                "fewer shared the weights.")
+    measured, predicted = result["decode_tokens_per_s_per_user"], planned["tokens_per_s_per_user"]
+    if measured and predicted and not 2 / 3 <= measured / predicted <= 3 / 2:
+        parts = ", ".join(f"{b} {v:.1f}" for b, v in planned["distances_ms"].items() if v)
+        st.warning(f"The plan is {max(measured / predicted, predicted / measured):.1f}x off the measurement here "
+                   f"({'slower' if predicted < measured else 'faster'} than what ran). The measurement is what "
+                   f"happened; the planner's decode step for this batch ({parts} ms) shows which of its estimates "
+                   "for this level on this machine missed.")
 
 
 # Streamlit's running-man icon redraws several times a second, browser CPU time that the model, on the
