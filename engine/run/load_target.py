@@ -119,9 +119,11 @@ class LocalTarget:
             seen.add((prompt, max_tokens))
             try:
                 self.engine.check(prompt, max_new_tokens=max_tokens, temperature=self.cfg.temperature, raw=self.cfg.raw)
-                return
             except UserError as exc:
                 refusal = refusal or exc
+                continue
+            self.engine.engine.ready()  # the first run ids, taken now rather than as the first request arrives
+            return
         if refusal is not None:
             raise refusal
 

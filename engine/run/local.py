@@ -84,7 +84,6 @@ class LocalEngine:
         """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...); tag is stored
         with its run."""
         cfg = self.check(prompt, max_new_tokens, **settings)  # refused here, in the caller's thread, unrecorded
-        self.engine.ready()
         handle = Handle()
         with self._wake:
             if self._closing:
