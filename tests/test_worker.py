@@ -140,7 +140,7 @@ def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_deco
     alone = list(worker.generate({"db": str(db), "spec": RunSpec(gen=gen, device="cpu").to_dict()}, every_s=1.0))[-1][1]
     assert alone["users"] == 1 and alone["run_ids"] == [alone["run_id"]]
     assert done["bytes_per_token"] < alone["bytes_per_token"] / 2
-    assert done["bytes_per_token_own"] < alone["bytes_per_token"] / 2  # the planner's footing: yours alone
+    assert done["result"]["bytes_per_token_own"] < alone["bytes_per_token"] / 2  # the planner's footing: yours alone
 
 
 def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is_recorded(worker, tmp_path):
