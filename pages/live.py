@@ -440,8 +440,9 @@ if submitted and store is not None:
         done = None
         try:
             with run_area.container():
-                st.button("Stop", help="Ends the run now; it is kept as cancelled.",
-                          on_click=lambda: st.session_state.update(stop_clicked=True))
+                stop_slot = st.empty()  # the button goes once the runs have ended
+                stop_slot.button("Stop", help="Ends the run now; it is kept as cancelled.",
+                                 on_click=lambda: st.session_state.update(stop_clicked=True))
                 done = stream(request, "This run", redraw_s, started)
                 if baseline:
                     base = RunSpec(gen=GenConfig(prompt=prompt, max_new_tokens=int(max_new)), model=run_spec.model,
@@ -452,6 +453,7 @@ if submitted and store is not None:
                     if ref["result"]["tpot_ms"] and mine.get("tpot_ms"):
                         st.metric("Speedup in decode (baseline TPOT / this run's TPOT)",
                                   f"{ref['result']['tpot_ms'] / mine['tpot_ms']:.2f}x")
+                stop_slot.empty()
         except (WorkerRefused, WorkerFailed) as exc:  # one sentence; a failed run is recorded with status error
             if done is None:  # nothing of this run to show
                 run_area.empty()

@@ -46,6 +46,7 @@ def test_two_users_decode_together_and_the_page_shows_both_beside_the_plan(page_
     assert table.loc["bytes per decode token of your sequence", "measured"].endswith(" MB")
     assert any("the planner at batch" in m.value for m in at.markdown)
     assert any(f"the other user's is run #{runs['run_id'].iloc[1]}," in c.value for c in at.caption)
+    assert "Stop" not in [b.label for b in at.button]  # gone with the runs it stopped
 
 
 @pytest.mark.parametrize("widgets,says", [({"Speculative decoding": "prompt-lookup"}, "Speculative decoding"),
