@@ -311,7 +311,8 @@ if table["rate"].notna().any():
     st.plotly_chart(fig, width="stretch")
 
 gpus = whole_number_input(st, "GPUs behind the server", 1, 4096, 1, help="divides the server's output tokens/s, for the "
-                              "per-GPU axis below (1 for a sweep of this machine's engine: the axis is then per machine)")
+                              "per-GPU axis below (1 for a sweep of this machine's engine: the axis is then per "
+                              "machine)")
 fig = go.Figure()
 for name, frame in levels.items():
     rates = sweep_views.user_and_server_rates(frame, int(gpus))

@@ -385,8 +385,8 @@ class Sweep:
         self.cfg, self.store = cfg, store
         self.progress_path = Path(progress_path) if progress_path else None
         if self.progress_path is not None and os.path.realpath(self.progress_path) == store.file:
-            raise ServedError(f"{self.progress_path} is the database the sweep is stored in: give the progress a file of "
-                              "its own.")
+            raise ServedError(f"{self.progress_path} is the database the sweep is stored in: give the progress a "
+                              "file of its own.")
         if self.progress_path is not None and self.progress_path.is_file() and not is_progress(self.progress_path):
             raise ServedError(f"{self.progress_path} is not a sweep's progress file, and the progress is never written "
                               "over another file: give a new file.")

@@ -59,14 +59,10 @@ class Writer:
 
     def run_id(self) -> int:
         """A run id of the database's sequence for a run about to start; it takes a connection only when none is
-        in hand."""
+        in hand. Runs start on one thread, the engine's, so the ids ready() leaves are there to take."""
+        self.ready()
         with self._state:
-            if self._ids:
-                return self._ids.popleft()
-        ids = self.store.reserve_run_ids(self.ids_ahead)
-        with self._state:
-            self._ids.extend(ids[1:])
-        return ids[0]
+            return self._ids.popleft()
 
     def start(self, row: dict) -> None:
         """A run row (with its run_id) to insert at the next write."""
