@@ -1,11 +1,12 @@
 """The planner against published batch-1 decode speeds and published serving throughput: predicted and measured
 tokens/s for every point of data/plan_calibration.json, each error and the median absolute error, written to
 bench/results/planner.md.
-With --local N it also runs the default model N times on this machine (a fresh calibration before each run)
-and sets the planner's prediction for each run beside its measured time per output token.
+With --local N it also runs the default model on this machine in N rounds (a fresh calibration, then each of
+fp32, int4-dyn and int8-dyn alone and with 8 users) and sets the planner's prediction for each run beside its
+measured time per output token.
 
     python bench/planner.py              (no model is loaded; it takes a second)
-    python bench/planner.py --local 3    (about a minute per run on a quiet 2-core machine)"""
+    python bench/planner.py --local 2    (about two minutes a round on a quiet 2-core machine)"""
 import argparse
 import datetime
 import json
@@ -89,45 +90,70 @@ def render_serving(rows: list[dict], median: float, title: str = "Published serv
     return "\n".join(lines) + "\n"
 
 
+LOCAL_LEVELS = ("fp32", "int4-dyn", "int8-dyn")
+LOCAL_USERS = (1, 8)
+LOCAL_PROMPT = "Why is the sky blue?"
+
+
 def local_runs(n: int) -> list[dict]:
-    """Planned against measured decode time per token for n real runs of the default model (fp32)."""
+    """Planned against measured decode time per token on this machine: n rounds, each a fresh calibration and then
+    the default model at each of LOCAL_LEVELS, alone and with LOCAL_USERS users decoded together, every user with
+    the same prompt; the first sequence's run is the one planned and measured."""
     from engine.store.db import Store
 
-    db = Path(tempfile.mkdtemp()) / "planner.duckdb"
+    folder = Path(tempfile.mkdtemp())
+    db, prompts = folder / "planner.duckdb", folder / "prompts.txt"
+    prompts.write_text(LOCAL_PROMPT + "\n")  # every user the same prompt: the plan takes one length for all
     engine = [sys.executable, "-m", "engine"]
     rows = []
-    for _ in range(n):
-        load = os.getloadavg()[0]
+    for round_ in range(1, n + 1):
         subprocess.run([*engine, "calibrate", "--db", str(db)], cwd=ROOT, check=True, capture_output=True)
-        out = subprocess.run([*engine, "generate", "--prompt", "Why is the sky blue?", "--max-new-tokens", "64",
-                              "--json", "--db", str(db)], cwd=ROOT, check=True, capture_output=True, text=True)
-        result = json.loads(out.stdout)
-        planned = plan.plan_for_run(Store(db).run(result["run_id"]), result["calibration"])
-        rows.append({"measured": result["tpot_ms"], "planned": planned["decode_ms_per_token"],
-                     "memory_gbps": plan.decode_bandwidth_gbps(result["calibration"]),
-                     "matvec_us": result["calibration"].get("matvec_call_us", 0.0), "load": load,
-                     "load_after": os.getloadavg()[0], "buckets": planned["distances_ms"]})
+        for level in LOCAL_LEVELS:
+            for users in LOCAL_USERS:
+                load = os.getloadavg()[0]
+                batch = ["--users", str(users), "--prompts", str(prompts)] if users > 1 else []
+                out = subprocess.run([*engine, "generate", "--prompt", LOCAL_PROMPT, "--max-new-tokens", "64",
+                                      "--weights", level, *batch, "--json", "--db", str(db)], cwd=ROOT, check=True,
+                                     capture_output=True, text=True)
+                result = json.loads(out.stdout)
+                run = Store(db).run(result["run_ids"][0] if "run_ids" in result else result["run_id"])
+                calibration = json.loads(run["metrics"])["calibration"]
+                planned = plan.plan_for_run(run, calibration)
+                cached = calibration["cache_read"] if planned["from_cache"] else None
+                rows.append({"round": round_, "level": level, "users": users, "measured": run["tpot_ms"],
+                             "planned": planned["decode_ms_per_token"], "from_cache": bool(cached),
+                             "read_gbps": cached["gbps"] if cached else plan.decode_bandwidth_gbps(calibration),
+                             "matvec_us": (cached["matvec_call_us"] if cached
+                                           else calibration.get("matvec_call_us", 0.0)),
+                             "load": load, "load_after": os.getloadavg()[0], "buckets": planned["distances_ms"]})
     return rows
 
 
 def render_local(rows: list[dict]) -> str:
-    lines = ["", "## On this machine: the default model, fp32, 64 new tokens", "",
-             "Command per run: `python -m engine calibrate`, then `python -m engine generate --prompt \"Why is the "
-             "sky blue?\" --max-new-tokens 64 --json`; planned = `plan.plan_for_run` with the calibration the run "
-             "was attributed with.", "",
-             "| run | load average before / after | decode kernel GB/s | us per product | measured TPOT ms | planned ms "
-             "| planned / measured |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r['load']:.1f} / {r['load_after']:.1f} | {r['memory_gbps']:.1f} | {r['matvec_us']:.0f} | "
-                     f"{r['measured']:.1f} | "
-                     f"{r['planned']:.1f} | {r['planned'] / r['measured']:.3f} |")
+    lines = ["", "## On this machine: the default model at each level, alone and in a batch, 64 new tokens", "",
+             "Command per round: `python -m engine calibrate`, then for each level and user count `python -m engine "
+             "generate --prompt \"Why is the sky blue?\" --max-new-tokens 64 --weights LEVEL --users N --prompts FILE "
+             "--json`, the file holding the same prompt, so that every user decodes the same lengths; measured = the prompt's own run's time per output token, "
+             "planned = `plan.plan_for_run` of that stored run with the calibration it was attributed with (no "
+             "figure of these runs went into the planner).", "",
+             "| round | level | users | load average before / after | weights read from | read GB/s | us per product "
+             "| measured TPOT ms | planned ms | planned / measured | planned memory / compute / time ms |",
+             "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        b = r["buckets"]
+        lines.append(f"| {r['round']} | {r['level']} | {r['users']} | {r['load']:.1f} / {r['load_after']:.1f} | "
+                     f"{'last-level cache' if r['from_cache'] else 'memory'} | {r['read_gbps']:.1f} | "
+                     f"{r['matvec_us']:.1f} | {r['measured']:.2f} | {r['planned']:.2f} | "
+                     f"{r['planned'] / r['measured']:.3f} | {b['memory']:.2f} / {b['compute']:.2f} / {b['time']:.2f} |")
     ratios = [r["planned"] / r["measured"] for r in rows]
     loads = [x for r in rows for x in (r["load"], r["load_after"])]
-    lines += ["", f"Planned / measured {min(ratios):.3f} to {max(ratios):.3f} (median {statistics.median(ratios):.3f}); "
-              f"{os.cpu_count()} logical cores, load average {min(loads):.1f} to {max(loads):.1f} during the runs. "
-              "The plan has no term for waiting for a core, which each of a step's operations that runs on both "
-              "threads does while other processes hold them."]
+    by_level = "; ".join(
+        f"{level} {min(g):.2f} to {max(g):.2f}"
+        for level in LOCAL_LEVELS if (g := [r["planned"] / r["measured"] for r in rows if r["level"] == level]))
+    lines += ["", f"Planned / measured {min(ratios):.3f} to {max(ratios):.3f} (median {statistics.median(ratios):.3f}; "
+              f"{by_level}); {os.cpu_count()} logical cores, load average {min(loads):.1f} to {max(loads):.1f} during "
+              "the runs. The plan has no term for waiting for a core, which each of a step's operations that runs on "
+              "both threads does while other processes hold them."]
     return "\n".join(lines) + "\n"
 
 

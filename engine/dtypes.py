@@ -8,6 +8,8 @@ BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
 FP4_BITS = {"nvfp4": 4 + 8 / 16, "mxfp4": 4 + 8 / 32}
 FLOATS = ("fp32", "bf16", "fp16")  # the formats torch computes in
 KV_CHOICES = ("auto",) + FLOATS  # KV-cache precision: auto keeps the weights' compute dtype
+# the local engine's weight levels whose products multiply integers: activations quantized to int8 as they run
+INTEGER_LEVELS = ("int8-dyn", "int4-dyn")
 
 
 def torch_dtype(name: str):

@@ -209,20 +209,24 @@ def planned_vs_measured(store) -> pd.DataFrame:
             predicted = plan.plan_for_run(run, calibration)
         except ShapeError:
             continue
+        cached = calibration["cache_read"] if predicted["from_cache"] else None
         rows.append({"run": run["run_id"], "model": run["model"], "weights": run["weights"] or run["dtype"],
                      "measured TPOT ms": round(run["tpot_ms"], 2),
                      "planned ms (estimate)": round(predicted["decode_ms_per_token"], 2),
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
-                     "decode kernel GB/s": round(plan.decode_bandwidth_gbps(calibration), 1),
-                     "µs per product": round(calibration.get("matvec_call_us", 0.0), 1)})
+                     "weights read from": "last-level cache" if cached else "memory",
+                     "read GB/s": round(cached["gbps"] if cached else plan.decode_bandwidth_gbps(calibration), 1),
+                     "µs per product": round(cached["matvec_call_us"] if cached else
+                                             calibration.get("matvec_call_us", 0.0), 1)})
     return pd.DataFrame(rows)
 
 
 st.subheader("On this machine: planned against measured")
 st.markdown("The planner with the calibration each run was attributed with (the bandwidth the decode's own "
-            "matrix-vector kernel reached on cold weights, the time each such product takes beyond its bytes, matmul "
-            "peak, dispatch cost) and the run's own model, precision and lengths, beside the run's measured time "
-            "per output token.")
+            "matrix-vector kernel reached on cold weights, or where a step's bytes fit the share of the last-level "
+            "cache the calibration read again and again, the rate it read them there; the time each such product "
+            "takes beyond its bytes; matmul peaks and the integer levels' own rates; dispatch cost) and the run's "
+            "own model, precision and lengths, beside the run's measured time per output token.")
 store = open_store()
 if store is not None:
     show_calibration_verdict(store, "planner")

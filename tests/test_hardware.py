@@ -158,10 +158,44 @@ def test_the_peak_check_flags_only_what_beats_the_peak_beyond_noise():
     assert beyond["gbps"] == 12.0 and "120% of the calibrated peak of 10.0 GB/s (copy)" in beyond["beyond_peak"]
 
 
+def test_a_forward_whose_bytes_fit_the_cache_is_checked_against_the_cache_s_rate():
+    """Each decode step reads the same weights: where a forward's bytes fit the share of the last-level cache the
+    calibration read again and again, they come from there, faster than memory's peak."""
+    calibration = {"memory_gbps": 30.0, "memory_method": "gemv", "matmul_gflops": {"float32": 100.0},
+                   "cache_read": {"bytes": 150e6, "gbps": 60.0, "matvec_call_us": 3.0, "cache_bytes": 300e6}}
+    assert hardware.read_peak(calibration, 100e6)[0] == 60.0 and hardware.read_peak(calibration, 200e6) == (30.0, "gemv")
+    assert hardware.read_peak({k: v for k, v in calibration.items() if k != "cache_read"}, 100e6)[0] == 30.0
+    fits = hardware.peak_check(50e9, 1.0, calibration, working_set=100e6)
+    assert fits["beyond_peak"] is None and fits["peak_fraction"] == pytest.approx(50 / 60)
+    beyond = hardware.peak_check(50e9, 1.0, calibration, working_set=200e6)
+    assert "167% of the calibrated peak of 30.0 GB/s (gemv)" in beyond["beyond_peak"]
+    assert hardware.roofline(calibration, torch.float32, 100e6).memory_gbps == 60.0
+
+
+def test_the_cache_s_read_rate_is_measured_on_weights_that_fit_it():
+    cache = hardware.last_level_cache_bytes()
+    measured = hardware.measure_cache_read(torch.device("cpu"))
+    if cache is None or measured is None:
+        pytest.skip("this machine reports no CPU cache, or the kernels are not built")
+    assert 0 < measured["bytes"] <= cache * hardware.CACHE_SHARE and measured["cache_bytes"] == cache
+    assert measured["gbps"] > 0 and measured["matvec_call_us"] >= 0
+
+
+def test_the_integer_levels_products_are_timed_through_their_own_layers():
+    levels = hardware.integer_levels_here(torch.device("cpu"))
+    if not levels:
+        pytest.skip("the project's kernels are not built here")
+    for level in levels:
+        figures = hardware.measure_prefill_products(torch.device("cpu"), [(64, 96), (96, 64)], rows=(4, 32),
+                                                    level=level)
+        assert set(figures) == {"4", "32"} and all(v > 0 for v in figures.values())
+
+
 def test_a_run_faster_than_the_given_peak_is_flagged_in_its_stored_metrics(tiny_lm, store, calibration):
     def run(peak_gbps):
         cfg = GenConfig("Hi", raw=True, max_new_tokens=4, ignore_eos=True)
-        gen = Generation(tiny_lm, cfg, store=store, calibration={**calibration, "memory_gbps": peak_gbps})
+        rates = {"memory_gbps": peak_gbps, "cache_read": {**calibration["cache_read"], "gbps": peak_gbps}}
+        gen = Generation(tiny_lm, cfg, store=store, calibration={**calibration, **rates})
         gen.run()
         return json.loads(store.run(gen.run_id)["metrics"])["peak_check"]
 
@@ -268,14 +302,17 @@ def test_prefill_products_are_timed_at_each_count_of_rows_through_the_engine_s_l
     assert set(figures) == {"4", "32"} and all(v > 0 for v in figures.values())
 
 
-def test_a_stored_calibration_of_the_version_before_the_prefill_rates_is_still_read(store, calibration):
+def test_a_stored_calibration_of_an_older_version_is_measured_again(store, calibration):
+    """A calibration before the cache's read rate and the integer levels' rates would plan those levels as float
+    ones read from memory: it is not read, so the next run measures; a calibration without prefill rates (a
+    machine without the default model's folder) plans prefills at the matmul peak."""
     from engine.plan import planner
 
     key = hardware.device_key(torch.device("cpu"))
-    older = {k: v for k, v in calibration.items() if k != "prefill_gflops"}
-    store.save_calibration(key, {**older, "version": 3})
-    (read,) = hardware.recent_calibrations(store, key)
-    assert read["version"] == 3 and planner.local_device(read)["prefill_tflops"] == {}
+    store.save_calibration(key, {**calibration, "version": 4})
+    assert hardware.recent_calibrations(store, key) == []
+    without = {k: v for k, v in calibration.items() if k != "prefill_gflops"}
+    assert planner.local_device(without)["prefill_tflops"] == {}
     assert planner.local_device(calibration)["prefill_tflops"]["fp32"][128] == \
         calibration["prefill_gflops"]["float32"]["128"] / 1e3
 

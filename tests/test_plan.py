@@ -446,7 +446,8 @@ def test_an_engine_that_reserves_whole_requests_holds_fewer_and_never_preempts()
 def test_a_local_decode_step_adds_each_sequence_s_products_and_layer_work_to_the_weights_trip():
     """On a CPU the same cores read the weights and multiply, and a one-call decode does each layer's own work
     per sequence: a step of B sequences exceeds one of a single sequence by (B - 1) x (the products' FLOPs of a
-    token at the calibrated peak + layers x one layer's own work) + their caches' reads and attention."""
+    token at the calibrated peak + layers x one layer's own work + the host's work for a sequence) + their
+    caches' reads and attention."""
     calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
                    "dispatch_us": 5.0, "memory_methods_gbps": {"small_rows_kernel": 15.0}, "matvec_call_us": 30.0}
     setup = plan.Setup(model=plan.resolve_model("default"), gpu=plan.local_device(calibration), weights="fp32",
@@ -460,8 +461,8 @@ def test_a_local_decode_step_adds_each_sequence_s_products_and_layer_work_to_the
     (one, one_b), (eight, eight_b) = step(1), step(8)
     token_flops = 2 * setup.model.read_params() + 4 * spec.layers * spec.attention_heads * spec.head_dim * (context + 1)
     kv = eight_b["_bytes"] - one_b["_bytes"]
-    assert eight - one == pytest.approx(7 * (token_flops / 50e9 * 1e3 + 30 * plan.LOCAL["one_call_layer_us"] / 1e3)
-                                        + kv / 15e9 * 1e3, rel=1e-9)
+    assert eight - one == pytest.approx(7 * (token_flops / 50e9 * 1e3 + 30 * plan.LOCAL["one_call_layer_us"] / 1e3
+                                             + plan.LOCAL["host_us_per_sequence"] / 1e3) + kv / 15e9 * 1e3, rel=1e-9)
     # a GPU's products overlap their weights' trip: at batch 8 a small model's step is still its bytes
     gpu = replace(setup, gpu=plan.get_gpu("h100-80gb-sxm"), efficiency=plan.Efficiency())
     g = plan.forward_buckets(gpu, plan.batch_work(spec, [1] * 8, [context] * 8))
@@ -499,3 +500,42 @@ def test_a_local_prefill_multiplies_at_the_rate_its_calibration_timed_at_its_row
     without = {k: v for k, v in calibration.items() if k != "prefill_gflops"}
     assert compute(without, 72) == pytest.approx(body * 72 / 50e9 * 1e3)
     assert compute(calibration, 1) == pytest.approx(compute(without, 1))  # a decode step: the peak
+
+
+def test_a_local_integer_level_whose_bytes_fit_the_cache_reads_from_it_and_multiplies_at_its_own_rate():
+    """Each decode step reads the same weights: where a step's bytes fit the share of the last-level cache the
+    calibration read again and again, they come from there, each product pays its cost on cached weights and the
+    layers' own work runs on warm caches. An integer level multiplies at the rate its own kernels were timed at
+    (the fewest prefill rows), with no dequantization, its products overlapping their weights' read; the host's
+    work adds."""
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0, "memory_methods_gbps": {"small_rows_kernel": 15.0}, "matvec_call_us": 30.0,
+                   "prefill_gflops": {"float32": {"16": 40.0}, "int4-dyn": {"16": 200.0, "128": 300.0}},
+                   "cache_read": {"bytes": 150e6, "gbps": 60.0, "matvec_call_us": 3.0, "cache_bytes": 300e6}}
+    model = plan.resolve_model("default")
+    spec, params, batch, context = model.spec, model.read_params(), 8, 32 + 64 // 2
+    weights, kv = 97e6, batch * kvcalc.kv_bytes(spec, context + 1, "fp32")
+    int4 = plan.local_plan("default", calibration, weights="int4-dyn", bits_per_weight=weights * 8 / params,
+                           batch=batch)
+    assert int4["from_cache"] and int4["distances_ms"]["memory"] == pytest.approx((weights + kv) / 60e9 * 1e3)
+    attention = batch * 4 * spec.layers * spec.attention_heads * spec.head_dim * (context + 1)
+    products_ms, attention_ms = batch * 2 * params / 200e9 * 1e3, attention / 50e9 * 1e3
+    assert int4["distances_ms"]["compute"] == pytest.approx(
+        max(products_ms - weights / 60e9 * 1e3, 0) + max(attention_ms - kv / 60e9 * 1e3, 0))
+    host = plan.LOCAL["one_call_host_us"] + (batch - 1) * plan.LOCAL["host_us_per_sequence"]
+    assert int4["distances_ms"]["time"] == pytest.approx(
+        (host + 4 * 5.0 + (30 * 4 + 1) * 3.0 + batch * 30 * plan.LOCAL["one_call_layer_cached_us"]) / 1e3)
+    # float32 weights do not fit: read from memory at the decode kernel's rate, multiplied beside the reads
+    fp32 = plan.local_plan("default", calibration, batch=batch)
+    assert not fp32["from_cache"] and fp32["distances_ms"]["memory"] == pytest.approx(
+        (params * 4 + kv) / 15e9 * 1e3, rel=1e-6)
+    # a calibration without the cache's rate plans every step from memory
+    older = {k: v for k, v in calibration.items() if k != "cache_read"}
+    assert not plan.local_plan("default", older, weights="int4-dyn", bits_per_weight=weights * 8 / params,
+                               batch=batch)["from_cache"]
+    # a stored int4-dyn run is planned at its level, as read from the cache
+    run = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "weights": "int4-dyn", "n_prompt_tokens": 32,
+           "n_new_tokens": 64, "metrics": json.dumps({"weight_bytes_per_forward": weights, "kv_dtype": "fp32",
+                                                      "batch_mean": batch})}
+    stored = plan.plan_for_run(run, calibration)
+    assert stored["weights"] == "int4-dyn" and stored["distances_ms"] == int4["distances_ms"]

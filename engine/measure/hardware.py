@@ -17,15 +17,18 @@ import psutil
 import torch
 
 from engine import OPENMP_WAIT
+from engine.dtypes import INTEGER_LEVELS
+from engine.measure.distances import Roofline
 from engine.paths import cache_dir
 
 # 2: the memory and matmul peaks are the best of several methods and shapes
 # 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
 # 4: adds the rate of the default model's layer products at prefill chunk rows
-CALIBRATION_VERSION = 4
-# versions still read from a database: a version 3 calibration lacks only the prefill rates, where
-# the planner then takes the matmul peak
-READABLE_VERSIONS = (3, 4)
+# 5: adds the read rate of weights that stay in the last-level cache and the integer levels' product rates
+CALIBRATION_VERSION = 5
+# versions still read from a database; an older one is measured again, since without the cache's read rate and the
+# integer rates the planner would plan the integer levels as float ones read from memory
+READABLE_VERSIONS = (5,)
 
 
 def _cpu_model() -> str:
@@ -315,17 +318,19 @@ def default_layer_shapes() -> list[tuple[int, int]] | None:
 
 
 def measure_prefill_products(device: torch.device, shapes: list[tuple[int, int]],
-                             rows: tuple[int, ...] = PREFILL_ROWS) -> dict[str, float]:
-    """GFLOP/s of one layer's float32 products (`shapes`, as (inputs, outputs)) over a prefill chunk of each
-    count of rows, keyed by the rows, on the threads torch is set to. The products run through the engine's
-    own linear module (LeanLinear: the project's kernel up to a few rows, PyTorch's GEMM beyond), so the
-    figures follow what a prefill runs. One layer's weights stay in the caches between its products, as a
-    prefill reads each weight once for all its rows: the weights' trip from memory is the memory bucket's.
-    Each round times every count of rows once and each keeps its best round, so a quiet moment of a busy
-    machine serves them all alike."""
+                             rows: tuple[int, ...] = PREFILL_ROWS, level: str = "fp32") -> dict[str, float]:
+    """GFLOP/s of one layer's products (`shapes`, as (inputs, outputs)) at a weight level over a prefill chunk
+    of each count of rows, keyed by the rows, on the threads torch is set to. The products run through the
+    engine's own modules (float32: LeanLinear, the project's kernel up to a few rows, PyTorch's GEMM beyond; an
+    integer level: its quantized layer), so the figures follow what a prefill runs. One layer's weights stay in
+    the caches between its products, as a prefill reads each weight once for all its rows: the weights' trip
+    from memory is the memory bucket's. Each round times every count of rows once and each keeps its best
+    round, so a quiet moment of a busy machine serves them all alike."""
     from engine.model.lean import LeanLinear
 
     layers = [LeanLinear(n_in, n_out, bias=False, device=device).requires_grad_(False) for n_in, n_out in shapes]
+    if level != "fp32":
+        layers = [quantized_layer(layer, level) for layer in layers]
     passes = {n: _layer_pass(layers, n, device) for n in rows}
     best = {n: float("inf") for n in rows}
     with torch.no_grad():
@@ -335,6 +340,69 @@ def measure_prefill_products(device: torch.device, shapes: list[tuple[int, int]]
             for n, run in passes.items():
                 best[n] = min(best[n], _pass_seconds(run))
     return {str(n): 2 * n * sum(a * b for a, b in shapes) / best[n] / 1e9 for n in rows}
+
+
+def quantized_layer(linear: torch.nn.Linear, level: str) -> torch.nn.Module:
+    """The layer an integer level makes of a linear one (int8-dyn without SmoothQuant's factors, which change
+    the weights' values, not the work)."""
+    from engine.switches.qlinear import Int4DynamicLinear, Int8DynamicLinear
+
+    return {"int4-dyn": Int4DynamicLinear, "int8-dyn": Int8DynamicLinear}[level](linear)
+
+
+def integer_levels_here(device: torch.device) -> tuple[str, ...]:
+    """The integer levels whose products the calibration times here (at prefill rows, as the float32 ones): where
+    the project's kernels are built, which multiply them at a rate no float matmul gives."""
+    from engine.model.cpu_kernels import has_small_rows_kernel
+
+    return INTEGER_LEVELS if device.type == "cpu" and has_small_rows_kernel() else ()
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache this machine reports (Linux's sysfs), or None where it reports none."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+# Weights read again and again from at most this share of the last-level cache stay in it: the rest is left to
+# the other work the cache serves (other processes, and on a shared host other machines).
+CACHE_SHARE = 0.5
+CACHE_MATRIX_BYTES = 1 << 20  # a small decode product's weights
+
+
+def measure_cache_read(device: torch.device, pairs: int = 15) -> dict | None:
+    """Reading weights that fit the last-level cache: the small-rows kernel (what decode steps run) over
+    CACHE_SHARE of the cache in 4 MiB matrices, pass after pass, so they stay there; and, as
+    measure_matvec_call_us does for memory, what a 1 MiB product costs beyond its bytes at that rate, from
+    cached matrices (waking the other thread; no read to ramp up from memory). {"bytes": the working set,
+    "gbps": its read rate, "matvec_call_us": that cost, "cache_bytes": the cache}, or None where the kernel
+    does not run here or the machine reports no cache."""
+    product, cache = _small_rows_product(device), last_level_cache_bytes()
+    if product is None or not cache:
+        return None
+    share = int(cache * CACHE_SHARE)
+    large = [torch.ones(1024, 1024, device=device) for _ in range(max(share // (4 << 20), 1))]
+    small = [torch.ones(CACHE_MATRIX_BYTES // 4096, 1024, device=device)
+             for _ in range(max(_nbytes(large) // CACHE_MATRIX_BYTES // 4, 1))]
+    run_small, run_large = _one_pass(small, product, device), _one_pass(large, product, device)
+    run_small(), run_large()  # first touches
+    timed = []  # (small pass, large pass) seconds, in alternating order
+    for i in range(pairs):
+        first, second = (run_small, run_large) if i % 2 == 0 else (run_large, run_small)
+        seconds = {first: _pass_seconds(first), second: _pass_seconds(second)}
+        timed.append((seconds[run_small], seconds[run_large]))
+    excess = [(s / _nbytes(small) - l / _nbytes(large)) * CACHE_MATRIX_BYTES for s, l in timed]
+    return {"bytes": _nbytes(large), "gbps": _nbytes(large) / min(l for _, l in timed) / 1e9,
+            "matvec_call_us": max(statistics.median(excess), 0.0) * 1e6, "cache_bytes": cache}
 
 
 def _layer_pass(layers: list, rows: int, device: torch.device):
@@ -410,7 +478,10 @@ def calibrate(device: torch.device) -> dict:
         method, peak = best_method(reads)
         matmuls = {str(d).removeprefix("torch."): measure_matmul_peak(device, d) for d in engine_dtypes(device)}
         layer_shapes = default_layer_shapes()
-        prefill = {"float32": measure_prefill_products(device, layer_shapes)} if layer_shapes else None
+        prefill = ({"float32": measure_prefill_products(device, layer_shapes),
+                    **{lv: measure_prefill_products(device, layer_shapes, level=lv)
+                       for lv in integer_levels_here(device)}} if layer_shapes else None)
+        cache_read = measure_cache_read(device)
     results = {
         "version": CALIBRATION_VERSION,
         "device_key": device_key(device),
@@ -426,6 +497,8 @@ def calibrate(device: torch.device) -> dict:
     }
     if prefill:
         results["prefill_gflops"] = prefill
+    if cache_read:
+        results["cache_read"] = cache_read
     if device.type == "cuda":
         results["host_link"] = measure_host_link(device)
     results["seconds"] = time.perf_counter() - start
@@ -484,38 +557,56 @@ def _utc_now() -> datetime:
 PEAK_NOISE = 0.05
 
 
-def peak_check(bytes_moved: float, seconds: float, calibration: dict) -> dict:
-    """A run's bytes per second against the calibrated memory peak: the rate, its fraction of the
-    peak and, when it beats the peak by more than PEAK_NOISE, a sentence saying so (else None)."""
+def read_peak(calibration: dict, working_set: float | None = None) -> tuple[float, str]:
+    """The read rate a forward moving `working_set` bytes can reach, and where it comes from: the cache's rate
+    the calibration measured where those bytes fit the share of the last-level cache it read again and again
+    (each decode step reads the same weights as the one before), else the memory peak."""
+    cache = calibration.get("cache_read")
+    if cache and working_set is not None and working_set <= cache["bytes"]:
+        return cache["gbps"], f"reading {cache['bytes'] / 2**20:.0f} MiB again and again from the last-level cache"
+    return calibration["memory_gbps"], calibration.get("memory_method", "gemv")
+
+
+def peak_check(bytes_moved: float, seconds: float, calibration: dict, working_set: float | None = None) -> dict:
+    """A run's bytes per second against the calibrated peak its forwards' bytes can reach (read_peak; the
+    memory peak unless `working_set`, a forward's bytes, fits the cache): the rate, its fraction of that peak
+    and, when it beats it by more than PEAK_NOISE, a sentence saying so (else None)."""
     gbps = bytes_moved / seconds / 1e9 if seconds > 0 else 0.0
-    peak = calibration["memory_gbps"]
+    peak, method = read_peak(calibration, working_set)
     flag = None
     if gbps > peak * (1 + PEAK_NOISE):
         flag = (f"Its decode moved {gbps:.1f} GB/s, {gbps / peak:.0%} of the calibrated peak of {peak:.1f} GB/s "
-                f"({calibration.get('memory_method', 'gemv')}): the peak is too low, calibrate again on a quiet machine.")
+                f"({method}): the peak is too low, calibrate again on a quiet machine.")
     return {"gbps": gbps, "peak_fraction": gbps / peak if peak else None, "beyond_peak": flag}
 
 
 def decode_checks(forwards: list[tuple[float, float, float]], calibration: dict) -> dict:
     """A run's decode forwards, each (bytes it really moved, its roofline estimate in ms, its measured time in
-    ms), against the calibration: the roofline estimate over the measured time, and the peak check. A batched
-    forward counts whole (the weights once, every sequence's cache) for each run that took part in it: a run's
-    share of the weights over the whole forward's time would read low by the batch."""
+    ms), against the calibration: the roofline estimate over the measured time, and the peak check (against the
+    cache's rate where the largest forward's bytes fit it). A batched forward counts whole (the weights once,
+    every sequence's cache) for each run that took part in it: a run's share of the weights over the whole
+    forward's time would read low by the batch."""
     if not forwards:
         return {"roofline_ratio_decode": None, "peak_check": None}
     moved, roofline_ms, forward_ms = (sum(column) for column in zip(*forwards))
     return {"roofline_ratio_decode": roofline_ms / forward_ms if forward_ms > 0 else None,
-            "peak_check": peak_check(moved, forward_ms / 1e3, calibration)}
+            "peak_check": peak_check(moved, forward_ms / 1e3, calibration, max(f[0] for f in forwards))}
 
 
 # what a run keeps of the calibration it used
 RUN_CALIBRATION = ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
-                   "prefill_gflops", "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
+                   "prefill_gflops", "cache_read", "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
 
 
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
     table = calibration["matmul_gflops"]
     return table.get(str(dtype).removeprefix("torch."), table["float32"])
+
+
+def roofline(calibration: dict, dtype: torch.dtype, weight_bytes: float) -> Roofline:
+    """The roofline a run's forwards are attributed with: the read rate a forward reading `weight_bytes` of
+    weights reaches (read_peak: the cache's where they fit it) and the matmul peak of its dtype."""
+    return Roofline(read_peak(calibration, weight_bytes)[0], peak_gflops(calibration, dtype))
 
 
 _session_calibrations: dict[str, dict] = {}

@@ -10,7 +10,8 @@ Per decode step of `batch` sequences at context C, on tensor-parallel degree t a
                + max(attention FLOPs / t / (peak in the cache's format x compute_efficiency) - KV read time, 0)
                  (each a roofline of its own: the products overlap their weights' reads and attention its
                  cache's, but the two run as separate kernels; on a CPU, whose cores both load and multiply,
-                 the products' and attention's time adds to the reads' instead: no max; a device whose attention
+                 the products' and attention's time adds to the reads' instead: no max, but for a level whose
+                 kernels fetch the weights ahead of their products; a device whose attention
                  was timed apart from its products, a probed server's, gives attention that achieved rate instead)
                + weights / t x dequant ops per weight / fp32 vector peak     (weight-only formats
                  unpack each weight on the vector units between loads, which adds to the step)
@@ -36,7 +37,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.dtypes import FP4_BITS
+from engine.dtypes import FP4_BITS, INTEGER_LEVELS
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.plan.shapes import ShapeError
@@ -84,6 +85,7 @@ class Efficiency:
     host_sync_us: float = FITTED["host_sync_us"]
     host_us_per_sequence: float = FITTED["host_us_per_sequence"]
     overlap: bool = FITTED["overlap"]  # the products run while their weights stream in; False: the same cores do both
+    host_overlap: bool | None = FITTED["host_overlap"]  # the host works while the device computes (None: as overlap)
     dequant_ops: dict = field(default_factory=lambda: dict(FITTED["dequant_ops"]))
 
 
@@ -253,8 +255,9 @@ def weight_bits(setup: Setup) -> float:
 
 
 def weight_format(setup: Setup) -> str:
-    """The kernel family the weights go through: a float format, or int8/int4 for weight-only integer formats."""
-    if setup.bits_per_weight is None:
+    """The kernel family the weights go through: a float format, int8/int4 for weight-only integer formats, or
+    the local engine's integer level (its products multiply integers)."""
+    if setup.bits_per_weight is None or setup.weights in INTEGER_LEVELS:
         return setup.weights
     bits = setup.bits_per_weight
     return "fp32" if bits >= 24 else "bf16" if bits >= 12 else "int8" if bits > 6 else "int4"
@@ -400,7 +403,8 @@ def forward_buckets(setup: Setup, work: Work) -> dict:
     # the engine prepares the next step on the host while the GPU runs this one: the GPU waits for what is left over;
     # where the same cores compute (no overlap), the host work adds to the step instead
     host_ms = work.sequences * eff.host_us_per_sequence / 1e3
-    host_wait = max(host_ms - gpu_ms, 0.0) if eff.overlap else host_ms
+    host_overlaps = eff.overlap if eff.host_overlap is None else eff.host_overlap
+    host_wait = max(host_ms - gpu_ms, 0.0) if host_overlaps else host_ms
     return {"physical": physical_us / 1e3, "memory": memory, "compute": compute + dequant,
             "time": fixed_ms + host_wait, "decision": 0.0,
             "_bytes": weight_bytes + kv_read, "_weight_bytes": weight_bytes, "_flops": flops, "_attention_flops": attention,
@@ -428,9 +432,9 @@ def product_tflops(setup: Setup, work: Work, peak: float) -> float:
 
 
 def compute_format(setup: Setup) -> str:
-    """The tensor-core format the matrix products run in."""
+    """The tensor-core format the matrix products run in (the local integer levels: their own kernels')."""
     fmt = weight_format(setup)
-    return "fp4" if fmt in FP4 else fmt if fmt in ("fp32", "fp8") else "bf16"
+    return "fp4" if fmt in FP4 else fmt if fmt in ("fp32", "fp8", *INTEGER_LEVELS) else "bf16"
 
 
 def attention_format(setup: Setup) -> str:
@@ -681,6 +685,9 @@ def server_work_split(model, gpu_id: str, context_tokens: int, batch: int = 1, w
 # --- this machine -----------------------------------------------------------------------------
 
 ENGINE_LEVELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# the local levels whose kernels fetch each block of weights ahead of the products that need it (int4.cpp's
+# prefetch_pair_block), so their products run while the weights stream in
+PREFETCHING_LEVELS = ("int4-dyn",)
 
 
 def decode_bandwidth_gbps(calibration: dict) -> float:
@@ -692,17 +699,22 @@ def decode_bandwidth_gbps(calibration: dict) -> float:
     return methods.get("small_rows_kernel") or methods.get("gemv") or calibration["memory_gbps"]
 
 
-def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
-    """This machine as a planner GPU: the bandwidth its decode kernel reaches, its calibrated matmul
-    peaks, the rate of the model's layer products at prefill chunk rows where the calibration timed them
-    (a calibration of version 3 did not: its prefills take the peak), and no links."""
+def local_device(calibration: dict, memory_bytes: float = 2**40, cached: bool = False) -> dict:
+    """This machine as a planner GPU: the bandwidth its decode kernel reaches (from the last-level cache, where
+    `cached`: a step's bytes fit the share of it the calibration read again and again), its calibrated matmul
+    peaks, the rate of the model's layer products at prefill chunk rows where the calibration timed them (a
+    calibration of version 3 did not: its prefills take the peak), the integer levels' rates (their products'
+    peak: the rate their kernels reached at the fewest prefill rows timed, the nearest to a decode step's few
+    rows), and no links."""
     gflops = calibration["matmul_gflops"]
     peaks = {ENGINE_LEVELS.get(k, k): v / 1e3 for k, v in gflops.items()}
     peaks.setdefault("fp32", gflops.get("float32", 1.0) / 1e3)
     prefill = {ENGINE_LEVELS.get(k, k): {int(rows): v / 1e3 for rows, v in by_rows.items()}
                for k, by_rows in (calibration.get("prefill_gflops") or {}).items()}
+    peaks.update({level: by_rows[min(by_rows)] for level, by_rows in prefill.items() if level in INTEGER_LEVELS})
+    bandwidth = calibration["cache_read"]["gbps"] if cached else decode_bandwidth_gbps(calibration)
     return {"id": "local", "name": calibration.get("device_key", "this machine"),
-            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": decode_bandwidth_gbps(calibration),
+            "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": bandwidth,
             "peak_tflops": peaks, "prefill_tflops": prefill,
             "gpu_link": {"name": "none", "gbps_per_direction": None}, "host_link": {"name": "none",
                                                                                   "gbps_per_direction": None}}
@@ -710,52 +722,70 @@ def local_device(calibration: dict, memory_bytes: float = 2**40) -> dict:
 
 def one_call_decode(calibration: dict, weights: str, kv_dtype: str | None = None) -> bool:
     """Whether this machine's decode steps run every layer in one call to the C++ kernels: a float32
-    model (the quantized levels among them: their runs compute in float32) with its KV cache in the same
-    precision, where the calibration timed the kernels' small-rows product (so they were built)."""
-    return (weights == "fp32" and kv_dtype in (None, "fp32")
+    model (the quantized levels among them: their runs compute in float32) or an integer level, with its KV
+    cache in float32, where the calibration timed the kernels' small-rows product (so they were built)."""
+    return (weights in ("fp32", *INTEGER_LEVELS) and kv_dtype in (None, "fp32")
             and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {}))
 
 
-def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | None = None) -> Efficiency:
+def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
+                     cached: bool = False) -> Efficiency:
     """The calibration already measures achieved figures (the decode kernel's bandwidth, matmul peak, one
-    dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the
-    calibrated dispatch per operation and cost per product plus the loop's host work; a decode step that
-    runs in one call pays its layers' own work and the Python around the call instead of dispatches. The CPU's
-    cores both stream the weights and multiply, so a step's multiplying adds to its reading (no overlap): a batch
-    of B sequences costs B times the products' FLOPs at the calibrated peak beyond the weights' trip."""
+    dispatch, one matrix-vector product's own cost), so the factors are 1 and the fixed cost is the calibrated
+    dispatch per operation and cost per product plus the loop's host work (a part of it each sequence's); a
+    decode step that runs in one call pays its layers' own work and the Python around the call instead of
+    dispatches. The CPU's cores both stream the weights and multiply, so a step's multiplying adds to its reading
+    (no overlap): a batch of B sequences costs B times the products' FLOPs at the calibrated peak beyond the
+    weights' trip; but the int4-dyn level's kernels fetch each block of weights ahead of the products that need
+    it, so its products run while the weights stream in (overlap), the host's work still adding. Where the
+    step's bytes stay in the last-level cache (`cached`), a product's own cost is the one timed on cached
+    weights, and the layers' own work runs on caches the weights no longer flush."""
     one_call = one_call_decode(calibration, weights, kv_dtype)
-    return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0, overlap=False,
-                      launch_us=calibration["dispatch_us"],
-                      kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=calibration.get("matvec_call_us", 0.0),
-                      one_call_layer_us=LOCAL["one_call_layer_us"] if one_call else None,
-                      step_fixed_us=LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"], host_sync_us=0.0,
-                      host_us_per_sequence=0.0)
+    matvec_us = calibration["cache_read"]["matvec_call_us"] if cached else calibration.get("matvec_call_us", 0.0)
+    layer_us = LOCAL["one_call_layer_cached_us"] if cached else LOCAL["one_call_layer_us"]
+    return Efficiency(bandwidth=1.0, kv_bandwidth=1.0, compute=1.0, prefill_compute=1.0,
+                      overlap=weights in PREFETCHING_LEVELS, host_overlap=False, launch_us=calibration["dispatch_us"],
+                      kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=matvec_us,
+                      one_call_layer_us=layer_us if one_call else None,
+                      step_fixed_us=(LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"])
+                      - LOCAL["host_us_per_sequence"], host_sync_us=0.0, host_us_per_sequence=LOCAL["host_us_per_sequence"])
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,
                prompt_tokens: int = 32, new_tokens: int = 64, bits_per_weight: float | None = None,
                batch: int = 1) -> dict:
     """The planner's prediction for a run on this machine with this calibration, batch sequences decoded
-    together; bytes_per_token is what a decode token moves: its share of the step's weights, its own cache."""
-    setup = Setup(model=resolve_model(model), gpu=local_device(calibration), weights=weights,
-                  bits_per_weight=bits_per_weight, kv_dtype=kv_dtype or weights, prompt_tokens=prompt_tokens,
-                  new_tokens=new_tokens, batch=batch,
-                  efficiency=local_efficiency(calibration, weights, kv_dtype or weights))
-    step = step_buckets(setup, 1, prompt_tokens + new_tokens // 2)  # a decode step at plan()'s mean context
-    return {**plan(setup), "bytes_per_token": step["_bytes"] / batch}
+    together; bytes_per_token is what a decode token moves: its share of the step's weights, its own cache. A
+    decode step whose bytes (weights and caches) fit the share of the last-level cache the calibration read
+    again and again is planned as read from there, as each step reads the same bytes as the one before."""
+    kv_dtype = kv_dtype or ("fp32" if weights in INTEGER_LEVELS else weights)
+
+    def setup_for(cached: bool) -> Setup:
+        return Setup(model=resolve_model(model), gpu=local_device(calibration, cached=cached), weights=weights,
+                     bits_per_weight=bits_per_weight, kv_dtype=kv_dtype, prompt_tokens=prompt_tokens,
+                     new_tokens=new_tokens, batch=batch, efficiency=local_efficiency(calibration, weights, kv_dtype,
+                                                                                      cached))
+
+    context = prompt_tokens + new_tokens // 2  # plan()'s mean context
+    cache_read = calibration.get("cache_read")
+    cached = bool(cache_read) and step_buckets(setup_for(False), 1, context)["_bytes"] <= cache_read["bytes"]
+    setup = setup_for(cached)
+    step = step_buckets(setup, 1, context)
+    return {**plan(setup), "bytes_per_token": step["_bytes"] / batch, "from_cache": cached}
 
 
 def plan_for_run(run: dict, calibration: dict) -> dict:
     """local_plan for a stored run's configuration (a row of the runs table as a dict): the model's folder,
-    its dtype, the bits per weight its forward really read, its KV precision, lengths and batch (a batched
-    sequence's decode steps' mean, 1 for a lone run)."""
+    its dtype (or its integer level, whose products multiply integers), the bits per weight its forward really
+    read, its KV precision, lengths and batch (a batched sequence's decode steps' mean, 1 for a lone run)."""
     from engine.paths import DEFAULT_MODEL_NAME
 
     metrics = json.loads(run["metrics"]) if isinstance(run.get("metrics"), str) else (run.get("metrics") or {})
     model = resolve_model("default" if run["model"] == DEFAULT_MODEL_NAME else run["model"])
-    weights = ENGINE_LEVELS.get(run["dtype"], "fp32")
     read_bytes = metrics.get("weight_bytes_per_forward")
     bits = read_bytes * 8 / model.read_params() if read_bytes else None
-    return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or weights,
+    level, dtype = (run.get("weights") or "").split(" ")[0], ENGINE_LEVELS.get(run["dtype"], "fp32")
+    weights = level if level in INTEGER_LEVELS and bits else dtype
+    return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or dtype,
                       prompt_tokens=int(run["n_prompt_tokens"]), new_tokens=max(int(run["n_new_tokens"] or 1), 1),
                       bits_per_weight=bits, batch=max(round(metrics.get("batch_mean") or 1), 1))

@@ -35,7 +35,7 @@ from engine.dtypes import name_of, torch_dtype
 from engine.errors import UserError
 from engine.measure import hardware
 from engine.measure.accounting import batch_decode_work, model_shape
-from engine.measure.distances import BUCKETS, Roofline, sum_buckets
+from engine.measure.distances import BUCKETS, sum_buckets
 from engine.measure.metrics import run_metrics
 from engine.model.lean import LeanLlama
 from engine.run.generate import TokenEvent, collector_spared
@@ -169,7 +169,7 @@ class BatchEngine:
         self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.prefills_side_by_side()
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
-            self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
+            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes),
             True, ())
         self.queued: list[Sequence] = []
         self.running: list[Sequence] = []

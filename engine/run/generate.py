@@ -20,7 +20,7 @@ from engine import OPENMP_WAIT
 from engine.measure import hardware
 from engine.switches import speculative
 from engine.measure.accounting import cache_nbytes, model_shape
-from engine.measure.distances import BUCKETS, Roofline, sum_buckets
+from engine.measure.distances import BUCKETS, sum_buckets
 from engine.dtypes import name_of, torch_dtype
 from engine.model.lean import LeanLlama
 from engine.measure.metrics import run_metrics
@@ -95,7 +95,7 @@ class Generation:
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         self.attribution = Attribution(
-            self.shape, Roofline(self.calibration["memory_gbps"], hardware.peak_gflops(self.calibration, lm.dtype)),
+            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes),
             cfg.kv_cache, tuple(sparse_layers(lm.model)))
         self.recorder = Recorder(store) if store is not None else None
         self.output = Output(lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)

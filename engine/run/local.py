@@ -250,8 +250,8 @@ class BatchRun:
 
         if not own.get("n_new_tokens"):
             return {"error": "No token was decoded, so there is nothing to predict."}
-        run = {"model": self.engine.lm.name, "dtype": self.engine._dtype(), "metrics": own,
-               "n_prompt_tokens": own["n_prompt_tokens"], "n_new_tokens": own["n_new_tokens"]}
+        run = {"model": self.engine.lm.name, "dtype": self.engine._dtype(), "weights": self.engine.lm.weights,
+               "metrics": own, "n_prompt_tokens": own["n_prompt_tokens"], "n_new_tokens": own["n_new_tokens"]}
         try:
             plan = plan_for_run(run, self.engine.calibration)
         except ShapeError as exc:
