@@ -170,13 +170,17 @@ def test_int8_dynamic_smoothing_is_exact_before_rounding():
     assert relative_error(q(x[:1]), linear(x[:1])) < 3e-2
 
 
-def test_int8_dynamic_kernel_gives_the_integer_products_exactly():
+# 200 inputs: whole 32- and 64-byte blocks and a remainder; 576 (the default model's width) and 1536 in whole
+# 64-byte stretches, which AMX's tiles take where the CPU has them, for two rows and more (one chunk of 16 rows, a
+# part of one, several)
+@pytest.mark.parametrize("inputs, rows", [(200, 3), (576, 1), (576, 3), (576, 16), (1536, 37)])
+def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(200, 96, bias=False)  # 200 inputs: whole 32- and 64-byte blocks and a remainder
+    linear = torch.nn.Linear(inputs, 96, bias=False)
     layer = Int8DynamicLinear(linear)
     if not layer.own_kernel:
         pytest.skip("the int8 kernel needs the C++ extension, which cannot be built here")
-    x = torch.randn(3, 200)
+    x = torch.randn(rows, inputs)
     x_scale = x.abs().amax(-1, keepdim=True) / 127
     x_int = torch.round(x / x_scale).clamp(-127, 127).long()
     expected = (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales

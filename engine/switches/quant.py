@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.model.cpu_kernels import cpu_has_avx2, cpu_has_vnni, has_small_rows_kernel
+from engine.model.cpu_kernels import cpu_has_avx2, cpu_has_vnni, has_small_rows_kernel, optional_kernel
 from engine.dtypes import torch_dtype
 from engine.errors import UserError
 from engine.model.loader import LoadedModel
@@ -130,8 +130,9 @@ class Int8Dynamic(IntegerLevel):
 
     def info(self, device):
         if device.type == "cpu" and has_small_rows_kernel():
-            return LevelInfo(self.name, f"Tokenpath's int8 x int8 kernel ({integer_vectors()}; engine/model/kernels)",
-                             True, self.help)
+            tiles = ", AMX tiles for two rows and more" if optional_kernel().has_amx_tiles() else ""
+            return LevelInfo(self.name, f"Tokenpath's int8 x int8 kernel ({integer_vectors()}{tiles}; "
+                             "engine/model/kernels)", True, self.help)
         return LevelInfo(self.name, "torch.ops.quantized.linear_dynamic (fbgemm int8 x int8)", True, self.help)
 
     def runs_on(self, device):

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with int8 weights in blocks (Q8_0 arithmetic) for N outputs, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
+  m.def("has_amx_tiles", &has_amx_tiles, "whether int8_linear multiplies several rows on AMX tiles here");
   m.def("sparse_linear", &sparse_linear, "x W^T with inputs below a threshold as zero, skipping their weight rows or multiplying their zeros, the same sums either way");
   m.def("mask_small", &mask_small, "zero the entries below a magnitude threshold, and count them");
 }

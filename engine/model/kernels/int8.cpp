@@ -1,6 +1,6 @@
-// The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level; with
-// AVX-512 VNNI one instruction multiplies and sums 64 byte pairs, with AVX2 a few multiply 32, elsewhere a
-// plain loop gives the same integers), int8_wo_linear (int8 weights, float activations) and
+// The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level; several rows
+// on AMX tiles where the CPU has them (amx.cpp), else with AVX-512 VNNI one instruction multiplies and sums 64
+// byte pairs, with AVX2 a few multiply 32, elsewhere a plain loop gives the same integers), int8_wo_linear (int8 weights, float activations) and
 // int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and has_vnni.
 #include "kernels.h"
 
@@ -45,9 +45,37 @@ static inline int32_t dot_s8s8(const int8_t* a, const int8_t* b, int64_t n) {
   return sum;
 }
 
+// q = round(x / s) in [-127, 127] for the K values of x with s = max|x| / 127 (1 where x is all zeros); returns s.
+// Sixteen values at a time with AVX-512: the largest magnitude, like each quotient and its rounding to the nearest
+// even, is the same in any order, so q and s are the plain loop's.
+static float quantize_symmetric(const float* x, int64_t K, int8_t* q) {
+  int64_t k = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + k)), top);  // a NaN skipped
+  amax = _mm512_reduce_max_ps(top);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(s), low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+  for (; k + 16 <= K; k += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), scale),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(rounded, low), high);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+  }
+#endif
+  for (; k < K; ++k) q[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[k] / s), -127.f), 127.f));
+  return s;
+}
+
 // y = x w^T for x [M, K] float32 and w [N, K] int8 with one scale per output row (w_scale) and the
 // sum of each row's integers (w_sum). Each row of x is quantized here, symmetric:
-// s = max|x| / 127, q = round(x / s) in [-127, 127]. With AVX-512 VNNI the products take q + 128,
+// s = max|x| / 127, q = round(x / s) in [-127, 127]. Where AMX's tiles take the rows, they sum q times w as they
+// are; else with AVX-512 VNNI the products take q + 128,
 // unsigned, and the 128 * w_sum[n] this adds to every dot product is taken back out; elsewhere
 // dot_s8s8 multiplies the signed bytes. Either way the integers are exact. Output threads take
 // shares of the weight rows, so every weight row is read once whatever M is.
@@ -55,15 +83,10 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
                           int64_t N, int64_t K, float* yp) {
   std::vector<int8_t> xq(static_cast<size_t>(M * K));
   std::vector<float> xs(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    xs[m] = s;
-    for (int64_t k = 0; k < K; ++k)
-      xq[m * K + k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(row[k] / s), -127.f), 127.f));
-  }
+  over_rows(M, K, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_symmetric(xp + m * K, K, xq.data() + m * K);
+  });
+  if (int8_tile_rows(xq.data(), xs.data(), M, wp, sp, N, K, yp)) return;
 #ifdef __AVX512VNNI__
   std::vector<uint8_t> xu(xq.size());
   for (size_t i = 0; i < xq.size(); ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);

@@ -436,6 +436,10 @@ void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* 
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
                    int64_t K, float* yp);
 void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
+// int8-dyn's sums of x's quantized rows xq [M, K] (scales xs) with w [N, K] (scales sp) on AMX tiles, into y [M, N]
+// as int8_dyn_rows computes it; false, with y untouched, where the tiles do not apply (amx.cpp).
+bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* wp, const float* sp, int64_t N,
+                    int64_t K, float* yp);
 void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
                    float* yp);
 
@@ -458,6 +462,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tenso
 at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales);
 at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N);
 bool has_vnni();
+bool has_amx_tiles();  // amx.cpp
 at::Tensor int4_dyn_linear(at::Tensor x, at::Tensor w, at::Tensor d, at::Tensor m, int64_t N);  // int4.cpp
 std::tuple<at::Tensor, int64_t, int64_t> sparse_linear(at::Tensor x, at::Tensor w_t, double threshold,
                                                       bool skip);  // sparsity.cpp
