@@ -21,7 +21,9 @@ DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stal
 # Sequences a batch holds. A decode step in one kernel call keeps each row's arithmetic independent of the rows
 # beside it at any size, so a sequence decodes the tokens it decodes alone; the modules' path (another KV precision,
 # hooks on modules) runs float32 products above 24 rows in PyTorch's GEMM, whose rows may differ in the last bits.
-MAX_BATCH = 64
+# The cap is vLLM's CPU server's default (engine/serve/vllm.py MAX_NUM_SEQS), so that a load sweep meets the two
+# engines at the same most sequences a step.
+MAX_BATCH = 128
 
 # What a served run cannot honour: the server decides these, so a served spec that sets them is refused
 # (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.
