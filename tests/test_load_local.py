@@ -147,3 +147,36 @@ def test_a_request_the_engine_would_refuse_is_refused_before_the_sweep_stores_an
         store = Store(db)
         assert served_store.sweeps(store).empty and store.query("SELECT run_id FROM runs").empty
         assert store.query("SELECT * FROM requests").empty
+
+
+def test_ctrl_c_stops_a_local_sweep_keeps_what_finished_and_exits_130(tiny_folder, calibration, tmp_path):
+    """Ctrl-C cuts the requests in flight, as the page's Stop does, and the command ends as an interrupted one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    db, progress = tmp_path / "runs.duckdb", tmp_path / "progress.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine", "load", "--local", "--model", str(tiny_folder), "--max-batch", "4", "--rate",
+         "5", "--requests", "400", *LENGTHS, "--progress", str(progress), "--db", str(db)],
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=os.environ.copy())
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if json.loads(progress.read_text())["done"] >= 2:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("sweep") and " stopped: " in err
+    sweep = served_store.sweeps(Store(db)).iloc[0]
+    assert sweep["status"] == "stopped"
+    joined, _, _ = stored(db, int(sweep["sweep_id"]))
+    assert (joined["status"] == "ok").sum() >= 2 and len(joined) < 400

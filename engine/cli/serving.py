@@ -6,9 +6,12 @@ import json
 import shlex
 import signal
 import sys
+import threading
 import time
 
 from engine.errors import USER_ERROR
+
+INTERRUPTED = threading.Event()  # set by Ctrl-C during a load or capacity sweep
 
 
 def add_generate_options(g) -> None:
@@ -113,9 +116,10 @@ def _start(args, make_levels, on_progress):
             target.close()
         print(f"error: {exc}", file=sys.stderr)
         return USER_ERROR
-    # Stop (the page's button, or Ctrl-C) cuts the requests in flight and keeps what finished
+    # Stop (the page's button: SIGTERM) cuts the requests in flight and keeps what finished; Ctrl-C does the same, and
+    # the command then ends as an interrupted one does (exit 130)
     signal.signal(signal.SIGTERM, lambda *_: sweep.stop())
-    signal.signal(signal.SIGINT, lambda *_: sweep.stop())
+    signal.signal(signal.SIGINT, lambda *_: (INTERRUPTED.set(), sweep.stop()))
     return sweep
 
 
@@ -171,12 +175,14 @@ def cmd_load(args) -> int:
 
 def _ending(summary: dict, quiet: bool) -> int:
     """The sweep's last line, true to what happened: how many requests failed, which level broke and why.
-    Non-zero when a level broke or no request succeeded."""
+    Non-zero when a level broke or no request succeeded; 130 when Ctrl-C stopped it."""
     ok, failed = summary["requests_ok"], summary["requests_failed"]
     sent = f"{ok + failed} requests, {failed} failed" if failed else f"{ok} requests"
     if failed and not ok:
         sent = f"none of its {failed} requests succeeded"
     code = 1 if summary["status"] == "error" or (failed and not ok) else 0
+    if INTERRUPTED.is_set():
+        code = 130
     if summary["status"] == "error":
         kept = sum(lv["status"] == "ok" for lv in summary["levels"])
         line = f"sweep {summary['sweep_id']} ended early: {summary['error']} ({kept} level(s) before it stored; {sent})"
@@ -288,7 +294,7 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
     p.add_argument("--weights", help="with --local: the weight level the whole batch runs at (default fp32; "
                                      "int8-dyn, int4-dyn, ...: `generate --help` lists them)")
-    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-64)")
+    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-128)")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")
     p.add_argument("--slo", required=slo_required, help="targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also itl_ms, "

@@ -1,7 +1,7 @@
 // The int8-dyn product on Intel AMX's tile registers, where the CPU has them: int8_dyn_rows (int8.cpp) hands its
-// quantized activations here for several rows at once. A tile multiply sums 16 x 16 dot products of 64 byte pairs
-// in one instruction, against the one of 16 sums a VNNI instruction adds, and its sums are the same exact integers,
-// so every output is the same to the bit whichever path computed it.
+// quantized activations here for several rows at once. One tile multiply adds 16 x 16 dot products of 64 byte pairs,
+// where a VNNI instruction adds 16 of 4, and its sums are the same exact integers, so every output is the same to
+// the bit whichever path computed it.
 //
 // The weights stay as int8_dyn_rows reads them ([N, K], a row per output): 16 of their rows, 64 bytes of each, are
 // the left tile as they lie. The right tile wants each activation row's bytes four at a time down its columns, so
