@@ -1,5 +1,6 @@
-"""Batching: aggregate decode tokens/s of B identical requests decoded together against one alone, at fp32 and
-at the fastest level, and one sequence through the batch engine against the plain decode loop, in lockstep.
+"""Batching: aggregate decode tokens/s of B identical requests decoded together against one alone, at fp32, at the
+fastest level alone (int4-dyn) and at the level whose products batch best (int8-dyn, on AMX tiles where the CPU
+has them), and one sequence through the batch engine against the plain decode loop, in lockstep.
 
 Each round measures every (level, batch) once, the order rotating from round to round, so a burst of load on
 a shared machine does not favour one of them. A batch's decode rate is B tokens over the median step once every
@@ -201,7 +202,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--levels", default="fp32,int4-dyn")
+    parser.add_argument("--levels", default="fp32,int4-dyn,int8-dyn")
     parser.add_argument("--load", default="1,2,4,8,16", help="concurrency levels of the load sweep")
     parser.add_argument("--load-requests", type=int, default=16, help="requests a concurrency level")
     parser.add_argument("--load-rounds", type=int, default=1)
