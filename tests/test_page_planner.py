@@ -96,6 +96,18 @@ def test_planned_against_measured_for_recorded_runs(page_db):
     assert list(table["run"]) == [run_id]
     assert table["planned ms (estimate)"].iloc[0] == round(expected["decode_ms_per_token"], 2)
     assert table["measured TPOT ms"].iloc[0] == 40.0
+    assert table["weights read from"].iloc[0] == "memory" and table["read GB/s"].iloc[0] == 20.0
+    # planned slower than measured in all (40 ms) but not in its memory term (538 MB at 20 GB/s: 27 ms): no warning
+    # about the calibration; a run faster than its bytes at the calibrated rate gets one
+    assert table["planned / measured"].iloc[0] > 1 and not [w for w in at.warning if "planned memory" in w.value]
+    fast = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
+                           config={"weights": "fp32", "kv_cache": True}, hardware={}, prompt="x")
+    store.finish_run(fast, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": 20.0,
+                                                 "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
+                                                 "calibration": calibration})
+    at = open_page()
+    warned = [w.value for w in at.warning if "planned memory" in w.value]
+    assert len(warned) == 1 and "is above 100%" in warned[0]
 
 
 def test_the_capacity_view_answers_above_its_form_cheapest_first():
