@@ -338,14 +338,15 @@ def test_prompts_split_into_chunks_prefilled_together_get_the_tokens_they_get_on
 @torch.inference_mode()
 @pytest.mark.parametrize("level", ["int4-dyn", "int8-dyn"])
 def test_the_default_model_prefills_chunks_side_by_side_as_it_prefills_each_alone(default_lm, level):
-    """A whole prompt, the second half of one whose first half is cached, and a last token of one prefilled in one
-    forward (LeanLlama.prefill_batch): each chunk's logits and cache equal its own forward's, to the bit."""
+    """Two whole prompts of one length (attending in one call), the second half of one whose first half is cached,
+    and a last token of one prefilled in one forward (LeanLlama.prefill_batch): each chunk's logits and cache equal
+    its own forward's, to the bit."""
     if optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
     lm = quantize(default_lm, level)
     assert lm.model.prefills_side_by_side()
-    ids = [lm.tokenizer(p)["input_ids"] for p in PROMPTS[1:]]
-    cached = [0, len(ids[1]) // 2, len(ids[2]) - 1]
+    ids = [lm.tokenizer(p)["input_ids"] for p in PROMPTS[1:2] + PROMPTS[1:]]
+    cached = [0, 0, len(ids[2]) // 2, len(ids[3]) - 1]
     alone, together = [], []
     for seq, before in zip(ids, cached):
         for kept in (alone, together):

@@ -152,9 +152,35 @@ class LeanAttention(nn.Module):
         if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
             q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         if isinstance(cache, Packed):  # several sequences' tokens side by side, each attending over its own cache
-            return self.o_proj(torch.cat([self.attend(q[:, :, at], k[:, :, at], v[:, :, at], part, part_mask, x.dtype)
-                                          for at, part, part_mask in cache.parts], dim=1))
+            return self.o_proj(self.attend_packed(q, k, v, cache, x.dtype))
         return self.o_proj(self.attend(q, k, v, cache, mask, x.dtype))
+
+    def attend_packed(self, q, k, v, packed: Packed, dtype) -> torch.Tensor:
+        """[1, positions, heads * head_dim]: each part's positions over its own cache. Consecutive prompts of one
+        length with nothing cached before them attend in one call, each a row of its batch: a call costs far more
+        to set up than one short prompt's arithmetic, and each row's is the one it gets alone."""
+        outs, fresh = [], []  # fresh: the (q, k, v) of such prompts waiting for their call
+
+        def attend_fresh():
+            if fresh:
+                out = F.scaled_dot_product_attention(*(torch.cat(t) for t in zip(*fresh)), is_causal=True,
+                                                     scale=self.scaling, enable_gqa=self.kv_heads != self.heads)
+                outs.append(out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim).to(dtype))
+                fresh.clear()
+
+        for at, part, mask in packed.parts:
+            part_q, part_k, part_v = q[:, :, at], k[:, :, at], v[:, :, at]
+            length = part_q.shape[2]
+            if mask is None and length > 1 and part.get_seq_length(self.layer_idx) == 0:
+                if fresh and fresh[0][0].shape[2] != length:
+                    attend_fresh()
+                part.update(part_k, part_v, self.layer_idx)
+                fresh.append((part_q, part_k, part_v))
+            else:
+                attend_fresh()
+                outs.append(self.attend(part_q, part_k, part_v, part, mask, dtype))
+        attend_fresh()
+        return torch.cat(outs, dim=1)
 
     def attend(self, q, k, v, cache, mask, dtype) -> torch.Tensor:
         """[batch, length, heads * head_dim]: the new positions' attention over the cache they join."""
