@@ -78,15 +78,21 @@ def test_a_model_that_does_not_fit_is_flagged():
     assert at.table[0].value["fits"].iloc[0] == "no"
 
 
+def recorded_decode(store, calibration: dict, tpot_ms: float) -> int:
+    """A stored fp32 run of the default model: 30 prompt and 64 new tokens at tpot_ms, attributed with calibration."""
+    run_id = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
+                             config={"weights": "fp32", "kv_cache": True}, hardware={}, prompt="x")
+    store.finish_run(run_id, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": tpot_ms,
+                                                   "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
+                                                   "calibration": calibration})
+    return run_id
+
+
 def test_planned_against_measured_for_recorded_runs(page_db):
     store = Store(page_db)
     calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
                    "dispatch_us": 5.0}
-    run_id = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
-                             config={"weights": "fp32", "kv_cache": True}, hardware={}, prompt="x")
-    store.finish_run(run_id, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": 40.0,
-                                                   "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
-                                                   "calibration": calibration})
+    run_id = recorded_decode(store, calibration, 40.0)
     at = open_page()
     assert not at.exception
     table = at.dataframe[-1].value
@@ -100,11 +106,7 @@ def test_planned_against_measured_for_recorded_runs(page_db):
     # planned slower than measured in all (40 ms) but not in its memory term (538 MB at 20 GB/s: 27 ms): no warning
     # about the calibration; a run faster than its bytes at the calibrated rate gets one
     assert table["planned / measured"].iloc[0] > 1 and not [w for w in at.warning if "planned memory" in w.value]
-    fast = store.start_run(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32",
-                           config={"weights": "fp32", "kv_cache": True}, hardware={}, prompt="x")
-    store.finish_run(fast, status="ok", metrics={"n_prompt_tokens": 30, "n_new_tokens": 64, "tpot_ms": 20.0,
-                                                 "weight_bytes_per_forward": 538060288, "kv_dtype": "fp32",
-                                                 "calibration": calibration})
+    recorded_decode(store, calibration, 20.0)
     at = open_page()
     warned = [w.value for w in at.warning if "planned memory" in w.value]
     assert len(warned) == 1 and "is above 100%" in warned[0]
