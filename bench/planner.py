@@ -133,9 +133,9 @@ def render_local(rows: list[dict]) -> str:
     lines = ["", "## On this machine: the default model at each level, alone and in a batch, 64 new tokens", "",
              "Command per round: `python -m engine calibrate`, then for each level and user count `python -m engine "
              "generate --prompt \"Why is the sky blue?\" --max-new-tokens 64 --weights LEVEL --users N --prompts FILE "
-             "--json`, the file holding the same prompt, so that every user decodes the same lengths; measured = the prompt's own run's time per output token, "
-             "planned = `plan.plan_for_run` of that stored run with the calibration it was attributed with (no "
-             "figure of these runs went into the planner).", "",
+             "--json`, the file holding the same prompt, so that every user decodes the same lengths; measured = "
+             "the prompt's own run's time per output token, planned = `plan.plan_for_run` of that stored run with "
+             "the calibration it was attributed with (no figure of these runs went into the planner).", "",
              "| round | level | users | load average before / after | weights read from | read GB/s | us per product "
              "| measured TPOT ms | planned ms | planned / measured | planned memory / compute / time ms |",
              "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -163,13 +163,19 @@ def test_a_forward_whose_bytes_fit_the_cache_is_checked_against_the_cache_s_rate
     calibration read again and again, they come from there, faster than memory's peak."""
     calibration = {"memory_gbps": 30.0, "memory_method": "gemv", "matmul_gflops": {"float32": 100.0},
                    "cache_read": {"bytes": 150e6, "gbps": 60.0, "matvec_call_us": 3.0, "cache_bytes": 300e6}}
-    assert hardware.read_peak(calibration, 100e6)[0] == 60.0 and hardware.read_peak(calibration, 200e6) == (30.0, "gemv")
+    assert hardware.read_peak(calibration, 100e6)[0] == 60.0
+    assert hardware.read_peak(calibration, 200e6) == (30.0, "gemv")
     assert hardware.read_peak({k: v for k, v in calibration.items() if k != "cache_read"}, 100e6)[0] == 30.0
     fits = hardware.peak_check(50e9, 1.0, calibration, working_set=100e6)
     assert fits["beyond_peak"] is None and fits["peak_fraction"] == pytest.approx(50 / 60)
     beyond = hardware.peak_check(50e9, 1.0, calibration, working_set=200e6)
     assert "167% of the calibrated peak of 30.0 GB/s (gemv)" in beyond["beyond_peak"]
     assert hardware.roofline(calibration, torch.float32, 100e6).memory_gbps == 60.0
+    # an integer level multiplies at the best rate its own kernels were timed at, not at the float matmul peak
+    timed = {**calibration, "prefill_gflops": {"float32": {"16": 80.0}, "int4-dyn": {"16": 500.0, "128": 700.0}}}
+    assert hardware.roofline(timed, torch.float32, 100e6, "int4-dyn").peak_gflops == 700.0
+    assert hardware.roofline(timed, torch.float32, 100e6, "int8-dyn").peak_gflops == 100.0
+    assert hardware.roofline(timed, torch.float32, 100e6).peak_gflops == 100.0
 
 
 def test_the_cache_s_read_rate_is_measured_on_weights_that_fit_it():

@@ -595,7 +595,8 @@ def decode_checks(forwards: list[tuple[float, float, float]], calibration: dict)
 
 # what a run keeps of the calibration it used
 RUN_CALIBRATION = ("device_key", "memory_gbps", "memory_method", "memory_methods_gbps", "matmul_gflops",
-                   "prefill_gflops", "cache_read", "dispatch_us", "matvec_call_us", "created_at", "measured_at", "reused_from")
+                   "prefill_gflops", "cache_read", "dispatch_us", "matvec_call_us", "created_at", "measured_at",
+                   "reused_from")
 
 
 def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
@@ -603,10 +604,15 @@ def peak_gflops(calibration: dict, dtype: torch.dtype) -> float:
     return table.get(str(dtype).removeprefix("torch."), table["float32"])
 
 
-def roofline(calibration: dict, dtype: torch.dtype, weight_bytes: float) -> Roofline:
+def roofline(calibration: dict, dtype: torch.dtype, weight_bytes: float, weights: str = "fp32") -> Roofline:
     """The roofline a run's forwards are attributed with: the read rate a forward reading `weight_bytes` of
-    weights reaches (read_peak: the cache's where they fit it) and the matmul peak of its dtype."""
-    return Roofline(read_peak(calibration, weight_bytes)[0], peak_gflops(calibration, dtype))
+    weights reaches (read_peak: the cache's where they fit it) and the matmul peak of its dtype, or for an integer
+    weight level (`weights`, the model's level) the best rate the calibration timed its own kernels at: they
+    multiply integers, faster than any float matmul here."""
+    level = weights.split(" ")[0]
+    integer = (calibration.get("prefill_gflops") or {}).get(level) if level in INTEGER_LEVELS else None
+    peak = max(integer.values()) if integer else peak_gflops(calibration, dtype)
+    return Roofline(read_peak(calibration, weight_bytes)[0], peak)
 
 
 _session_calibrations: dict[str, dict] = {}

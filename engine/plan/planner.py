@@ -748,7 +748,8 @@ def local_efficiency(calibration: dict, weights: str = "fp32", kv_dtype: str | N
                       kernels_per_layer=LOCAL["ops_per_layer"], matvec_us=matvec_us,
                       one_call_layer_us=layer_us if one_call else None,
                       step_fixed_us=(LOCAL["one_call_host_us"] if one_call else LOCAL["host_us"])
-                      - LOCAL["host_us_per_sequence"], host_sync_us=0.0, host_us_per_sequence=LOCAL["host_us_per_sequence"])
+                      - LOCAL["host_us_per_sequence"], host_sync_us=0.0,
+                      host_us_per_sequence=LOCAL["host_us_per_sequence"])
 
 
 def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | None = None,

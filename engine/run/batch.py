@@ -169,7 +169,7 @@ class BatchEngine:
         self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.prefills_side_by_side()
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
-            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes),
+            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes, lm.weights),
             True, ())
         self.queued: list[Sequence] = []
         self.running: list[Sequence] = []

@@ -95,7 +95,7 @@ class Generation:
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         self.attribution = Attribution(
-            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes),
+            self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes, lm.weights),
             cfg.kv_cache, tuple(sparse_layers(lm.model)))
         self.recorder = Recorder(store) if store is not None else None
         self.output = Output(lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)

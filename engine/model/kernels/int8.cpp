@@ -1,7 +1,8 @@
 // The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level; several rows
 // on AMX tiles where the CPU has them (amx.cpp), else with AVX-512 VNNI one instruction multiplies and sums 64
-// byte pairs, with AVX2 a few multiply 32, elsewhere a plain loop gives the same integers), int8_wo_linear (int8 weights, float activations) and
-// int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and has_vnni.
+// byte pairs, with AVX2 a few multiply 32, elsewhere a plain loop gives the same integers), int8_wo_linear (int8
+// weights, float activations) and int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and
+// has_vnni.
 #include "kernels.h"
 
 namespace tokenpath {
