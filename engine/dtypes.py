@@ -12,6 +12,11 @@ KV_CHOICES = ("auto",) + FLOATS  # KV-cache precision: auto keeps the weights' c
 INTEGER_LEVELS = ("int8-dyn", "int4-dyn")
 
 
+def weight_level(weights: str) -> str:
+    """The level's name in a model's weights label ("int4-wo g32" -> "int4-wo")."""
+    return weights.split(" ")[0]
+
+
 def torch_dtype(name: str):
     """The torch dtype of a float format name (fp32, bf16, fp16)."""
     import torch

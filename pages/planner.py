@@ -214,7 +214,7 @@ def planned_vs_measured(store) -> pd.DataFrame:
                      "measured TPOT ms": round(run["tpot_ms"], 2),
                      "planned ms (estimate)": round(predicted["decode_ms_per_token"], 2),
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
-                     "planned memory ms": round(predicted["distances_ms"]["memory"], 2),
+                     "planned memory ms (estimate)": round(predicted["distances_ms"]["memory"], 2),
                      "weights read from": "last-level cache" if cached else "memory",
                      "read GB/s": round(cached["gbps"] if cached else plan.decode_bandwidth_gbps(calibration), 1),
                      "µs per product": round(cached["matvec_call_us"] if cached else
@@ -238,7 +238,8 @@ if store is not None:
         st.dataframe(table, hide_index=True, width="stretch")
         # only the memory term is bytes over a calibrated peak: a plan slower than its run in its other terms says
         # nothing about the calibration
-        beyond = hardware.above_peak_sentence((table["planned memory ms"] / table["measured TPOT ms"]).max())
+        memory_share = table["planned memory ms (estimate)"] / table["measured TPOT ms"]
+        beyond = hardware.above_peak_sentence(memory_share.max())
         if beyond:
             st.warning(f"A run's planned memory time, its bytes at the calibrated rate, against its measured time per "
                        f"token: {md_escape(beyond)} A low calibration plans slower decodes than the machine runs.")

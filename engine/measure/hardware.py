@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from engine import OPENMP_WAIT
-from engine.dtypes import INTEGER_LEVELS
+from engine.dtypes import INTEGER_LEVELS, weight_level
 from engine.measure.distances import Roofline
 from engine.paths import cache_dir
 
@@ -609,7 +609,7 @@ def roofline(calibration: dict, dtype: torch.dtype, weight_bytes: float, weights
     weights reaches (read_peak: the cache's where they fit it) and the matmul peak of its dtype, or for an integer
     weight level (`weights`, the model's level) the best rate the calibration timed its own kernels at: they
     multiply integers, faster than any float matmul here."""
-    level = weights.split(" ")[0]
+    level = weight_level(weights)
     integer = (calibration.get("prefill_gflops") or {}).get(level) if level in INTEGER_LEVELS else None
     peak = max(integer.values()) if integer else peak_gflops(calibration, dtype)
     return Roofline(read_peak(calibration, weight_bytes)[0], peak)

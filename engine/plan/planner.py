@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.dtypes import FP4_BITS, INTEGER_LEVELS
+from engine.dtypes import FP4_BITS, INTEGER_LEVELS, weight_level
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.plan.shapes import ShapeError
@@ -785,7 +785,7 @@ def plan_for_run(run: dict, calibration: dict) -> dict:
     model = resolve_model("default" if run["model"] == DEFAULT_MODEL_NAME else run["model"])
     read_bytes = metrics.get("weight_bytes_per_forward")
     bits = read_bytes * 8 / model.read_params() if read_bytes else None
-    level, dtype = (run.get("weights") or "").split(" ")[0], ENGINE_LEVELS.get(run["dtype"], "fp32")
+    level, dtype = weight_level(run.get("weights") or ""), ENGINE_LEVELS.get(run["dtype"], "fp32")
     weights = level if level in INTEGER_LEVELS and bits else dtype
     return local_plan(model, calibration, weights=weights, kv_dtype=metrics.get("kv_dtype") or dtype,
                       prompt_tokens=int(run["n_prompt_tokens"]), new_tokens=max(int(run["n_new_tokens"] or 1), 1),
