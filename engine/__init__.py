@@ -8,7 +8,13 @@ take the time the next region needs, and a step can take several times as long. 
 briefly (GOMP_SPINCOUNT) when the machine is quiet as it starts (1-minute load average below the
 core count) and sleeps between regions otherwise. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user
 are kept. OPENMP_WAIT says which, and why; runs and benchmarks record it. Processes this one starts
-inherit the choice; another engine's server measured here gets foreign_env(), which leaves it out."""
+inherit the choice; another engine's server measured here gets foreign_env(), which leaves it out.
+
+Freed memory stays in the process for the next allocation (FREED_MEMORY says so, or why not): glibc maps each
+allocation above its threshold (128 KiB, rising to 32 MiB) afresh and unmaps it when it is freed, so every tensor of
+a prefill's activations, several MB each, is faulted in page by page again, which in a virtual machine costs as
+much as the arithmetic that fills it."""
+import ctypes
 import os
 import sys
 
@@ -36,6 +42,22 @@ def _choose_openmp_wait() -> str:
     return why
 
 
+def _keep_freed_memory() -> str:
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
+            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "glibc's malloc as set in the environment"
+    try:
+        libc = ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
+    except (ValueError, OSError, AttributeError):  # no such name outside glibc
+        libc = None
+    if libc is None:
+        return "the C library's own allocation policy"
+    trim_threshold, mmap_threshold, limit = -1, -3, 1 << 30
+    if libc.mallopt(mmap_threshold, limit) and libc.mallopt(trim_threshold, limit):
+        return "kept for reuse (glibc mallopt: mapped afresh above 1 GiB, returned above 1 GiB free)"
+    return "glibc's default policy (mallopt refused)"
+
+
 def foreign_env() -> dict:
     """This process's environment for another engine's server: without the OpenMP wait the engine chose for
     itself (a server under measurement runs with its own defaults, not with a choice that depends on how busy
@@ -47,3 +69,4 @@ def foreign_env() -> dict:
 
 
 OPENMP_WAIT = _choose_openmp_wait()
+FREED_MEMORY = _keep_freed_memory()

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine import OPENMP_WAIT
+from engine import FREED_MEMORY, OPENMP_WAIT
 from engine.dtypes import INTEGER_LEVELS, weight_level
 from engine.measure.distances import Roofline
 from engine.paths import cache_dir
@@ -49,6 +49,7 @@ def cpu_facts() -> dict:
         "logical_cores": psutil.cpu_count(logical=True),
         "torch_threads": torch.get_num_threads(),
         "openmp_wait": OPENMP_WAIT,
+        "freed_memory": FREED_MEMORY,
         "ram_bytes": psutil.virtual_memory().total,
     }
 
