@@ -49,7 +49,8 @@ static void configure_tiles(int64_t cols) {
 }
 
 // The sums of weight rows [n, n + blocks * 16) against activation rows [m, m + cols), the activations laid out by
-// tile_activations (their chunk at xt), into sums[b][i][j] (output n + 16 b + i, activation row m + j).
+// tile_activations (their chunk at xt), into sums[b][i][j] (output n + 16 b + i, activation row m + j), each row of
+// sums 16 long whatever `cols` is.
 template <int Blocks>
 static void tile_sums(const int8_t* w, int64_t K, const uint8_t* xt, int64_t cols, int32_t* sums) {
   _tile_zero(0);
@@ -63,26 +64,62 @@ static void tile_sums(const int8_t* w, int64_t K, const uint8_t* xt, int64_t col
       _tile_dpbssd(1, 3, 4);
     }
   }
-  _tile_stored(0, sums, static_cast<int>(cols * 4));
-  if (Blocks == 2) _tile_stored(1, sums + kTile * cols, static_cast<int>(cols * 4));
+  _tile_stored(0, sums, kTile * 4);
+  if (Blocks == 2) _tile_stored(1, sums + kTile * kTile, kTile * 4);
 }
 
-// y[j * y_stride + i] = float(sums[i][j]) * xs[j] * sp[i] for a block's 16 outputs i and `cols` activation rows j,
-// the operations of int8_dyn_rows in its order: each activation row's 16 sums gathered down the tile's column.
+// The 16 x 16 int32 in r transposed in place: r[j][i] becomes r[i][j]. Four rounds of shuffles (pairs of lanes, of
+// 64-bit pairs, of 128-bit quarters twice), where gathering a column costs a load per lane.
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// y[j * y_stride + i] = float(sums[i][j]) * xs[j] * sp[i] for a block's 16 outputs i and `cols` activation rows j
+// (sums' rows 16 apart, the columns past `cols` unused), the operations of int8_dyn_rows in its order.
 static void scale_sums(const int32_t* sums, int64_t cols, const float* xs, const float* sp, float* y,
                        int64_t y_stride) {
-  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(cols)));
+  __m512i rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_si512(sums + i * kTile);
+  transpose16(rows);
   const __m512 scales = _mm512_loadu_ps(sp);
   for (int64_t j = 0; j < cols; ++j) {
-    const __m512 column = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(down, sums + j, 4));
+    const __m512 column = _mm512_cvtepi32_ps(rows[j]);
     _mm512_storeu_ps(y + j * y_stride, _mm512_mul_ps(_mm512_mul_ps(column, _mm512_set1_ps(xs[j])), scales));
   }
 }
 
 // Activation rows [m, m + cols) of xq [M, K] laid out as the right tiles take them: for each 64 bytes of K, 16
-// rows of `cols` columns, column j of row r holding bytes 4r .. 4r + 3 of that stretch of activation row m + j.
+// rows of `cols` columns, column j of row r holding bytes 4r .. 4r + 3 of that stretch of activation row m + j. A
+// full chunk's stretch is a 16 x 16 transpose of four-byte groups.
 static void tile_activations(const int8_t* xq, int64_t K, int64_t m, int64_t cols, int8_t* xt) {
+  if (cols == kTile) {
+    for (int64_t k = 0; k < K; k += kDepth) {
+      __m512i rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(xq + (m + j) * K + k);
+      transpose16(rows);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(xt + k * kTile + r * kDepth, rows[r]);
+    }
+    return;
+  }
   for (int64_t k = 0; k < K; k += 4)
     for (int64_t j = 0; j < cols; ++j) std::memcpy(xt + k * cols + 4 * j, xq + (m + j) * K + k, 4);
 }
@@ -92,11 +129,13 @@ bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* 
   if (M < kTileRows || K % kDepth != 0 || N % kTile != 0 || !tiles_granted()) return false;
   const int64_t chunks = (M + kTile - 1) / kTile;
   std::vector<int8_t> laid(static_cast<size_t>(M * K));
-  for (int64_t c = 0; c < chunks; ++c)
-    tile_activations(xq, K, c * kTile, std::min(kTile, M - c * kTile), laid.data() + c * kTile * K);
+  over_rows(chunks, kTile * K, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      tile_activations(xq, K, c * kTile, std::min(kTile, M - c * kTile), laid.data() + c * kTile * K);
+  });
   const int64_t pairs = N / kTile / 2, blocks = N / kTile;
   shared_rows((blocks + 1) / 2, 2 * kTile * K, [&](int64_t begin, int64_t end) {
-    int32_t sums[2 * kTile * kTile];
+    int32_t sums[2 * kTile * kTile] = {};
     int64_t configured = 0;
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m = c * kTile, cols = std::min(kTile, M - m);
@@ -107,7 +146,7 @@ bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* 
         if (count == 2) tile_sums<2>(wp + n * K, K, xt, cols, sums);
         else tile_sums<1>(wp + n * K, K, xt, cols, sums);
         for (int64_t b = 0; b < count; ++b)
-          scale_sums(sums + b * kTile * cols, cols, xs + m, sp + n + b * kTile, yp + m * N + n + b * kTile, N);
+          scale_sums(sums + b * kTile * kTile, cols, xs + m, sp + n + b * kTile, yp + m * N + n + b * kTile, N);
       }
     }
     _tile_release();
