@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from engine.errors import UserError
 from engine.model.cpu_kernels import optional_kernel
-from engine.run.batch import CACHE_ROOM, BatchEngine, BatchError
+from engine.model.lean import CACHE_ROOM
+from engine.run.batch import BatchEngine, BatchError
 from engine.run.generate import Generation
 from engine.run.local import LocalEngine
 from engine.spec import GenConfig

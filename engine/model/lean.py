@@ -63,6 +63,7 @@ class LeanRMSNorm(nn.Module):
 # by module path computes the same and stays for everything that call does not cover
 FUSED_DECODE = True
 
+CACHE_ROOM = 128  # positions a decode grows a full cache by, here and in the kernels' decode_layers (kCacheRoom)
 SMALL_ROWS = 24  # up to this many rows (a decode step, a verification of drafts) go to the project's kernel
 
 
@@ -159,26 +160,32 @@ class LeanAttention(nn.Module):
         """[1, positions, heads * head_dim]: each part's positions over its own cache. Consecutive prompts of one
         length with nothing cached before them attend in one call, each a row of its batch: a call costs far more
         to set up than one short prompt's arithmetic, and each row's is the one it gets alone."""
-        outs, fresh = [], []  # fresh: the (q, k, v) of such prompts waiting for their call
+        outs, fresh = [], []  # fresh: the (positions, cache) of such prompts waiting for their call
 
         def attend_fresh():
             if fresh:
-                out = F.scaled_dot_product_attention(*(torch.cat(t) for t in zip(*fresh)), is_causal=True,
-                                                     scale=self.scaling, enable_gqa=self.kv_heads != self.heads)
+                span, length = slice(fresh[0][0].start, fresh[-1][0].stop), fresh[0][0].stop - fresh[0][0].start
+                rows = [t[0, :, span].unflatten(1, (len(fresh), length)).transpose(0, 1).contiguous() for t in (q, k, v)]
+                for i, (_, part) in enumerate(fresh):
+                    layers = getattr(part, "layers", ())
+                    if len(layers) > self.layer_idx and type(layers[self.layer_idx]) is DynamicLayer:
+                        start_with_room(layers[self.layer_idx], rows[1][i:i + 1], rows[2][i:i + 1])
+                    else:
+                        part.update(rows[1][i:i + 1], rows[2][i:i + 1], self.layer_idx)
+                out = F.scaled_dot_product_attention(*rows, is_causal=True, scale=self.scaling,
+                                                     enable_gqa=self.kv_heads != self.heads)
                 outs.append(out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim).to(dtype))
                 fresh.clear()
 
         for at, part, mask in packed.parts:
-            part_q, part_k, part_v = q[:, :, at], k[:, :, at], v[:, :, at]
-            length = part_q.shape[2]
+            length = at.stop - at.start
             if mask is None and length > 1 and part.get_seq_length(self.layer_idx) == 0:
-                if fresh and fresh[0][0].shape[2] != length:
+                if fresh and fresh[0][0].stop - fresh[0][0].start != length:
                     attend_fresh()
-                part.update(part_k, part_v, self.layer_idx)
-                fresh.append((part_q, part_k, part_v))
+                fresh.append((at, part))
             else:
                 attend_fresh()
-                outs.append(self.attend(part_q, part_k, part_v, part, mask, dtype))
+                outs.append(self.attend(q[:, :, at], k[:, :, at], v[:, :, at], part, mask, dtype))
         attend_fresh()
         return torch.cat(outs, dim=1)
 
@@ -549,9 +556,32 @@ for _register in (torch_module.register_module_module_registration_hook,
     _register(_count_registration)
 
 
+def room_for(positions: int) -> int:
+    """The positions a cache holding `positions` keeps room for: the next multiple of CACHE_ROOM."""
+    return -(-positions // CACHE_ROOM) * CACHE_ROOM
+
+
+def with_room(old: torch.Tensor, length: int, dtype) -> torch.Tensor:
+    """A [batch, kv_heads, length, head_dim] view of new storage with room for room_for(length) positions, holding
+    old's positions at its start."""
+    capacity = room_for(length)
+    store = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3], dtype=dtype, device=old.device)
+    store[:, :, :old.shape[2]] = old
+    return store[:, :, :length]
+
+
+def start_with_room(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """An empty DynamicLayer started with keys and values [1, kv_heads, length, head_dim], copied into storage with
+    room for the positions a decode adds, as append_in_place grows them (transformers' update would concatenate
+    them to an empty tensor, and the first decode copy them again)."""
+    layer.device = keys.device
+    layer.keys, layer.values = (with_room(t, t.shape[2], t.dtype) for t in (keys, values))
+    layer.is_initialized = True
+
+
 def append_in_place(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A DynamicLayer's keys and values with one position [1, kv_heads, 1, head_dim] added, written into
-    room its storage keeps after the last position (made 128 positions at a time where it has none),
+    room its storage keeps after the last position (made CACHE_ROOM positions at a time where it has none),
     as the kernels' decode_layers grows them: concatenating would copy the whole cache on every step."""
     grown = []
     for old, new in ((layer.keys, keys), (layer.values, values)):
@@ -559,14 +589,11 @@ def append_in_place(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tenso
         room = old.untyped_storage().nbytes() // old.element_size()
         if (old.dtype != new.dtype or old.stride(3) != 1 or old.stride(2) != old.shape[3] or old.storage_offset()
                 or old.stride(1) < (length + 1) * old.shape[3] or old.stride(0) * old.shape[0] > room):
-            capacity = -(-(length + 1) // 128) * 128
-            store = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3], dtype=new.dtype, device=old.device)
-            store[:, :, :length] = old
+            store = with_room(old, length + 1, new.dtype)
         else:  # the storage behind the view, as a tensor of its full capacity
-            store = old.as_strided((old.shape[0], old.shape[1], old.stride(1) // old.shape[3], old.shape[3]),
-                                   old.stride())
+            store = old.as_strided((old.shape[0], old.shape[1], length + 1, old.shape[3]), old.stride())
         store[:, :, length:length + 1] = new
-        grown.append(store[:, :, :length + 1])
+        grown.append(store)
     layer.keys, layer.values = grown
     return layer.keys, layer.values
 

@@ -1,7 +1,7 @@
 """Continuous batching: many sequences decoded together, each step's weights read once for all of them.
 
 BatchEngine keeps arrivals in a queue and up to max_batch sequences running. Under a KV budget it counts the bytes
-each running sequence's cache takes: the room the decode grows it by, CACHE_ROOM positions at a time
+each running sequence's cache takes: the room the decode grows it by, 128 positions at a time
 (LeanLlama.decode_batch), reserved for its prompt when it is admitted (a cache that grows is copied once, so for
 that moment its old storage is held too). A step first makes room for the running sequences' next positions: when
 the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing its cache and putting it back
@@ -37,7 +37,7 @@ from engine.measure import hardware
 from engine.measure.accounting import batch_decode_work, model_shape
 from engine.measure.distances import BUCKETS, sum_buckets
 from engine.measure.metrics import run_metrics
-from engine.model.lean import LeanLlama
+from engine.model.lean import LeanLlama, room_for
 from engine.run.generate import TokenEvent, collector_spared
 from engine.store.record import Recorder
 from engine.store.writer import Writer
@@ -48,14 +48,13 @@ from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
 PREFILL_CHUNK = 512  # prompt tokens a step prefills, between the running sequences' decode steps
-CACHE_ROOM = 128  # positions a decode grows a full cache by (engine/model/lean.py, kernels/decode.cpp)
 
 
 def decoded_room(positions: int) -> int:
     """Positions of room a cache holding `positions` takes once the decode has grown it; a prefill takes no more
-    (its chunks concatenate, and a last chunk of one token in a forward of its own grows the cache as a decode
-    does)."""
-    return -(-positions // CACHE_ROOM) * CACHE_ROOM
+    (a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate, and a last
+    chunk of one token in a forward of its own grows the cache as a decode does)."""
+    return room_for(positions)
 
 
 def most_positions(n_prompt: int, max_new_tokens: int) -> int:
