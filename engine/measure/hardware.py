@@ -737,9 +737,13 @@ def calibration_cache_path() -> Path:
 
 def machine_key(device: torch.device) -> str:
     """What a cached calibration must match to be reused: the device (CPU model and threads, or the
-    GPU's name), the machine's cores, the torch that ran the kernels and the calibration's version."""
-    return f"{device_key(device)}|{psutil.cpu_count(logical=True)} logical cores|torch {torch.__version__}|" \
-           f"v{CALIBRATION_VERSION}"
+    GPU's name), the machine's cores, the torch that ran the kernels, on a CPU the version of the project's own
+    kernels (the integer levels' rates are theirs), and the calibration's version."""
+    from engine.model.cpu_kernels import build_directory
+
+    kernels = f"|kernels {build_directory().name}" if device.type == "cpu" else ""
+    return f"{device_key(device)}|{psutil.cpu_count(logical=True)} logical cores|torch {torch.__version__}" \
+           f"{kernels}|v{CALIBRATION_VERSION}"
 
 
 def _read_cache() -> dict:
