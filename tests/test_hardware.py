@@ -339,3 +339,43 @@ def test_the_verdict_reads_the_store_over_one_connection(store, calibration):
     verdict = hardware.calibration_verdict(counting, key)
     assert verdict.trustworthy and verdict.calibration["memory_gbps"] == calibration["memory_gbps"]
     assert len(opened) == 1
+
+
+
+# a prefill's pattern: tensors of several MB made and freed layer after layer, forward after forward
+FORWARDS = """
+import os, resource, sys, torch
+if sys.argv[1] == "engine":
+    import engine
+    print(engine.FREED_MEMORY)
+def forward():
+    x = torch.ones(2944, 576)
+    for _ in range(4):
+        h = x * 2.0
+        up = torch.ones(2944, 3072)
+        x = x + (up[:, :1536] * h.sum())[:, :576]
+        del h, up
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+forward()
+before = faults()
+for _ in range(3):
+    forward()
+print(faults() - before)
+"""
+
+
+def forward_faults(process: str, **env) -> tuple[str, int]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", FORWARDS, process], env={**base, **env}, capture_output=True,
+                         text=True, check=True, timeout=300).stdout.splitlines()
+    return out[0] if len(out) > 1 else "", int(out[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
+                    reason="the allocation policy is glibc's")
+def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_again():
+    policy, kept = forward_faults("engine")
+    _, plain = forward_faults("torch")
+    assert policy.startswith("kept for reuse") and kept * 3 < plain, (kept, plain)
+    policy, _ = forward_faults("engine", MALLOC_MMAP_THRESHOLD_="131072")  # the user's choice is kept
+    assert policy == "glibc's malloc as set in the environment"
