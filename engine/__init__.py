@@ -54,7 +54,8 @@ def _keep_freed_memory() -> str:
         return "the C library's own allocation policy"
     trim_threshold, mmap_threshold, limit = -1, -3, 1 << 30
     if libc.mallopt(mmap_threshold, limit) and libc.mallopt(trim_threshold, limit):
-        return "kept for reuse (glibc mallopt: mapped afresh above 1 GiB, returned above 1 GiB free)"
+        return "kept for reuse by the process (glibc mallopt: only allocations above 1 GiB mapped afresh, free memory " \
+               "beyond 1 GiB returned)"
     return "glibc's default policy (mallopt refused)"
 
 
