@@ -43,9 +43,12 @@ def _choose_openmp_wait() -> str:
 
 
 def _keep_freed_memory() -> str:
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
-            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+            or "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
         return "glibc's malloc as set in the environment"
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):  # jemalloc, tcmalloc, mimalloc: mallopt would not reach them
+        return "the preloaded allocator's own policy (LD_PRELOAD)"
     try:
         libc = ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
     except (ValueError, OSError, AttributeError):  # no such name outside glibc
@@ -53,10 +56,12 @@ def _keep_freed_memory() -> str:
     if libc is None:
         return "the C library's own allocation policy"
     trim_threshold, mmap_threshold, limit = -1, -3, 1 << 30
-    if libc.mallopt(mmap_threshold, limit) and libc.mallopt(trim_threshold, limit):
-        return "kept for reuse by the process (glibc mallopt: only allocations above 1 GiB mapped afresh, free memory " \
-               "beyond 1 GiB returned)"
-    return "glibc's default policy (mallopt refused)"
+    if not libc.mallopt(mmap_threshold, limit):
+        return "glibc's default policy (mallopt refused)"
+    kept = "kept for reuse by the process (glibc mallopt: only allocations above 1 GiB mapped afresh"
+    if not libc.mallopt(trim_threshold, limit):
+        return kept + "; glibc's own threshold for returning free memory)"
+    return kept + ", free memory at the heap's top returned beyond 1 GiB)"
 
 
 def foreign_env() -> dict:

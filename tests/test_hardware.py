@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -371,8 +372,7 @@ def forward_faults(process: str, **env) -> tuple[str, int]:
     return out[0] if len(out) > 1 else "", int(out[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
-                    reason="the allocation policy is glibc's")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocation policy is glibc's")
 def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_again():
     policy, kept = forward_faults("engine")
     _, plain = forward_faults("torch")

@@ -73,7 +73,7 @@ def _int4_dynamic_reference(layer: Int4DynamicLinear, x: torch.Tensor, magnitude
 
 # 18, 2, 48 and 3 blocks a row; 1030 outputs are 129 groups of eight, the last one alone and part padding, and 1020
 # are 128, the last two together with four padded rows (where the kernel takes two groups at a time); rows in groups
-# of 8, 4, 2 and 1 (on AMX's tiles from two rows, where the CPU has them)
+# of 8, 4, 2 and 1
 @pytest.mark.parametrize("rows, width, outputs", [(1, 576, 1030), (3, 64, 1030), (30, 1536, 1030), (9, 64, 1020),
                                                   (7, 96, 1030)])
 def test_int4_dynamic_kernel_computes_its_reference(rows, width, outputs):
@@ -174,11 +174,12 @@ def test_int8_dynamic_smoothing_is_exact_before_rounding():
 
 # 200 inputs: whole 32- and 64-byte blocks and a remainder; 576 (the default model's width) and 1536 in whole
 # 64-byte stretches, which AMX's tiles take where the CPU has them, for two rows and more (one chunk of 16 rows, a
-# part of one, several)
-@pytest.mark.parametrize("inputs, rows", [(200, 3), (576, 1), (576, 3), (576, 16), (1536, 37)])
-def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows):
+# part of one, two, several); 96 outputs are three pairs of 16, 112 three and a lone 16
+@pytest.mark.parametrize("inputs, rows, outputs", [(200, 3, 96), (576, 1, 96), (576, 3, 96), (576, 16, 96),
+                                                   (576, 32, 112), (1536, 37, 96)])
+def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows, outputs):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(inputs, 96, bias=False)
+    linear = torch.nn.Linear(inputs, outputs, bias=False)
     layer = Int8DynamicLinear(linear)
     if not layer.own_kernel:
         pytest.skip("the int8 kernel needs the C++ extension, which cannot be built here")

@@ -165,7 +165,8 @@ class LeanAttention(nn.Module):
         def attend_fresh():
             if fresh:
                 span, length = slice(fresh[0][0].start, fresh[-1][0].stop), fresh[0][0].stop - fresh[0][0].start
-                rows = [t[0, :, span].unflatten(1, (len(fresh), length)).transpose(0, 1).contiguous() for t in (q, k, v)]
+                rows = [t[0, :, span].unflatten(1, (len(fresh), length)).transpose(0, 1).contiguous()
+                        for t in (q, k, v)]
                 for i, (_, part) in enumerate(fresh):
                     layers = getattr(part, "layers", ())
                     if len(layers) > self.layer_idx and type(layers[self.layer_idx]) is DynamicLayer:
@@ -572,8 +573,9 @@ def with_room(old: torch.Tensor, length: int, dtype) -> torch.Tensor:
 
 def start_with_room(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """An empty DynamicLayer started with keys and values [1, kv_heads, length, head_dim], copied into storage with
-    room for the positions a decode adds, as append_in_place grows them (transformers' update would concatenate
-    them to an empty tensor, and the first decode copy them again)."""
+    room up to the next multiple of CACHE_ROOM positions (none where length is one), which a decode grows them into
+    as append_in_place does (transformers' update would concatenate them to an empty tensor, and the first decode
+    copy them again)."""
     layer.device = keys.device
     layer.keys, layer.values = (with_room(t, t.shape[2], t.dtype) for t in (keys, values))
     layer.is_initialized = True

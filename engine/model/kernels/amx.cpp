@@ -129,7 +129,8 @@ bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* 
   if (M < kTileRows || K % kDepth != 0 || N % kTile != 0 || !tiles_granted()) return false;
   const int64_t chunks = (M + kTile - 1) / kTile;
   std::vector<int8_t> laid(static_cast<size_t>(M * K));
-  over_rows(chunks, kTile * K, [&](int64_t begin, int64_t end) {
+  // a few chunks (a decode step's rows) laid out on this thread: waking the other costs more than their bytes
+  at::parallel_for(0, chunks, std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * K)), [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
       tile_activations(xq, K, c * kTile, std::min(kTile, M - c * kTile), laid.data() + c * kTile * K);
   });
