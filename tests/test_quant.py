@@ -192,6 +192,55 @@ def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows, ou
     assert torch.equal(copy.deepcopy(layer)(x), expected)
 
 
+def near_halves(width: int, span: int, seed: int) -> torch.Tensor:
+    """A row of `width` values, each `span` of them with one scale (max|x| / 127): their quotients by it land on
+    halves k + 0.5 (ties, which round to even), one unit in the last place either side of them and whole numbers,
+    where multiplying by the scale's reciprocal instead of dividing could round to another integer."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.empty(width)
+    for start in range(0, width, span):
+        amax = torch.tensor([127 * (torch.rand(1, generator=g).item() * 3 + 0.01)])
+        scale = amax / 127
+        whole, half = torch.randint(-126, 127, (span - 1,), generator=g), torch.randint(0, 2, (span - 1,), generator=g)
+        k = whole.float() + half / 2
+        v = k * scale
+        step = torch.randint(-1, 2, (span - 1,), generator=g)
+        v = torch.where(step != 0, torch.nextafter(v, step * torch.tensor(float("inf"))), v)
+        row[start:start + span] = torch.cat([amax, v])[torch.randperm(span, generator=g)]
+    return row
+
+
+def test_int8_dynamic_rounds_quotients_at_halves_as_the_division_does():
+    if optional_kernel() is None:
+        pytest.skip("the int8 kernel needs the C++ extension, which cannot be built here")
+    torch.manual_seed(0)
+    layer = Int8DynamicLinear(torch.nn.Linear(1536, 96, bias=False))
+    x = torch.stack([near_halves(1536, 1536, seed) for seed in range(20)])  # 20 rows: AMX's tiles and not
+    x_scale = x.abs().amax(-1, keepdim=True) / 127
+    x_int = torch.round(x / x_scale).clamp(-127, 127).long()
+    assert torch.equal(layer(x), (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales)
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+
+
+@pytest.mark.parametrize("make, top", [(Int8BlockLinear, 127), (Int4DynamicLinear, 15)], ids=["int8-block", "int4-dyn"])
+def test_block_quantizers_round_quotients_at_halves_as_the_division_does(make, top):
+    """With weights that pick one input each (a block's one nonzero weight is its largest, top times its scale), each
+    output is that input's integer times the two scales: the integers read back are the division's."""
+    if optional_kernel() is None:
+        pytest.skip("the block kernels need the C++ extension, which cannot be built here")
+    linear = torch.nn.Linear(576, 576, bias=False)
+    linear.weight.data = torch.eye(576)
+    layer = make(linear)
+    x = torch.stack([near_halves(576, 32, seed) for seed in range(9)])
+    blocks = x.view(9, 18, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    expected = torch.round(blocks / dx).clamp(-127, 127).view(9, 576)
+    d = layer.unpacked()[-2 if make is Int4DynamicLinear else 1].float().view(576, 18)
+    weight_scale = d[torch.arange(576), torch.arange(576) // 32]
+    read = layer(x).double() / (top * weight_scale.double() * dx.view(9, 18).repeat_interleave(32, dim=1).double())
+    assert torch.equal(torch.round(read), expected.double())
+
+
 def test_int8_dynamic_falls_back_to_fbgemm_without_the_kernel(monkeypatch):
     monkeypatch.setattr(qlinear, "optional_kernel", lambda: None)
     torch.manual_seed(0)
