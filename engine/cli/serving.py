@@ -118,6 +118,7 @@ def _start(args, make_levels, on_progress):
         return USER_ERROR
     # Stop (the page's button: SIGTERM) cuts the requests in flight and keeps what finished; Ctrl-C does the same, and
     # the command then ends as an interrupted one does (exit 130)
+    INTERRUPTED.clear()
     signal.signal(signal.SIGTERM, lambda *_: sweep.stop())
     signal.signal(signal.SIGINT, lambda *_: (INTERRUPTED.set(), sweep.stop()))
     return sweep

@@ -2,16 +2,17 @@
 
 BatchEngine keeps arrivals in a queue and up to max_batch sequences running. Under a KV budget it counts the bytes
 each running sequence's cache takes: the room the decode grows it by, 128 positions at a time
-(LeanLlama.decode_batch), reserved for its prompt when it is admitted (a cache that grows is copied once, so for
-that moment its old storage is held too). A step first makes room for the running sequences' next positions: when
-the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing its cache and putting it back
-at the front of the queue, to be recomputed (one prefill of its prompt and the tokens it has so far, which gives
-its next token) when memory allows. Then, unless it preempted, it admits the arrivals that a free slot and the
-budget allow, runs up to prefill_chunk prompt tokens of the admitted ones (oldest first, a long prompt in chunks
-over several steps; in one forward where no product depends on the rows beside it, LeanLlama.prefill_batch, else one
-forward a sequence), and one batched decode of every sequence past its prefill. Sequences join and leave between
-steps; a cancelled one frees its slot and its cache at the next step. A request too long for the budget even alone
-is refused before it is queued.
+(LeanLlama.decode_batch, engine.model.lean.room_for), reserved for its prompt when it is admitted (a prefill takes
+no more: a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate; a cache
+that grows is copied once, so for that moment its old storage is held too). A step first makes room for the running
+sequences' next positions: when the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing
+its cache and putting it back at the front of the queue, to be recomputed (one prefill of its prompt and the tokens
+it has so far, which gives its next token) when memory allows. Then, unless it preempted, it admits the arrivals
+that a free slot and the budget allow, runs up to prefill_chunk prompt tokens of the admitted ones (oldest first, a
+long prompt in chunks over several steps; in one forward where no product depends on the rows beside it,
+LeanLlama.prefill_batch, else one forward a sequence), and one batched decode of every sequence past its prefill.
+Sequences join and leave between steps; a cancelled one frees its slot and its cache at the next step. A request too
+long for the budget even alone is refused before it is queued.
 
 Every sequence is its own recorded run with its own journal; the engine's Writer (engine.store.writer) writes the
 runs' rows together, off the stepping thread. A sequence's rows share each forward it took part in (a prefill's,
@@ -50,17 +51,10 @@ from engine.run.text import Output, prompt_ids
 PREFILL_CHUNK = 512  # prompt tokens a step prefills, between the running sequences' decode steps
 
 
-def decoded_room(positions: int) -> int:
-    """Positions of room a cache holding `positions` takes once the decode has grown it; a prefill takes no more
-    (a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate, and a last
-    chunk of one token in a forward of its own grows the cache as a decode does)."""
-    return room_for(positions)
-
-
 def most_positions(n_prompt: int, max_new_tokens: int) -> int:
     """The most positions of room a sequence's cache takes in its life, preempted on the way or not: its last
     token is emitted, never fed back."""
-    return decoded_room(n_prompt + max_new_tokens - 1)
+    return room_for(n_prompt + max_new_tokens - 1)
 
 
 class BatchError(UserError):
@@ -283,7 +277,7 @@ class BatchEngine:
         for seq in list(self.running):
             if seq.phase != "decode" or seq not in self.running:
                 continue
-            grown = max(seq.held, decoded_room(seq.past + 1))
+            grown = max(seq.held, room_for(seq.past + 1))
             while not self._fits(grown - seq.held) and seq in self.running:
                 self._preempt(self.running[-1])
                 preempted = True
@@ -304,7 +298,7 @@ class BatchEngine:
     def _admit(self) -> None:
         while self.queued and len(self.running) < self.max_batch:
             seq = self.queued[0]
-            if not self._fits(decoded_room(len(seq.fill_ids))):
+            if not self._fits(room_for(len(seq.fill_ids))):
                 return  # it waits for a running sequence to finish and free its cache
             self.queued.pop(0)
             seq.phase = seq.status = "prefill"
@@ -313,7 +307,7 @@ class BatchEngine:
             if seq.t_preempted is not None:
                 seq.preempted_ns += now - seq.t_preempted
                 seq.t_preempted = None
-            seq.held = decoded_room(len(seq.fill_ids))
+            seq.held = room_for(len(seq.fill_ids))
             seq.cache = DynamicCache(config=self.lm.config)
             self.running.append(seq)
 
