@@ -176,7 +176,7 @@ def test_int8_dynamic_smoothing_is_exact_before_rounding():
 # 64-byte stretches, which AMX's tiles take where the CPU has them, for two rows and more (one chunk of 16 rows, a
 # part of one, two, several); 96 outputs are three pairs of 16, 112 three and a lone 16
 @pytest.mark.parametrize("inputs, rows, outputs", [(200, 3, 96), (576, 1, 96), (576, 3, 96), (576, 16, 96),
-                                                   (576, 32, 112), (1536, 37, 96)])
+                                                   (576, 32, 112), (1536, 37, 96), (100, 20, 90), (100, 1, 90)])
 def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows, outputs):
     torch.manual_seed(0)
     linear = torch.nn.Linear(inputs, outputs, bias=False)
@@ -186,7 +186,7 @@ def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows, ou
     x = torch.randn(rows, inputs)
     x_scale = x.abs().amax(-1, keepdim=True) / 127
     x_int = torch.round(x / x_scale).clamp(-127, 127).long()
-    expected = (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales
+    expected = (x_int @ layer.weight_rows().long().T).float() * x_scale * layer.scales
     assert torch.equal(layer(x), expected)
     assert relative_error(layer(x), linear(x)) < 3e-2
     assert torch.equal(copy.deepcopy(layer)(x), expected)
@@ -218,7 +218,7 @@ def test_int8_dynamic_rounds_quotients_at_halves_as_the_division_does():
     x = torch.stack([near_halves(1536, 1536, seed) for seed in range(20)])  # 20 rows: AMX's tiles and not
     x_scale = x.abs().amax(-1, keepdim=True) / 127
     x_int = torch.round(x / x_scale).clamp(-127, 127).long()
-    assert torch.equal(layer(x), (x_int @ layer.weight_int8.long().T).float() * x_scale * layer.scales)
+    assert torch.equal(layer(x), (x_int @ layer.weight_rows().long().T).float() * x_scale * layer.scales)
     assert torch.equal(layer(x[:1]), layer(x)[:1])
 
 
@@ -326,3 +326,12 @@ def test_smoothing_factors_are_fitted_once_per_weights_and_kept(tiny_lm, monkeyp
         next(model.parameters()).mul_(2)  # other weights, another plan
     qlinear.kept_smoothing_plan(model, ids)
     assert len(fits) == 3 and len(list((tmp_path / "smoothing").iterdir())) == 2
+
+
+@pytest.mark.parametrize("outputs, inputs", [(96, 576), (90, 100), (1, 1), (17, 65)])
+def test_packed_int8_weights_unpack_to_the_rows_with_zeros_around_them(outputs, inputs):
+    q = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8)
+    packed = qlinear.pack_int8(q)
+    assert packed.shape == (-(-outputs // 16), -(-inputs // 64) * 16, 64)
+    assert torch.equal(qlinear.unpack_int8(packed, outputs, inputs), q)
+    assert packed.to(torch.int64).abs().sum() == q.to(torch.int64).abs().sum()  # the padding is zeros

@@ -45,6 +45,24 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return (1, self.weight_int8, self.scales, None, None, 0, self.bias) if optional_kernel() else None
 
 
+PACKED_OUTPUTS, PACKED_DEPTH = 16, 64  # kernels.h's kOutBlock and kDepthBytes
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K] as the project's int8-dyn kernel reads them (kernels/int8.cpp): [ceil(N / 16), Kp / 4, 64],
+    for each block of 16 outputs and each four inputs the 16 outputs' four bytes side by side, zeros past N and K
+    (Kp: K rounded up to a multiple of 64)."""
+    padded = F.pad(q, (0, -q.shape[1] % PACKED_DEPTH, 0, -q.shape[0] % PACKED_OUTPUTS))
+    quads = padded.shape[1] // 4
+    return padded.view(-1, PACKED_OUTPUTS, quads, 4).transpose(1, 2).reshape(-1, quads, 4 * PACKED_OUTPUTS).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_int8's [N, K] weights back from what it made of them."""
+    blocks, quads, _ = packed.shape
+    return packed.view(blocks, quads, PACKED_OUTPUTS, 4).transpose(1, 2).reshape(blocks * PACKED_OUTPUTS, 4 * quads)[:n, :k]
+
+
 class Int8DynamicLinear(torch.nn.Module):
     """int8 weights (per channel) and int8 activations (per token, chosen at run time). The project's
     kernel (engine/model/kernels/int8.cpp) runs it where the extension is built, with exact integer
@@ -64,9 +82,10 @@ class Int8DynamicLinear(torch.nn.Module):
         # a flag, not the extension itself: a module object would stop the layer being deep-copied
         self.own_kernel = w.device.type == "cpu" and optional_kernel() is not None
         if self.own_kernel:
-            self.register_buffer("weight_int8", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            self.register_buffer("weight_int8", pack_int8(q))
             self.register_buffer("scales", scales)
-            self.register_buffer("row_sums", self.weight_int8.sum(dim=1, dtype=torch.int32))
+            self.register_buffer("row_sums", q.sum(dim=1, dtype=torch.int32))
             return
         with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13; the pinned torch keeps them
             warnings.simplefilter("ignore", UserWarning)
@@ -81,6 +100,10 @@ class Int8DynamicLinear(torch.nn.Module):
     def rows_apart(self) -> bool:
         """Whether a row's product does not depend on the rows beside it (the project's kernel; not fbgemm's)."""
         return self.own_kernel
+
+    def weight_rows(self) -> torch.Tensor:
+        """The int8 weights [out_features, in_features], a row per output, as the project's kernel multiplies them."""
+        return unpack_int8(self.weight_int8, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = _linear_input(x.float())

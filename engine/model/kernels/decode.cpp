@@ -14,9 +14,10 @@ namespace tokenpath {
 
 static int64_t linear_outputs(const LinearForm& form) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
-  // PyTorch's int4 packing keeps N in its scales' shape; the block formats' groups of eight rows are padded, so
-  // their forms say N in the slot kind 3 gives its group size
+  // PyTorch's int4 packing keeps N in its scales' shape, int8-dyn's packed blocks in their count of scales; the block
+  // formats' groups of eight rows are padded, so their forms say N in the slot kind 3 gives its group size
   if (kind == 3) return scales->size(1);
+  if (kind == 2) return scales->numel();
   return kind == 4 || kind == 5 ? group : w.size(0);
 }
 

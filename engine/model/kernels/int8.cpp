@@ -1,6 +1,7 @@
-// The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level; several rows
-// on AMX tiles where the CPU has them (amx.cpp), else with AVX-512 VNNI one instruction multiplies and sums 64
-// byte pairs, with AVX2 a few multiply 32, elsewhere a plain loop gives the same integers), int8_wo_linear (int8
+// The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level, its weights
+// packed in blocks of 16 outputs; several rows on AMX tiles where the CPU has them (amx.cpp), else with AVX-512 VNNI
+// one instruction adds 16 outputs' sums of four byte pairs, with AVX2 a few add 8, elsewhere a plain loop gives the
+// same integers), int8_wo_linear (int8
 // weights, float activations) and int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and
 // has_vnni.
 #include "kernels.h"
@@ -8,48 +9,17 @@
 namespace tokenpath {
 
 
-#ifdef __AVX512VNNI__
-// Sum of a[k] * b[k] for unsigned a and signed b, exact in int32 for the widths used here: one
-// instruction multiplies and sums 64 byte pairs.
-static inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
-  int64_t k = 0;
-  __m512i acc = _mm512_setzero_si512();
-  for (; k + 64 <= n; k += 64)
-    acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(a + k), _mm512_loadu_si512(b + k));
-  int32_t sum = _mm512_reduce_add_epi32(acc);
-  for (; k < n; ++k) sum += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
-  return sum;
-}
-#endif
-
-// Sum of a[k] * b[k] for signed a and b in [-127, 127], exact in int32 for the widths used here. With
-// AVX2, 32 byte pairs at a time: |b| times a with b's sign (maddubs takes an unsigned and a signed
-// byte), so each pair sum is at most 2 * 127 * 127 and nothing saturates.
-static inline int32_t dot_s8s8(const int8_t* a, const int8_t* b, int64_t n) {
-  int64_t k = 0;
-  int32_t sum = 0;
-#if defined(__AVX2__)
-  __m256i acc = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (; k + 32 <= n; k += 32) {
-    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k));
-    const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(bv), _mm256_sign_epi8(av, bv));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
-  }
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  sum = _mm_cvtsi128_si32(s);
-#endif
-  for (; k < n; ++k) sum += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
-  return sum;
+// int8-dyn's weights as the kernels read them, "packed": for each block of kOutBlock outputs and each four inputs,
+// the block's four bytes of each output side by side, a 64-byte row ([ceil(N / 16), Kp / 4, 64], Kp the input width
+// rounded up to kDepthBytes, zeros where outputs or inputs run past the matrix). A row is what a vector of 16 int32
+// sums takes with four activation bytes broadcast to all lanes, and 16 rows are the right-hand tile of an AMX
+// multiply: every path streams the weights front to back, and none sums across lanes.
+static inline const int8_t* packed_row(const int8_t* wp, int64_t Kp, int64_t block, int64_t k) {
+  return wp + block * kOutBlock * Kp + k * 4 * kOutBlock;
 }
 
-// q = round(x / s) in [-127, 127] for the K values of x with s = max|x| / 127 (1 where x is all zeros); returns s.
-// Sixteen values at a time with AVX-512: the largest magnitude, like each quotient and its rounding to the nearest
-// even, is the same in any order, so q and s are the plain loop's.
-static float quantize_symmetric(const float* x, int64_t K, int8_t* q) {
+// s = max|x| / 127, q = round(x / s) in [-127, 127] for the K values of x; q's Kp - K bytes past them are zero.
+static float quantize_symmetric(const float* x, int64_t K, int64_t Kp, int8_t* q) {
   int64_t k = 0;
   float amax = 0.f;
 #if defined(__AVX512F__)
@@ -70,51 +40,102 @@ static float quantize_symmetric(const float* x, int64_t K, int8_t* q) {
   }
 #endif
   for (; k < K; ++k) q[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[k] / s), -127.f), 127.f));
+  std::memset(q + K, 0, static_cast<size_t>(Kp - K));
   return s;
 }
 
-// y = x w^T for x [M, K] float32 and w [N, K] int8 with one scale per output row (w_scale) and the
-// sum of each row's integers (w_sum). Each row of x is quantized here, symmetric:
-// s = max|x| / 127, q = round(x / s) in [-127, 127]. Where AMX's tiles take the rows, they sum q times w as they
-// are; else with AVX-512 VNNI the products take q + 128,
-// unsigned, and the 128 * w_sum[n] this adds to every dot product is taken back out; elsewhere
-// dot_s8s8 multiplies the signed bytes. Either way the integers are exact. Output threads take
-// shares of the weight rows, so every weight row is read once whatever M is.
-void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp,
-                          int64_t N, int64_t K, float* yp) {
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+// y[n] = float(sums[i]) * xs * sp[n] for the block's outputs n = n0 + i below N.
+static inline void scale_block(const int32_t* sums, float xs, const float* sp, int64_t n0, int64_t N, float* y) {
+  for (int64_t i = 0; i < std::min(kOutBlock, N - n0); ++i) y[n0 + i] = static_cast<float>(sums[i]) * xs * sp[n0 + i];
+}
+
+// Blocks [begin, end) of packed weights against quantized rows xq [M, Kp], kSideBlocks blocks read side by side
+// (a block's sums wait on each multiply-add before the next; several blocks' chains run at once).
+constexpr int64_t kSideBlocks = 4;
+static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp,
+                          const float* sp, const int32_t* cp, int64_t N, int64_t begin, int64_t end, float* yp) {
+  alignas(64) int32_t sums[kSideBlocks][kOutBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kSideBlocks) {
+    const int64_t count = std::min(kSideBlocks, end - b0);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* x = xq + m * Kp;
+#if defined(__AVX512VNNI__)
+      // unsigned activations q + 128; the 128 * (the output's weight sum) this adds is taken back out
+      __m512i acc[kSideBlocks];
+      for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < Kp / 4; ++k) {
+        const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(four_bytes(x + 4 * k)), _mm512_set1_epi8(-128));
+        for (int64_t j = 0; j < count; ++j)
+          acc[j] = _mm512_dpbusd_epi32(acc[j], a, _mm512_loadu_si512(packed_row(wp, Kp, b0 + j, k)));
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t n0 = (b0 + j) * kOutBlock;
+        const __mmask16 inside = static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
+        const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(inside, cp + n0), 7);
+        _mm512_store_si512(sums[j], _mm512_sub_epi32(acc[j], offsets));
+      }
+#elif defined(__AVX2__)
+      // |w| times q with w's sign, so that no pair's sum saturates 16 bits; eight outputs a register
+      __m256i acc[kSideBlocks][2];
+      for (int64_t j = 0; j < count; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+      for (int64_t k = 0; k < Kp / 4; ++k) {
+        const __m256i a = _mm256_set1_epi32(four_bytes(x + 4 * k));
+        for (int64_t j = 0; j < count; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed_row(wp, Kp, b0 + j, k) + 32 * h));
+            acc[j][h] = add_u8s8(acc[j][h], _mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+          }
+      }
+      for (int64_t j = 0; j < count; ++j)
+        for (int h = 0; h < 2; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(sums[j] + 8 * h), acc[j][h]);
+#else
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t i = 0; i < kOutBlock; ++i) sums[j][i] = 0;
+        for (int64_t k = 0; k < Kp / 4; ++k) {
+          const int8_t* w = packed_row(wp, Kp, b0 + j, k);
+          for (int64_t i = 0; i < kOutBlock; ++i)
+            for (int64_t d = 0; d < 4; ++d) sums[j][i] += static_cast<int32_t>(x[4 * k + d]) * w[4 * i + d];
+        }
+      }
+#endif
+      for (int64_t j = 0; j < count; ++j) scale_block(sums[j], xs[m], sp, (b0 + j) * kOutBlock, N, yp + m * N);
+    }
+  }
+}
+
+// y = x w^T for x [M, K] float32 and packed int8 weights w (N outputs) with one scale per output (sp) and the sum
+// of each output's integers (cp). Each row of x is quantized here, symmetric: s = max|x| / 127, q = round(x / s) in
+// [-127, 127]. The sums of q times w are exact integers whichever path takes them (AMX tiles for several rows where
+// the CPU has them, else AVX-512 VNNI, AVX2, or a plain loop), so y is the same to the bit on every path and for
+// any count of rows beside a row. Threads take shares of the weight blocks, so every weight is read once whatever
+// M is.
+void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
+                   int64_t K, float* yp) {
+  const int64_t Kp = packed_width(K);
+  // rows on cache-line boundaries, as PyTorch's allocator puts the weights: a tile load of rows that straddle two
+  // lines each takes several times as long
+  std::vector<int8_t> storage(static_cast<size_t>(M * Kp + kDepthBytes));
+  int8_t* xq = storage.data() + (kDepthBytes - reinterpret_cast<uintptr_t>(storage.data()) % kDepthBytes) % kDepthBytes;
   std::vector<float> xs(static_cast<size_t>(M));
   over_rows(M, K, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_symmetric(xp + m * K, K, xq.data() + m * K);
+    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_symmetric(xp + m * K, K, Kp, xq + m * Kp);
   });
-  if (int8_tile_rows(xq.data(), xs.data(), M, wp, sp, N, K, yp)) return;
-#ifdef __AVX512VNNI__
-  std::vector<uint8_t> xu(xq.size());
-  for (size_t i = 0; i < xq.size(); ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
-#endif
-  shared_rows(N, K, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* wr = wp + n * K;
-      for (int64_t m = 0; m < M; ++m) {
-#ifdef __AVX512VNNI__
-        const int32_t acc = dot_u8s8(xu.data() + m * K, wr, K) - 128 * cp[n];
-#else
-        const int32_t acc = dot_s8s8(xq.data() + m * K, wr, K);
-#endif
-        yp[m * N + n] = static_cast<float>(acc) * xs[m] * sp[n];
-      }
-    }
+  if (int8_tile_rows(xq, xs.data(), M, Kp, wp, sp, N, yp)) return;
+  shared_rows((N + kOutBlock - 1) / kOutBlock, kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+    packed_blocks(xq, xs.data(), M, Kp, wp, sp, cp, N, begin, end, yp);
   });
 }
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar, "w must be contiguous int8");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(2) == 4 * kOutBlock,
+              "w must be contiguous packed int8 [blocks, Kp / 4, 64]");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt,
               "w_scale must be float32 and w_sum int32");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && w_scale.numel() == N && w_sum.numel() == N, "shapes disagree");
+  const int64_t M = x.size(0), K = x.size(1), N = w_scale.numel();
+  TORCH_CHECK(w.size(0) == (N + kOutBlock - 1) / kOutBlock && w.size(1) * 4 == packed_width(K) && w_sum.numel() == N,
+              "shapes disagree");
   auto y = x.new_empty({M, N});
   int8_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
                 N, K, y.data_ptr<float>());

@@ -233,6 +233,12 @@ static inline float half_to_float(const at::Half h) {
 #endif
 }
 
+// int8-dyn's packed weights (int8.cpp): blocks of this many outputs, each input width rounded up to a multiple of
+// kDepthBytes (the bytes of a row one AMX tile multiply takes).
+constexpr int64_t kOutBlock = 16;
+constexpr int64_t kDepthBytes = 64;
+static inline int64_t packed_width(int64_t K) { return (K + kDepthBytes - 1) / kDepthBytes * kDepthBytes; }
+
 // The block kernels' weights are stored in groups of this many output rows, whose values of a block lie side by
 // side (int4.cpp, int8.cpp).
 constexpr int64_t kGroup = 8;
@@ -436,10 +442,10 @@ void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* 
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
                    int64_t K, float* yp);
 void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
-// int8-dyn's sums of x's quantized rows xq [M, K] (scales xs) with w [N, K] (scales sp) on AMX tiles, into y [M, N]
-// as int8_dyn_rows computes it; false, with y untouched, where the tiles do not apply (amx.cpp).
-bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* wp, const float* sp, int64_t N,
-                    int64_t K, float* yp);
+// int8-dyn's sums of x's quantized rows xq [M, Kp] (scales xs) with packed weights w (N outputs, scales sp) on AMX
+// tiles, into y [M, N] as int8_dyn_rows computes it; false, with y untouched, where the tiles do not apply (amx.cpp).
+bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
+                    int64_t N, float* yp);
 void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
                    float* yp);
 
