@@ -19,8 +19,8 @@ from engine.switches.qlinear import pack_int8
 ROOT = Path(__file__).resolve().parent.parent
 
 # kernels whose vector and plain branches do the same operations in the same order
-EXACT = {"int8_linear", "int8_linear_odd", "int8_wo_linear_prefill", "sparse_skip", "sparse_mask", "mask_small",
-         "rms_norm", "rotary", "silu_mul", "argmax"}
+EXACT = {"int8_linear", "int8_linear_odd", "int8_silu_linear", "int8_wo_linear_prefill", "sparse_skip", "sparse_mask",
+         "mask_small", "rms_norm", "rotary", "silu_mul", "argmax"}
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -44,6 +44,7 @@ def outputs(kernel) -> dict:
         "int8_linear": kernel.int8_linear(x, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32)),
         "int8_linear_odd": kernel.int8_linear(wide[:, :100], pack_int8(int8[:957, :100]), scales[:957],
                                               int8[:957, :100].sum(dim=1, dtype=torch.int32)),
+        "int8_silu_linear": kernel.int8_silu_linear(wide, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32)),
         "int8_wo_linear": kernel.int8_wo_linear(x, int8, scales.bfloat16()),
         "int8_wo_linear_prefill": kernel.int8_wo_linear(wide, int8, scales.bfloat16()),
         "int8_block_linear": kernel.int8_block_linear(x, q8, d4, 957),

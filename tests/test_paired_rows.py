@@ -38,18 +38,28 @@ def test_a_batch_of_eight_decodes_each_sequences_own_tokens(integer_levels, leve
 @torch.inference_mode()
 def test_a_prefills_products_equal_its_rows_one_by_one(integer_levels, level):
     """Every integer product of a prefill (an odd number of rows: the kernels' groups of rows and a last one
-    alone) equals the layer run on each row by itself, to the bit, so the logits do too."""
+    alone), the fused gate/up's SiLU product among them where the layer makes one, equals the layer run on each row
+    by itself, to the bit, so the logits do too."""
     lm = integer_levels[level]
     ids = lm.tokenizer(" ".join(EIGHT))["input_ids"][:93]
     seen = []
     layers = [m for m in lm.model.modules() if isinstance(m, INTEGER_LAYERS)]
     handles = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out))) for m in layers]
+    for m in layers:
+        if getattr(m, "makes_silu_product", False):
+            def recorded(x, product=m.silu_product):
+                out = product(x)
+                seen.append((product, x, out))
+                return out
+            m.silu_product = recorded
     try:
         lm.model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
+        for m in layers:
+            m.__dict__.pop("silu_product", None)
     assert len(seen) == len(layers) and all(x.shape[1] == len(ids) for _, x, _ in seen)
-    for module, x, out in seen:
-        rows = torch.cat([module(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
-        assert torch.equal(rows, out), (level, type(module).__name__)
+    for product, x, out in seen:
+        rows = torch.cat([product(x[:, i:i + 1]) for i in range(x.shape[1])], dim=1)
+        assert torch.equal(rows, out), (level, getattr(product, "__name__", type(product).__name__))

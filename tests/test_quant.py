@@ -335,3 +335,17 @@ def test_packed_int8_weights_unpack_to_the_rows_with_zeros_around_them(outputs, 
     assert packed.shape == (-(-outputs // 16), -(-inputs // 64) * 16, 64)
     assert torch.equal(qlinear.unpack_int8(packed, outputs, inputs), q)
     assert packed.to(torch.int64).abs().sum() == q.to(torch.int64).abs().sum()  # the padding is zeros
+
+
+@pytest.mark.parametrize("outputs, rows", [(3072, 1), (3072, 37), (96, 20), (90, 20), (90, 1)])
+def test_int8_dynamic_silu_product_equals_the_outputs_then_silu_mul(outputs, rows):
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the int8 kernel needs the C++ extension, which cannot be built here")
+    torch.manual_seed(0)
+    layer = Int8DynamicLinear(torch.nn.Linear(576, outputs, bias=False))
+    assert layer.makes_silu_product
+    x = torch.randn(rows, 576) * 3
+    assert torch.equal(layer.silu_product(x), kernel.silu_mul(layer(x)))
+    assert torch.equal(layer.silu_product(x[:1]), layer.silu_product(x)[:1])
+    assert not Int8DynamicLinear(torch.nn.Linear(576, outputs, bias=True)).makes_silu_product

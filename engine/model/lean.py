@@ -218,6 +218,8 @@ class LeanMLP(nn.Module):
         self.down_proj = lean_linear(hf_mlp.down_proj)
 
     def forward(self, x):
+        if getattr(self.gate_up_proj, "makes_silu_product", False):
+            return self.down_proj(self.gate_up_proj.silu_product(x))
         gate_up = self.gate_up_proj(x)
         kernel = cpu_kernel(gate_up)
         if kernel is not None:

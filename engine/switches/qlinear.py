@@ -105,10 +105,25 @@ class Int8DynamicLinear(torch.nn.Module):
         """The int8 weights [out_features, in_features], a row per output, as the project's kernel multiplies them."""
         return unpack_int8(self.weight_int8, self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def makes_silu_product(self) -> bool:
+        """Whether silu_product runs: the project's kernel, no bias, outputs in two halves."""
+        return self.own_kernel and self.bias is None and self.out_features % 2 == 0
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(the first half of the outputs) * the second half, for a fused gate/up product: the kernel makes each
+        output row's products as it writes the row, never the outputs themselves (half the bytes written, and no pass
+        over them after), the same numbers as the outputs and then the kernels' silu_mul."""
+        x2, lead = self._inputs(x)
+        y = optional_kernel().int8_silu_linear(x2, self.weight_int8, self.scales, self.row_sums)
+        return y.to(x.dtype).reshape(*lead, self.out_features // 2)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         x2, lead = _linear_input(x.float())
-        if self.inv_smooth is not None:
-            x2 = x2 * self.inv_smooth
+        return (x2 * self.inv_smooth if self.inv_smooth is not None else x2), lead
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = self._inputs(x)
         if self.own_kernel:
             y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
         # reduce_range (7-bit activations): fbgemm's AVX2 path sums byte pairs into saturating 16-bit

@@ -47,13 +47,12 @@ static void configure_tiles(int64_t rows) {
   _tile_loadconfig(&config);
 }
 
-// The sums of activation rows x (Kp bytes apart, as many as configured) against packed weight blocks w (and the
+// The sums of activation rows x (Kp bytes apart, as many as configured) against packed weight block w (and block
 // next, when Blocks is 2) into sums[b][row][output].
 template <int Blocks>
-static void tile_sums(const int8_t* x, int64_t Kp, const int8_t* w, int32_t* sums) {
+static void tile_sums(const int8_t* x, int64_t Kp, const int8_t* w, const int8_t* next, int32_t* sums) {
   _tile_zero(0);
   if (Blocks == 2) _tile_zero(1);
-  const int8_t* next = w + kOutBlock * Kp;
   for (int64_t k = 0; k < Kp; k += kDepthBytes) {
     _tile_loadd(4, x + k, static_cast<int>(Kp));
     _tile_loadd(2, w + k * kOutBlock, static_cast<int>(kDepthBytes));
@@ -67,41 +66,59 @@ static void tile_sums(const int8_t* x, int64_t Kp, const int8_t* w, int32_t* sum
   if (Blocks == 2) _tile_stored(1, sums + kTile * kOutBlock, kOutBlock * 4);
 }
 
-// y[j * N + n0 + i] = float(sums[j][i]) * xs[j] * sp[n0 + i] for `rows` activation rows j and the block's outputs
-// below N, the operations of int8_dyn_rows in its order.
-static void scale_sums(const int32_t* sums, int64_t rows, const float* xs, const float* sp, int64_t n0, int64_t N,
-                       float* y) {
-  const __mmask16 inside = static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
-  const __m512 scales = _mm512_maskz_loadu_ps(inside, sp + n0);
-  for (int64_t j = 0; j < rows; ++j) {
-    const __m512 row = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + j * kOutBlock));
-    _mm512_mask_storeu_ps(y + j * N + n0, inside, _mm512_mul_ps(_mm512_mul_ps(row, _mm512_set1_ps(xs[j])), scales));
-  }
+// The block's outputs n0 + i below N of one activation row: float(sums[i]) * xs * sp[n0 + i], the operations of
+// int8_dyn_rows in its order.
+static inline __m512 scaled(const int32_t* sums, float xs, const float* sp, int64_t n0, __mmask16 inside) {
+  const __m512 row = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
+  return _mm512_mul_ps(_mm512_mul_ps(row, _mm512_set1_ps(xs)), _mm512_maskz_loadu_ps(inside, sp + n0));
+}
+
+static inline __mmask16 outputs_below(int64_t n0, int64_t N) {
+  return static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
 }
 
 bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
-                    int64_t N, float* yp) {
-  if (M < kTileRows || !tiles_granted()) return false;
-  const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, chunks = (M + kTile - 1) / kTile;
-  // each pair of weight blocks (kept in the nearest cache) against every chunk of activation rows in turn: the
-  // activations are the fewer bytes to fetch again; the full chunks first, then the rest, so the tiles are
-  // configured twice a share at most
-  const int64_t full = M / kTile;
-  shared_rows((blocks + 1) / 2, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+                    int64_t N, float* yp, bool gated) {
+  const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, half = N / 2 / kOutBlock;
+  if (M < kTileRows || (gated && N % (2 * kOutBlock) != 0) || !tiles_granted()) return false;
+  // gated: pair p is the gate's block p and the up's block p, whose 16 outputs silu_mul_rows makes one
+  const int64_t pairs = gated ? half : (blocks + 1) / 2, chunks = (M + kTile - 1) / kTile, full = M / kTile;
+  // each pair of weight blocks (kept in the nearest cache) against every chunk of activation rows in turn; the full
+  // chunks first, then the rest, so the tiles are configured twice a share at most
+  shared_rows(pairs, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t sums[2 * kTile * kOutBlock];
+    alignas(64) float both[kTile * 2 * kOutBlock];
     for (const auto& [first, last] : {std::pair{int64_t{0}, full}, std::pair{full, chunks}}) {
       if (first == last) continue;
       const int64_t rows = std::min(kTile, M - first * kTile);
       configure_tiles(rows);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t b = 2 * p, count = b + 1 < blocks ? 2 : 1;
+        const int64_t b = gated ? p : 2 * p, next = gated ? p + half : b + 1;
         const int8_t* w = wp + b * kOutBlock * Kp;
         for (int64_t c = first; c < last; ++c) {
           const int64_t m = c * kTile;
-          if (count == 2) tile_sums<2>(xq + m * Kp, Kp, w, sums);
-          else tile_sums<1>(xq + m * Kp, Kp, w, sums);
-          for (int64_t i = 0; i < count; ++i)
-            scale_sums(sums + i * kTile * kOutBlock, rows, xs + m, sp, (b + i) * kOutBlock, N, yp + m * N);
+          if (next < blocks) tile_sums<2>(xq + m * Kp, Kp, w, wp + next * kOutBlock * Kp, sums);
+          else tile_sums<1>(xq + m * Kp, Kp, w, nullptr, sums);
+          if (gated) {  // each row's 16 gate outputs beside its 16 up outputs, as silu_mul_rows takes a row
+            for (int64_t j = 0; j < rows; ++j) {
+              const int32_t* row = sums + j * kOutBlock;
+              _mm512_store_ps(both + 2 * kOutBlock * j, scaled(row, xs[m + j], sp, b * kOutBlock, 0xffff));
+              _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
+                              scaled(row + kTile * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
+            }
+            for (int64_t j = 0; j < rows; ++j)
+              silu_mul_rows(both + 2 * kOutBlock * j, 1, kOutBlock, yp + (m + j) * (N / 2) + b * kOutBlock);
+            continue;
+          }
+          for (int64_t j = 0; j < rows; ++j) {
+            const int32_t* row = sums + j * kOutBlock;
+            for (const int64_t n : {b, next}) {
+              if (n >= blocks) break;
+              const __mmask16 inside = outputs_below(n * kOutBlock, N);
+              _mm512_mask_storeu_ps(yp + (m + j) * N + n * kOutBlock, inside,
+                                    scaled(row + (n - b) * kTile * kOutBlock, xs[m + j], sp, n * kOutBlock, inside));
+            }
+          }
         }
       }
     }
@@ -112,7 +129,8 @@ bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, co
 
 bool has_amx_tiles() { return tiles_granted(); }
 #else
-bool int8_tile_rows(const int8_t*, const float*, int64_t, int64_t, const int8_t*, const float*, int64_t, float*) {
+bool int8_tile_rows(const int8_t*, const float*, int64_t, int64_t, const int8_t*, const float*, int64_t, float*,
+                    bool) {
   return false;
 }
 

@@ -8,6 +8,7 @@ using namespace tokenpath;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x w^T with int8 weights, activations quantized to int8 per row");
+  m.def("int8_silu_linear", &int8_silu_linear, "silu(gate) * up of int8_linear's fused gate/up outputs");
   m.def("small_linear", &small_linear, "x w^T (+ bias) for a few rows of x, float32, each row's result independent of M");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32");
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");

@@ -29,9 +29,10 @@ static bool takes_blocks(const LinearForm& form) {
 
 // y = the layer applied to the M rows of x, K values each: the row functions above, no tensors in
 // between. Each weight row is read once for all M rows, and a row's result does not depend on M. A layer that
-// takes blocks takes `blocks` where given (x's rows already quantized), else quantizes x itself.
+// takes blocks takes `blocks` where given (x's rows already quantized), else quantizes x itself. gated (int8-dyn's
+// fused gate/up without a bias): y holds silu(gate) * up, M rows of N / 2.
 static void apply_linear(const LinearForm& form, const float* x, int64_t M, int64_t K, float* y,
-                         const BlockActivations* blocks = nullptr) {
+                         const BlockActivations* blocks = nullptr, bool gated = false) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
   const int64_t N = linear_outputs(form);
   std::vector<float> smoothed;
@@ -52,7 +53,7 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
           for (int64_t k = 0; k < K; ++k) smoothed[m * K + k] = x[m * K + k] * f[k];
         x = smoothed.data();
       }
-      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y);
+      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y, gated);
       break;
     case 3: {
       const auto rows = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
@@ -230,14 +231,18 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     apply_linear(o, attended.data(), B, heads * D, delta.data());
     each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
     const int64_t inner = linear_outputs(up) / 2;
-    gate_up.resize(static_cast<size_t>(B * 2 * inner));
     act.resize(static_cast<size_t>(B * inner));
-    apply_linear(up, normed.data(), B, H, gate_up.data(), &narrow);
-    if (takes_blocks(down) && (!wide || wide->K != inner)) wide.emplace(B, inner);
-    each_row([&](int64_t b) {
-      silu_mul_rows(gate_up.data() + b * 2 * inner, 1, inner, act.data() + b * inner);
-      if (takes_blocks(down)) wide->quantize_row(act.data() + b * inner, b);
-    });
+    if (std::get<0>(up) == 2 && !std::get<6>(up).has_value()) {  // int8-dyn's product makes silu(gate) * up itself
+      apply_linear(up, normed.data(), B, H, act.data(), &narrow, true);
+    } else {
+      gate_up.resize(static_cast<size_t>(B * 2 * inner));
+      apply_linear(up, normed.data(), B, H, gate_up.data(), &narrow);
+      each_row([&](int64_t b) { silu_mul_rows(gate_up.data() + b * 2 * inner, 1, inner, act.data() + b * inner); });
+    }
+    if (takes_blocks(down)) {
+      if (!wide || wide->K != inner) wide.emplace(B, inner);
+      each_row([&](int64_t b) { wide->quantize_row(act.data() + b * inner, b); });
+    }
     apply_linear(down, act.data(), B, inner, delta.data(), wide ? &*wide : nullptr);
   }
   const auto& [norm, eps, linear] = forms.head;
