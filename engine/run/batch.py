@@ -48,7 +48,10 @@ from engine.run.step import select_token
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
-PREFILL_CHUNK = 512  # prompt tokens a step prefills, between the running sequences' decode steps
+# prompt tokens a step prefills, between the running sequences' decode steps: vLLM's CPU build's token budget a step.
+# A burst of prompts gets its first tokens in fewer, larger steps (the weights read once for more rows), at the cost
+# of a longer wait for the sequences decoding beside them while such a step runs
+PREFILL_CHUNK = 2048
 
 
 def most_positions(n_prompt: int, max_new_tokens: int) -> int:
