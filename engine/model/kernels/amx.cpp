@@ -5,7 +5,8 @@
 //
 // The left tile is 16 activation rows, 64 bytes of each, as they lie; the right tile is 16 rows of a block of packed
 // weights, each the block's 16 outputs' four bytes (int8.cpp), which is how the tiles want it. A result tile's row
-// is then 16 outputs of one activation row: stored, scaled and written as they are.
+// is then 16 outputs of one activation row: stored, scaled and written as they are, or, for a fused gate/up product,
+// taken with the up's 16 beside them into silu(gate) * up, so the gate/up outputs are never written at all.
 #include "kernels.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
@@ -77,48 +78,54 @@ static inline __mmask16 outputs_below(int64_t n0, int64_t N) {
   return static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
 }
 
+// Activation rows [m, m + rows)'s sums against blocks b and next (sums[0] and sums[1] of tile_sums) written to y:
+// as they are, y [M, N], or (gated) silu(gate) * up of block b of the gate and block next of the up, y [M, N / 2].
+// Every row is scaled before any SiLU is taken: one row's two exponentials wait on each other, sixteen rows' overlap.
+static void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t next, bool gated,
+                       const float* xs, const float* sp, int64_t N, float* yp) {
+  const int32_t* second = sums + kTile * kOutBlock;
+  if (gated) {
+    alignas(64) float both[kTile * 2 * kOutBlock];  // each row's 16 gate outputs, then its 16 up outputs
+    for (int64_t j = 0; j < rows; ++j) {
+      _mm512_store_ps(both + 2 * kOutBlock * j, scaled(sums + j * kOutBlock, xs[m + j], sp, b * kOutBlock, 0xffff));
+      _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
+                      scaled(second + j * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
+    }
+    for (int64_t j = 0; j < rows; ++j)
+      silu_mul_rows(both + 2 * kOutBlock * j, 1, kOutBlock, yp + (m + j) * (N / 2) + b * kOutBlock);
+    return;
+  }
+  for (const int64_t n : {b, next}) {
+    if (n * kOutBlock >= N) break;
+    const __mmask16 inside = outputs_below(n * kOutBlock, N);
+    const int32_t* block = n == b ? sums : second;
+    for (int64_t j = 0; j < rows; ++j)
+      _mm512_mask_storeu_ps(yp + (m + j) * N + n * kOutBlock, inside,
+                            scaled(block + j * kOutBlock, xs[m + j], sp, n * kOutBlock, inside));
+  }
+}
+
 bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
                     int64_t N, float* yp, bool gated) {
   const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, half = N / 2 / kOutBlock;
   if (M < kTileRows || (gated && N % (2 * kOutBlock) != 0) || !tiles_granted()) return false;
-  // gated: pair p is the gate's block p and the up's block p, whose 16 outputs silu_mul_rows makes one
+  // pair p: blocks 2p and 2p + 1, or (gated) the gate's block p and the up's block p
   const int64_t pairs = gated ? half : (blocks + 1) / 2, chunks = (M + kTile - 1) / kTile, full = M / kTile;
   // each pair of weight blocks (kept in the nearest cache) against every chunk of activation rows in turn; the full
   // chunks first, then the rest, so the tiles are configured twice a share at most
   shared_rows(pairs, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t sums[2 * kTile * kOutBlock];
-    alignas(64) float both[kTile * 2 * kOutBlock];
     for (const auto& [first, last] : {std::pair{int64_t{0}, full}, std::pair{full, chunks}}) {
       if (first == last) continue;
       const int64_t rows = std::min(kTile, M - first * kTile);
       configure_tiles(rows);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t b = gated ? p : 2 * p, next = gated ? p + half : b + 1;
-        const int8_t* w = wp + b * kOutBlock * Kp;
         for (int64_t c = first; c < last; ++c) {
-          const int64_t m = c * kTile;
-          if (next < blocks) tile_sums<2>(xq + m * Kp, Kp, w, wp + next * kOutBlock * Kp, sums);
-          else tile_sums<1>(xq + m * Kp, Kp, w, nullptr, sums);
-          if (gated) {  // each row's 16 gate outputs beside its 16 up outputs, as silu_mul_rows takes a row
-            for (int64_t j = 0; j < rows; ++j) {
-              const int32_t* row = sums + j * kOutBlock;
-              _mm512_store_ps(both + 2 * kOutBlock * j, scaled(row, xs[m + j], sp, b * kOutBlock, 0xffff));
-              _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
-                              scaled(row + kTile * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
-            }
-            for (int64_t j = 0; j < rows; ++j)
-              silu_mul_rows(both + 2 * kOutBlock * j, 1, kOutBlock, yp + (m + j) * (N / 2) + b * kOutBlock);
-            continue;
-          }
-          for (int64_t j = 0; j < rows; ++j) {
-            const int32_t* row = sums + j * kOutBlock;
-            for (const int64_t n : {b, next}) {
-              if (n >= blocks) break;
-              const __mmask16 inside = outputs_below(n * kOutBlock, N);
-              _mm512_mask_storeu_ps(yp + (m + j) * N + n * kOutBlock, inside,
-                                    scaled(row + (n - b) * kTile * kOutBlock, xs[m + j], sp, n * kOutBlock, inside));
-            }
-          }
+          const int8_t* x = xq + c * kTile * Kp;
+          if (next < blocks) tile_sums<2>(x, Kp, wp + b * kOutBlock * Kp, wp + next * kOutBlock * Kp, sums);
+          else tile_sums<1>(x, Kp, wp + b * kOutBlock * Kp, nullptr, sums);
+          write_rows(sums, c * kTile, rows, b, next, gated, xs, sp, N, yp);
         }
       }
     }
