@@ -122,7 +122,7 @@ def local_runs(n: int) -> list[dict]:
                 cached = calibration["cache_read"] if planned["from_cache"] else None
                 rows.append({"round": round_, "level": level, "users": users, "measured": run["tpot_ms"],
                              "planned": planned["decode_ms_per_token"], "from_cache": bool(cached),
-                             "read_gbps": cached["gbps"] if cached else plan.decode_bandwidth_gbps(calibration),
+                             "read_gbps": planned["read_gbps"],
                              "matvec_us": (cached["matvec_call_us"] if cached
                                            else calibration.get("matvec_call_us", 0.0)),
                              "load": load, "load_after": os.getloadavg()[0], "buckets": planned["distances_ms"]})

@@ -46,6 +46,7 @@ with c[1]:
                 ("dispatch cost per operation", f"{stored['dispatch_us']:.1f} µs")]
         if "matvec_call_us" in stored:
             rows.append(("a 4 MB matrix-vector product, beyond its bytes", f"{stored['matvec_call_us']:.1f} µs"))
+        rows += hardware.cache_read_rows(stored)
         if "host_link" in stored:
             link = stored["host_link"]
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),

@@ -216,7 +216,7 @@ def planned_vs_measured(store) -> pd.DataFrame:
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
                      "planned memory ms (estimate)": round(predicted["distances_ms"]["memory"], 2),
                      "weights read from": "last-level cache" if cached else "memory",
-                     "read GB/s": round(cached["gbps"] if cached else plan.decode_bandwidth_gbps(calibration), 1),
+                     "read GB/s": round(predicted["read_gbps"], 1),
                      "µs per product": round(cached["matvec_call_us"] if cached else
                                              calibration.get("matvec_call_us", 0.0), 1)})
     return pd.DataFrame(rows)
@@ -224,8 +224,9 @@ def planned_vs_measured(store) -> pd.DataFrame:
 
 st.subheader("On this machine: planned against measured")
 st.markdown("The planner with the calibration each run was attributed with (the bandwidth the decode's own "
-            "matrix-vector kernel reached on cold weights, or where a step's bytes fit the share of the last-level "
-            "cache the calibration read again and again, the rate it read them there; the time each such product "
+            "matrix-vector kernel reached on cold weights, or where a step's bytes stay in the last-level cache, the "
+            "rate the calibration read such weights there, between its reads of half the cache and of all of it; the "
+            "time each such product "
             "takes beyond its bytes; matmul peaks and the integer levels' own rates; dispatch cost) and the run's "
             "own model, precision and lengths, beside the run's measured time per output token.")
 store = open_store()

@@ -186,6 +186,26 @@ def test_the_cache_s_read_rate_is_measured_on_weights_that_fit_it():
         pytest.skip("this machine reports no CPU cache, or the kernels are not built")
     assert 0 < measured["bytes"] <= cache * hardware.CACHE_SHARE and measured["cache_bytes"] == cache
     assert measured["gbps"] > 0 and measured["matvec_call_us"] >= 0
+    assert measured["bytes"] < measured["whole"]["bytes"] <= cache and measured["whole"]["gbps"] > 0
+    rows = hardware.cache_read_rows({"cache_read": measured})
+    assert len(rows) == 2 and all(figure.endswith(" GB/s") for _, figure in rows)
+
+
+def test_bytes_between_half_the_cache_and_all_of_it_are_read_at_the_rate_between_its_two_reads():
+    """Past the share of the cache the calibration read, more of a step's bytes are evicted by the other work the
+    cache serves: the rate falls along the line to the one measured over the whole cache, and is memory's beyond it
+    or where that line falls below memory's peak."""
+    whole = {"bytes": 300e6, "gbps": 40.0}
+    calibration = {"memory_gbps": 30.0, "memory_method": "gemv",
+                   "cache_read": {"bytes": 150e6, "gbps": 60.0, "matvec_call_us": 3.0, "cache_bytes": 300e6,
+                                  "whole": whole}}
+    assert hardware.read_peak(calibration, 150e6)[0] == 60.0
+    assert hardware.read_peak(calibration, 200e6)[0] == pytest.approx(60.0 - 20.0 / 3)
+    assert hardware.read_peak(calibration, 300e6)[0] == pytest.approx(40.0)
+    assert hardware.read_peak(calibration, 301e6) == (30.0, "gemv")
+    below = {**calibration, "cache_read": {**calibration["cache_read"], "whole": {**whole, "gbps": 20.0}}}
+    assert hardware.read_peak(below, 250e6)[0] == pytest.approx(60.0 - 40.0 * 2 / 3)
+    assert hardware.read_peak(below, 290e6) == (30.0, "gemv")
 
 
 def test_the_integer_levels_products_are_timed_through_their_own_layers():

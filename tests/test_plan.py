@@ -539,3 +539,28 @@ def test_a_local_integer_level_whose_bytes_fit_the_cache_reads_from_it_and_multi
                                                       "batch_mean": batch})}
     stored = plan.plan_for_run(run, calibration)
     assert stored["weights"] == "int4-dyn" and stored["distances_ms"] == int4["distances_ms"]
+
+
+def test_a_local_step_past_half_the_cache_reads_at_the_rate_between_the_cache_s_two_reads():
+    """int8-dyn's weights and eight sequences' caches are a little more than the half of the cache the calibration
+    read: they are planned as read from the cache at the rate on the line to the whole cache's, not from memory."""
+    whole = {"bytes": 300e6, "gbps": 30.0}
+    calibration = {"device_key": "cpu:test", "memory_gbps": 20.0, "matmul_gflops": {"float32": 50.0},
+                   "dispatch_us": 5.0, "memory_methods_gbps": {"small_rows_kernel": 15.0}, "matvec_call_us": 30.0,
+                   "prefill_gflops": {"float32": {"16": 40.0}, "int8-dyn": {"16": 200.0}},
+                   "cache_read": {"bytes": 150e6, "gbps": 60.0, "matvec_call_us": 3.0, "cache_bytes": 300e6,
+                                  "whole": whole}}
+    model = plan.resolve_model("default")
+    spec, params, batch, context = model.spec, model.read_params(), 8, 32 + 64 // 2
+    weights, kv = 137e6, batch * kvcalc.kv_bytes(spec, context + 1, "fp32")
+    step = weights + kv
+    assert 150e6 < step < 300e6
+    rate = 60.0 - 30.0 * (step - 150e6) / 150e6
+    int8 = plan.local_plan("default", calibration, weights="int8-dyn", bits_per_weight=weights * 8 / params,
+                           batch=batch)
+    assert int8["from_cache"] and int8["read_gbps"] == pytest.approx(rate)
+    assert int8["distances_ms"]["memory"] == pytest.approx(step / rate / 1e6)
+    only_half = {**calibration, "cache_read": {k: v for k, v in calibration["cache_read"].items() if k != "whole"}}
+    apart = plan.local_plan("default", only_half, weights="int8-dyn", bits_per_weight=weights * 8 / params,
+                            batch=batch)
+    assert not apart["from_cache"] and apart["read_gbps"] == 15.0

@@ -326,6 +326,8 @@ def cmd_calibrate(args) -> int:
         print(f"  matmul peak {dtype:>9}:             {gflops:.0f} GFLOP/s ({results['matmul_shape'][dtype]})")
     print(f"  dispatch overhead per op:            {results['dispatch_us']:.1f} us")
     print(f"  per matrix-vector product (4 MB):    {results['matvec_call_us']:.1f} us beyond its bytes")
+    for what, figure in hardware.cache_read_rows(results):
+        print(f"  {what}: {figure}")
     if "host_link" in results:
         link = results["host_link"]
         print(f"  host to device {link['h2d_gbps']:.1f} GB/s, device to host {link['d2h_gbps']:.1f} GB/s, "

@@ -87,3 +87,20 @@ def sum_buckets(rows) -> dict:
         for b in BUCKETS:
             totals[b] += row[b]
     return totals
+
+
+def cache_read_gbps(calibration: dict, working_set: float) -> float | None:
+    """The rate bytes read again and again (each decode step reads the same weights as the one before) are read
+    at where they stay in the last-level cache, from the calibration's reads of such weights: its rate at the share
+    of the cache it read, at most that many bytes; between that and the whole cache, the line between the two rates
+    it measured (more of the bytes are evicted by the other work the cache serves); None beyond, or where that line
+    falls to the memory peak (the bytes come from memory), or without those reads."""
+    cache = calibration.get("cache_read")
+    if not cache or working_set > cache.get("whole", cache)["bytes"]:
+        return None
+    if working_set <= cache["bytes"]:
+        return cache["gbps"]
+    whole = cache["whole"]
+    rate = cache["gbps"] + (whole["gbps"] - cache["gbps"]) * (working_set - cache["bytes"]) / (whole["bytes"]
+                                                                                            - cache["bytes"])
+    return rate if rate > calibration["memory_gbps"] else None

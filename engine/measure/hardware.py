@@ -18,17 +18,18 @@ import torch
 
 from engine import FREED_MEMORY, OPENMP_WAIT
 from engine.dtypes import INTEGER_LEVELS, weight_level
-from engine.measure.distances import Roofline
+from engine.measure.distances import Roofline, cache_read_gbps
 from engine.paths import cache_dir
 
 # 2: the memory and matmul peaks are the best of several methods and shapes
 # 3: adds the cost of one decode-sized matrix-vector product beyond its bytes
 # 4: adds the rate of the default model's layer products at prefill chunk rows
 # 5: adds the read rate of weights that stay in the last-level cache and the integer levels' product rates
-CALIBRATION_VERSION = 5
+# 6: adds the read rate of weights as large as the whole last-level cache
+CALIBRATION_VERSION = 6
 # versions still read from a database; an older one is measured again, since without the cache's read rate and the
 # integer rates the planner would plan the integer levels as float ones read from memory
-READABLE_VERSIONS = (5,)
+READABLE_VERSIONS = (5, 6)
 
 
 def _cpu_model() -> str:
@@ -384,14 +385,14 @@ def measure_cache_read(device: torch.device, pairs: int = 15) -> dict | None:
     """Reading weights that fit the last-level cache: the small-rows kernel (what decode steps run) over
     CACHE_SHARE of the cache in 4 MiB matrices, pass after pass, so they stay there; and, as
     measure_matvec_call_us does for memory, what a 1 MiB product costs beyond its bytes at that rate, from
-    cached matrices (waking the other thread; no read to ramp up from memory). {"bytes": the working set,
-    "gbps": its read rate, "matvec_call_us": that cost, "cache_bytes": the cache}, or None where the kernel
-    does not run here or the machine reports no cache."""
+    cached matrices (waking the other thread; no read to ramp up from memory); then the same passes over weights
+    as large as the whole cache, of which the cache keeps what the other work it serves leaves it. {"bytes": the
+    working set, "gbps": its read rate, "matvec_call_us": that cost, "cache_bytes": the cache, "whole": {"bytes",
+    "gbps"} of the whole cache's}, or None where the kernel does not run here or the machine reports no cache."""
     product, cache = _small_rows_product(device), last_level_cache_bytes()
     if product is None or not cache:
         return None
-    share = int(cache * CACHE_SHARE)
-    large = [torch.ones(1024, 1024, device=device) for _ in range(max(share // (4 << 20), 1))]
+    large = _matrices_of(int(cache * CACHE_SHARE), device)
     small = [torch.ones(CACHE_MATRIX_BYTES // 4096, 1024, device=device)
              for _ in range(max(_nbytes(large) // CACHE_MATRIX_BYTES // 4, 1))]
     run_small, run_large = _one_pass(small, product, device), _one_pass(large, product, device)
@@ -402,8 +403,16 @@ def measure_cache_read(device: torch.device, pairs: int = 15) -> dict | None:
         seconds = {first: _pass_seconds(first), second: _pass_seconds(second)}
         timed.append((seconds[run_small], seconds[run_large]))
     excess = [(s / _nbytes(small) - l / _nbytes(large)) * CACHE_MATRIX_BYTES for s, l in timed]
-    return {"bytes": _nbytes(large), "gbps": _nbytes(large) / min(l for _, l in timed) / 1e9,
-            "matvec_call_us": max(statistics.median(excess), 0.0) * 1e6, "cache_bytes": cache}
+    share = {"bytes": _nbytes(large), "gbps": _nbytes(large) / min(l for _, l in timed) / 1e9}
+    del small, large, run_small, run_large  # the whole cache's weights take their place
+    whole = _matrices_of(cache, device)
+    return {**share, "matvec_call_us": max(statistics.median(excess), 0.0) * 1e6, "cache_bytes": cache,
+            "whole": {"bytes": _nbytes(whole), "gbps": _pass_gbps(whole, product, device)}}
+
+
+def _matrices_of(size: int, device: torch.device) -> list:
+    """4 MiB float32 matrices, `size` bytes of them (one at least)."""
+    return [torch.ones(1024, 1024, device=device) for _ in range(max(size // (4 << 20), 1))]
 
 
 def _layer_pass(layers: list, rows: int, device: torch.device):
@@ -558,13 +567,22 @@ def _utc_now() -> datetime:
 PEAK_NOISE = 0.05
 
 
-def read_peak(calibration: dict, working_set: float | None = None) -> tuple[float, str]:
-    """The read rate a forward moving `working_set` bytes can reach, and where it comes from: the cache's rate
-    the calibration measured where those bytes fit the share of the last-level cache it read again and again
-    (each decode step reads the same weights as the one before), else the memory peak."""
+def cache_read_rows(calibration: dict) -> list[tuple[str, str]]:
+    """(what, figure) for the calibration's reads of weights that stay in the last-level cache, none without them."""
     cache = calibration.get("cache_read")
-    if cache and working_set is not None and working_set <= cache["bytes"]:
-        return cache["gbps"], f"reading {cache['bytes'] / 2**20:.0f} MiB again and again from the last-level cache"
+    if not cache:
+        return []
+    reads = [("the share of it", cache)] + ([("all of it", cache["whole"])] if "whole" in cache else [])
+    return [(f"weights read again and again from the last-level cache, {what} ({read['bytes'] / 2**20:.0f} MiB)",
+             f"{read['gbps']:.1f} GB/s") for what, read in reads]
+
+
+def read_peak(calibration: dict, working_set: float | None = None) -> tuple[float, str]:
+    """The read rate a forward moving `working_set` bytes can reach, and where it comes from: the last-level
+    cache's (distances.cache_read_gbps) where those bytes stay in it, else the memory peak."""
+    cached = cache_read_gbps(calibration, working_set) if working_set is not None else None
+    if cached is not None:
+        return cached, f"reading {working_set / 2**20:.0f} MiB again and again from the last-level cache"
     return calibration["memory_gbps"], calibration.get("memory_method", "gemv")
 
 

@@ -41,7 +41,7 @@ from engine.dtypes import FP4_BITS, INTEGER_LEVELS, weight_level
 from engine.plan import kvcalc
 from engine.plan import shapes
 from engine.plan.shapes import ShapeError
-from engine.measure.distances import BUCKETS
+from engine.measure.distances import BUCKETS, cache_read_gbps
 
 DATA = kvcalc.DATA
 # int4: a 16-bit scale per 32 weights; NVFP4: 4-bit E2M1 with an FP8 scale per 16; MXFP4: with an 8-bit scale per 32
@@ -699,9 +699,9 @@ def decode_bandwidth_gbps(calibration: dict) -> float:
     return methods.get("small_rows_kernel") or methods.get("gemv") or calibration["memory_gbps"]
 
 
-def local_device(calibration: dict, memory_bytes: float = 2**40, cached: bool = False) -> dict:
-    """This machine as a planner GPU: the bandwidth its decode kernel reaches (from the last-level cache, where
-    `cached`: a step's bytes fit the share of it the calibration read again and again), its calibrated matmul
+def local_device(calibration: dict, memory_bytes: float = 2**40, cache_gbps: float | None = None) -> dict:
+    """This machine as a planner GPU: the bandwidth its decode kernel reaches (cache_gbps where a step's bytes stay
+    in the last-level cache: cache_read_gbps), its calibrated matmul
     peaks, the rate of the model's layer products at prefill chunk rows where the calibration timed them (a
     calibration of version 3 did not: its prefills take the peak), the integer levels' rates (their products'
     peak: the rate their kernels reached at the fewest prefill rows timed, the nearest to a decode step's few
@@ -712,7 +712,7 @@ def local_device(calibration: dict, memory_bytes: float = 2**40, cached: bool = 
     prefill = {ENGINE_LEVELS.get(k, k): {int(rows): v / 1e3 for rows, v in by_rows.items()}
                for k, by_rows in (calibration.get("prefill_gflops") or {}).items()}
     peaks.update({level: by_rows[min(by_rows)] for level, by_rows in prefill.items() if level in INTEGER_LEVELS})
-    bandwidth = calibration["cache_read"]["gbps"] if cached else decode_bandwidth_gbps(calibration)
+    bandwidth = cache_gbps if cache_gbps is not None else decode_bandwidth_gbps(calibration)
     return {"id": "local", "name": calibration.get("device_key", "this machine"),
             "memory_mib": memory_bytes / 2**20, "bandwidth_gbps": bandwidth,
             "peak_tflops": peaks, "prefill_tflops": prefill,
@@ -758,21 +758,22 @@ def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | 
     """The planner's prediction for a run on this machine with this calibration, batch sequences decoded
     together; bytes_per_token is what a decode token moves: its share of the step's weights, its own cache. A
     decode step whose bytes (weights and caches) fit the share of the last-level cache the calibration read
-    again and again is planned as read from there, as each step reads the same bytes as the one before."""
+    again and again is planned as read from there at the rate cache_read_gbps gives for them, as each
+    step reads the same bytes as the one before. read_gbps: the rate planned."""
     kv_dtype = kv_dtype or ("fp32" if weights in INTEGER_LEVELS else weights)
 
-    def setup_for(cached: bool) -> Setup:
-        return Setup(model=resolve_model(model), gpu=local_device(calibration, cached=cached), weights=weights,
-                     bits_per_weight=bits_per_weight, kv_dtype=kv_dtype, prompt_tokens=prompt_tokens,
-                     new_tokens=new_tokens, batch=batch, efficiency=local_efficiency(calibration, weights, kv_dtype,
-                                                                                      cached))
+    def setup_for(cache_gbps: float | None) -> Setup:
+        return Setup(model=resolve_model(model), gpu=local_device(calibration, cache_gbps=cache_gbps),
+                     weights=weights, bits_per_weight=bits_per_weight, kv_dtype=kv_dtype, prompt_tokens=prompt_tokens,
+                     new_tokens=new_tokens, batch=batch,
+                     efficiency=local_efficiency(calibration, weights, kv_dtype, cache_gbps is not None))
 
     context = prompt_tokens + new_tokens // 2  # plan()'s mean context
-    cache_read = calibration.get("cache_read")
-    cached = bool(cache_read) and step_buckets(setup_for(False), 1, context)["_bytes"] <= cache_read["bytes"]
-    setup = setup_for(cached)
+    cache_gbps = cache_read_gbps(calibration, step_buckets(setup_for(None), 1, context)["_bytes"])
+    setup = setup_for(cache_gbps)
     step = step_buckets(setup, 1, context)
-    return {**plan(setup), "bytes_per_token": step["_bytes"] / batch, "from_cache": cached}
+    return {**plan(setup), "bytes_per_token": step["_bytes"] / batch, "from_cache": cache_gbps is not None,
+            "read_gbps": setup.gpu["bandwidth_gbps"]}
 
 
 def plan_for_run(run: dict, calibration: dict) -> dict:
