@@ -39,12 +39,14 @@ def outputs(kernel) -> dict:
     gate_up = torch.randn(3, 2 * 1536, generator=g) * 4
     w_t = torch.randn(1536, 576, generator=g)
     wide = torch.randn(30, 576, generator=g)
+    smooth = torch.rand(576, generator=g) + 0.5
     return {
         "small_linear": kernel.small_linear(x, w, torch.randn(960, generator=g)),
-        "int8_linear": kernel.int8_linear(x, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32)),
+        "int8_linear": kernel.int8_linear(x, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32), None),
         "int8_linear_odd": kernel.int8_linear(wide[:, :100], pack_int8(int8[:957, :100]), scales[:957],
-                                              int8[:957, :100].sum(dim=1, dtype=torch.int32)),
-        "int8_silu_linear": kernel.int8_silu_linear(wide, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32)),
+                                              int8[:957, :100].sum(dim=1, dtype=torch.int32), smooth[:100]),
+        "int8_silu_linear": kernel.int8_silu_linear(wide, pack_int8(int8), scales, int8.sum(dim=1, dtype=torch.int32),
+                                                    smooth),
         "int8_wo_linear": kernel.int8_wo_linear(x, int8, scales.bfloat16()),
         "int8_wo_linear_prefill": kernel.int8_wo_linear(wide, int8, scales.bfloat16()),
         "int8_block_linear": kernel.int8_block_linear(x, q8, d4, 957),

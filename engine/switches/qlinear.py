@@ -114,29 +114,28 @@ class Int8DynamicLinear(torch.nn.Module):
         """silu(the first half of the outputs) * the second half, for a fused gate/up product: the kernel makes each
         output row's products as it writes the row, never the outputs themselves (half the bytes written, and no pass
         over them after), the same numbers as the outputs and then the kernels' silu_mul."""
-        x2, lead = self._inputs(x)
-        y = optional_kernel().int8_silu_linear(x2, self.weight_int8, self.scales, self.row_sums)
+        x2, lead = _linear_input(x.float())
+        y = optional_kernel().int8_silu_linear(x2, self.weight_int8, self.scales, self.row_sums, self.inv_smooth)
         return y.to(x.dtype).reshape(*lead, self.out_features // 2)
 
-    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        x2, lead = _linear_input(x.float())
-        return (x2 * self.inv_smooth if self.inv_smooth is not None else x2), lead
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2, lead = self._inputs(x)
-        if self.own_kernel:
-            y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums)
-        # reduce_range (7-bit activations): fbgemm's AVX2 path sums byte pairs into saturating 16-bit
-        # lanes, which full-range activations overflow
-        elif x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
-            y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)
+        x2, lead = _linear_input(x.float())
+        if self.own_kernel:  # it multiplies each row by inv_smooth as it quantizes it
+            y = optional_kernel().int8_linear(x2, self.weight_int8, self.scales, self.row_sums, self.inv_smooth)
         else:
-            # fbgemm picks one activation scale per call; scaling every row to the same range first
-            # makes it per token (the layer is linear, so the row scale comes back out after)
-            row_scale = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
-            y = torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed, True) * row_scale
+            y = self._fbgemm(x2 * self.inv_smooth if self.inv_smooth is not None else x2)
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y + self.bias if self.bias is not None else y
+
+    def _fbgemm(self, x2: torch.Tensor) -> torch.Tensor:
+        # reduce_range (7-bit activations): fbgemm's AVX2 path sums byte pairs into saturating 16-bit
+        # lanes, which full-range activations overflow
+        if x2.shape[0] == 1:  # one token (decoding): the per-call activation scale is already per token
+            return torch.ops.quantized.linear_dynamic(x2, self._packed, True)
+        # fbgemm picks one activation scale per call; scaling every row to the same range first
+        # makes it per token (the layer is linear, so the row scale comes back out after)
+        row_scale = x2.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
+        return torch.ops.quantized.linear_dynamic(x2 / row_scale, self._packed, True) * row_scale
 
     def decode_form(self) -> tuple | None:
         """This layer as the kernels' decode_layers reads it (None: it runs its forward instead)."""

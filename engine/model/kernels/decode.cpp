@@ -35,7 +35,6 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
                          const BlockActivations* blocks = nullptr, bool gated = false) {
   const auto& [kind, w, scales, sums, inv_smooth, group, bias] = form;
   const int64_t N = linear_outputs(form);
-  std::vector<float> smoothed;
   std::optional<BlockActivations> own;
   if (takes_blocks(form) && blocks == nullptr) blocks = &own.emplace(x, M, K);
   TORCH_CHECK(!takes_blocks(form) || (blocks->M == M && blocks->K == K), "activations quantized for another shape");
@@ -46,14 +45,8 @@ static void apply_linear(const LinearForm& form, const float* x, int64_t M, int6
                    K, y);
       break;
     case 2:
-      if (inv_smooth.has_value()) {
-        const float* f = inv_smooth->data_ptr<float>();
-        smoothed.resize(static_cast<size_t>(M * K));
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t k = 0; k < K; ++k) smoothed[m * K + k] = x[m * K + k] * f[k];
-        x = smoothed.data();
-      }
-      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y, gated);
+      int8_dyn_rows(x, M, w.data_ptr<int8_t>(), scales->data_ptr<float>(), sums->data_ptr<int32_t>(), N, K, y,
+                    inv_smooth.has_value() ? inv_smooth->data_ptr<float>() : nullptr, gated);
       break;
     case 3: {
       const auto rows = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);

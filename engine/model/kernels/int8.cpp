@@ -109,10 +109,11 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
 // the CPU has them, else AVX-512 VNNI, AVX2, or a plain loop), so y is the same to the bit on every path and for
 // any count of rows beside a row. Threads take shares of the weight blocks, so every weight is read once whatever
 // M is.
-// gated: w is a fused gate/up product's (its first N / 2 outputs the gate's), and y [M, N / 2] = silu(gate) * up
-// as silu_mul_rows makes it of the product's outputs.
+// inv_smooth (K factors, or null): x's rows are multiplied by them first (SmoothQuant's inverse, where no norm
+// before the layer took it in), as PyTorch multiplies them. gated: w is a fused gate/up product's (its first N / 2
+// outputs the gate's), and y [M, N / 2] = silu(gate) * up as silu_mul_rows makes it of the product's outputs.
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
-                   int64_t K, float* yp, bool gated) {
+                   int64_t K, float* yp, const float* inv_smooth, bool gated) {
   const int64_t Kp = packed_width(K);
   // rows on cache-line boundaries, as PyTorch's allocator puts the weights: a tile load of rows that straddle two
   // lines each takes several times as long
@@ -120,7 +121,15 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
   int8_t* xq = storage.data() + (kDepthBytes - reinterpret_cast<uintptr_t>(storage.data()) % kDepthBytes) % kDepthBytes;
   std::vector<float> xs(static_cast<size_t>(M));
   over_rows(M, K, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_symmetric(xp + m * K, K, Kp, xq + m * Kp);
+    std::vector<float> smoothed(inv_smooth ? K : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * K;
+      if (inv_smooth) {
+        for (int64_t k = 0; k < K; ++k) smoothed[k] = row[k] * inv_smooth[k];
+        row = smoothed.data();
+      }
+      xs[m] = quantize_symmetric(row, K, Kp, xq + m * Kp);
+    }
   });
   if (int8_tile_rows(xq, xs.data(), M, Kp, wp, sp, N, yp, gated)) return;
   std::vector<float> both(gated ? static_cast<size_t>(M * N) : 0);
@@ -134,7 +143,8 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
     });
 }
 
-static at::Tensor int8_product(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum, bool gated) {
+static at::Tensor int8_product(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum,
+                               c10::optional<at::Tensor> inv_smooth, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(2) == 4 * kOutBlock,
               "w must be contiguous packed int8 [blocks, Kp / 4, 64]");
@@ -145,18 +155,23 @@ static at::Tensor int8_product(at::Tensor x, at::Tensor w, at::Tensor w_scale, a
   TORCH_CHECK(w.size(0) == (N + kOutBlock - 1) / kOutBlock && w.size(1) * 4 == packed_width(K) && w_sum.numel() == N,
               "shapes disagree");
   TORCH_CHECK(!gated || N % 2 == 0, "a fused gate/up product has an even count of outputs");
+  const bool smooth = inv_smooth.has_value() && inv_smooth->defined();
+  TORCH_CHECK(!smooth || (inv_smooth->scalar_type() == at::kFloat && inv_smooth->is_contiguous() &&
+                          inv_smooth->numel() == K), "inv_smooth: K contiguous float32 factors");
   auto y = x.new_empty({M, gated ? N / 2 : N});
   int8_dyn_rows(x.data_ptr<float>(), M, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
-                N, K, y.data_ptr<float>(), gated);
+                N, K, y.data_ptr<float>(), smooth ? inv_smooth->data_ptr<float>() : nullptr, gated);
   return y;
 }
 
-at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum) {
-  return int8_product(x, w, w_scale, w_sum, false);
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum,
+                       c10::optional<at::Tensor> inv_smooth) {
+  return int8_product(x, w, w_scale, w_sum, inv_smooth, false);
 }
 
-at::Tensor int8_silu_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum) {
-  return int8_product(x, w, w_scale, w_sum, true);
+at::Tensor int8_silu_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum,
+                            c10::optional<at::Tensor> inv_smooth) {
+  return int8_product(x, w, w_scale, w_sum, inv_smooth, true);
 }
 
 

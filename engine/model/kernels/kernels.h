@@ -440,7 +440,7 @@ struct DecodeForms {
 void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp);
 void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K, float* yp);
 void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp, const int32_t* cp, int64_t N,
-                   int64_t K, float* yp, bool gated = false);
+                   int64_t K, float* yp, const float* inv_smooth = nullptr, bool gated = false);
 void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, int64_t N, float* yp);
 // int8-dyn's sums of x's quantized rows xq [M, Kp] (scales xs) with packed weights w (N outputs, scales sp) on AMX
 // tiles, into y [M, N] (gated: [M, N / 2]) as int8_dyn_rows computes it; false, with y untouched, where the tiles do
@@ -465,8 +465,10 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
 
 // What bindings.cpp gives Python, each defined in the source named.
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp
-at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum);  // int8.cpp
-at::Tensor int8_silu_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum);  // int8.cpp
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum,
+                      c10::optional<at::Tensor> inv_smooth);  // int8.cpp
+at::Tensor int8_silu_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor w_sum,
+                      c10::optional<at::Tensor> inv_smooth);  // int8.cpp
 at::Tensor int8_wo_linear(at::Tensor x, at::Tensor w, at::Tensor scales);
 at::Tensor int8_block_linear(at::Tensor x, at::Tensor w, at::Tensor d, int64_t N);
 bool has_vnni();
