@@ -54,13 +54,15 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     (Kp: K rounded up to a multiple of 64)."""
     padded = F.pad(q, (0, -q.shape[1] % PACKED_DEPTH, 0, -q.shape[0] % PACKED_OUTPUTS))
     quads = padded.shape[1] // 4
-    return padded.view(-1, PACKED_OUTPUTS, quads, 4).transpose(1, 2).reshape(-1, quads, 4 * PACKED_OUTPUTS).contiguous()
+    blocks = padded.view(-1, PACKED_OUTPUTS, quads, 4).transpose(1, 2)
+    return blocks.reshape(-1, quads, 4 * PACKED_OUTPUTS).contiguous()
 
 
 def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """pack_int8's [N, K] weights back from what it made of them."""
     blocks, quads, _ = packed.shape
-    return packed.view(blocks, quads, PACKED_OUTPUTS, 4).transpose(1, 2).reshape(blocks * PACKED_OUTPUTS, 4 * quads)[:n, :k]
+    rows = packed.view(blocks, quads, PACKED_OUTPUTS, 4).transpose(1, 2).reshape(blocks * PACKED_OUTPUTS, 4 * quads)
+    return rows[:n, :k]
 
 
 class Int8DynamicLinear(torch.nn.Module):

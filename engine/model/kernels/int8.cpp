@@ -82,7 +82,8 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
         const __m256i a = _mm256_set1_epi32(four_bytes(x + 4 * k));
         for (int64_t j = 0; j < count; ++j)
           for (int h = 0; h < 2; ++h) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed_row(wp, Kp, b0 + j, k) + 32 * h));
+            const int8_t* row = packed_row(wp, Kp, b0 + j, k) + 32 * h;
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
             acc[j][h] = add_u8s8(acc[j][h], _mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
           }
       }
