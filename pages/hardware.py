@@ -51,10 +51,13 @@ with c[1]:
             link = stored["host_link"]
             rows += [("host to device", f"{link['h2d_gbps']:.1f} GB/s, {link['h2d_latency_us']:.0f} µs"),
                      ("device to host", f"{link['d2h_gbps']:.1f} GB/s, {link['d2h_latency_us']:.0f} µs")]
-        st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch")
+        st.dataframe(pd.DataFrame(rows, columns=["measurement", "value"]), hide_index=True, width="stretch",
+                     height=35 * (len(rows) + 1) + 3)  # every row in view
         st.caption(f"In use on {md_escape(key)} (where it came from: the verdict above). The attribution divides each "
                    "forward's bytes and FLOPs by the peaks; the planner's estimate for this machine reads weights at "
-                   "the small-rows kernel's figure (the one fp32 decode steps run) and adds the product cost. Runs use the newest calibration that is within "
+                   "the small-rows kernel's figure (the one fp32 decode steps run), or, where a step's bytes stay in "
+                   "the last-level cache, at the rate of its re-reads (on the line between the two sizes re-read), "
+                   "and adds the product cost. Runs use the newest calibration that is within "
                    f"{1 - hardware.DISAGREEMENT:.0%} of the best recent figures; one taken while other work shared "
                    "the machine reads low and is flagged.")
         with st.expander(f"The last {len(recent)} calibration(s) of this device"):

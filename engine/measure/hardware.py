@@ -572,9 +572,9 @@ def cache_read_rows(calibration: dict) -> list[tuple[str, str]]:
     cache = calibration.get("cache_read")
     if not cache:
         return []
-    reads = [("the share of it", cache)] + ([("all of it", cache["whole"])] if "whole" in cache else [])
-    return [(f"weights read again and again from the last-level cache, {what} ({read['bytes'] / 2**20:.0f} MiB)",
-             f"{read['gbps']:.1f} GB/s") for what, read in reads]
+    reads = [cache] + ([cache["whole"]] if "whole" in cache else [])
+    return [(f"weights re-read in the last-level cache, {read['bytes'] / 2**20:.0f} MiB", f"{read['gbps']:.1f} GB/s")
+            for read in reads]
 
 
 def read_peak(calibration: dict, working_set: float | None = None) -> tuple[float, str]:
