@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # kernels whose vector and plain branches do the same operations in the same order
 EXACT = {"int8_linear", "int8_linear_odd", "int8_silu_linear", "int8_wo_linear_prefill", "sparse_skip", "sparse_mask",
-         "mask_small", "rms_norm", "rotary", "silu_mul", "argmax"}
+         "mask_small", "rms_norm", "rotary", "silu_mul", "argmax", "argmax_rows"}
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -61,6 +61,7 @@ def outputs(kernel) -> dict:
         "silu_mul": kernel.silu_mul(gate_up),
         "decode_attention": kernel.decode_attention(q, k, v, 0.125),
         "argmax": torch.tensor([kernel.argmax(gate_up[i]) for i in range(3)]),
+        "argmax_rows": torch.tensor(kernel.argmax_rows(gate_up)),
     }
 
 

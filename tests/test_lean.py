@@ -7,6 +7,8 @@ from engine.model import lean
 from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
 from engine.model.lean import LeanLinear, LeanLlama
 from engine.model.loader import tiny_model
+from engine.run.step import select_token, select_tokens
+from engine.spec import GenConfig
 
 IDS = torch.tensor([[1, 15, 27, 300, 4000, 22, 9, 512, 77, 1000]])
 
@@ -273,6 +275,20 @@ def test_the_argmax_kernel_returns_what_torch_argmax_does(values):
     if kernel is None:
         pytest.skip("the C++ extension cannot be built here")
     assert kernel.argmax(values) == int(torch.argmax(values))
+    rows = torch.stack([values, values.flip(0), values.roll(3)] * 3)  # nine rows: shared by the threads
+    assert kernel.argmax_rows(rows) == torch.argmax(rows, dim=1).tolist()
+
+
+def test_a_batch_s_tokens_are_each_rows_own_pick_greedy_or_sampled():
+    logits = torch.randn(5, 300)
+    cfgs = [GenConfig("x", temperature=0.0), GenConfig("x", temperature=0.8, seed=3), GenConfig("x", temperature=0.0),
+            GenConfig("x", temperature=0.0), GenConfig("x", temperature=1.2, seed=4)]
+    generators = [None, torch.Generator().manual_seed(3), None, None, torch.Generator().manual_seed(4)]
+    alone = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)]
+    expected = [select_token(logits[0], cfgs[0], None), select_token(logits[1], cfgs[1], alone[0]),
+                select_token(logits[2], cfgs[2], None), select_token(logits[3], cfgs[3], None),
+                select_token(logits[4], cfgs[4], alone[1])]
+    assert select_tokens(logits, cfgs, generators) == expected
 
 
 @torch.inference_mode()

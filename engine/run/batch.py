@@ -44,7 +44,7 @@ from engine.store.record import Recorder
 from engine.store.writer import Writer
 from engine.store.rows import Attribution, Outcome, account, columns
 from engine.spec import LIMITS, MAX_BATCH, GenConfig, check_batchable
-from engine.run.step import select_token
+from engine.run.step import select_token, select_tokens
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
@@ -172,6 +172,7 @@ class BatchEngine:
         self.finished: list[Sequence] = []
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
+        self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
 
     @property
     def reserved_bytes(self) -> int:
@@ -371,7 +372,7 @@ class BatchEngine:
         hardware.sync(self.lm.device)
         t_sync = time.perf_counter_ns()
         logits = out.logits if out.logits.dtype == torch.float32 and out.logits.is_cpu else out.logits.float().cpu()
-        tokens = [select_token(row, s.cfg, s.generator) for s, row in zip(seqs, logits)]
+        tokens = select_tokens(logits, [s.cfg for s in seqs], [s.generator for s in seqs])
         t_host = time.perf_counter_ns()
         self.batch_sizes.append(len(seqs))
         work = batch_decode_work(self.shape, [s.past for s in seqs])
@@ -385,13 +386,19 @@ class BatchEngine:
             seq.forwards.append(whole)
             self._emit(seq, outcome)
 
+    def _piece(self, token: int) -> str:
+        """The token's text on its own, decoded once per engine: a step of many sequences asks for many."""
+        if token not in self.pieces:
+            self.pieces[token] = self.lm.tokenizer.decode([token])
+        return self.pieces[token]
+
     def _emit(self, seq: Sequence, out: Outcome, kind: str | None = None) -> None:
         """Take the step's token into the sequence's output, rows, journal and stream; end it when done. kind
         names a step that is neither the first prefill nor a decode (a recompute)."""
         events, text, done = seq.output.take(out.emitted)
         t_end = time.perf_counter_ns()
         row, token_rows = account(self.attribution, seq.step, out,
-                                  [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
+                                  [(t, self._piece(t)) for t, _ in events],
                                   len(seq.token_ids) - len(events), seq.t_request, t_end)
         row.kind = kind or row.kind
         seq.steps.append(columns(row))

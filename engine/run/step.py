@@ -48,6 +48,19 @@ def select_token(logits: torch.Tensor, cfg: GenConfig, generator: torch.Generato
     return int(torch.multinomial(sampling_probs(logits, cfg), 1, generator=generator))
 
 
+def select_tokens(logits: torch.Tensor, cfgs: list[GenConfig], generators: list) -> list[int]:
+    """select_token for each row of logits [rows, vocabulary] with its own config and generator: the greedy rows'
+    argmax in one call of the kernels where they run (the same picks, a row's Python call cost as much as its
+    search)."""
+    kernel = optional_kernel() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 else None
+    greedy = [i for i, cfg in enumerate(cfgs) if cfg.temperature == 0]
+    picks = {}
+    if kernel is not None and greedy:  # all rows as they lie where all are greedy: no copy of the ones taken
+        picks = dict(zip(greedy, kernel.argmax_rows(logits if len(greedy) == len(cfgs) else logits[greedy])))
+    return [picks[i] if i in picks else select_token(logits[i], cfg, generator)
+            for i, (cfg, generator) in enumerate(zip(cfgs, generators))]
+
+
 def tree_inputs(tree: Tree, n_pending: int, last_position: int, device) -> dict:
     """Positions and visibility for a forward over the pending tokens (causal among themselves)
     followed by a tree of guesses."""

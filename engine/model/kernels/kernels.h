@@ -482,6 +482,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, i
 at::Tensor silu_mul(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
 int64_t argmax(at::Tensor x);
+std::vector<int64_t> argmax_rows(at::Tensor x);
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
     at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> rows,
     std::vector<at::Tensor> keys, std::vector<at::Tensor> values, int64_t heads, int64_t kv_heads, int64_t head_dim,

@@ -316,11 +316,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
 // where there is one: what torch.argmax returns, which on a decode step's 49152 logits costs tens of
 // microseconds in a scalar loop. Four chains of maxima side by side (one waited for each maximum before
 // the next), then the first position equal to the largest, eight at a time.
-int64_t argmax(at::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.numel() > 0, "argmax takes a 1-D float32 tensor");
-  x = x.contiguous();
-  const float* p = x.data_ptr<float>();
-  const int64_t n = x.numel();
+static int64_t argmax_of(const float* p, int64_t n) {
   float top = p[0];
   int64_t k = 0;
 #if defined(__AVX2__)
@@ -355,6 +351,26 @@ int64_t argmax(at::Tensor x) {
   for (; k < n; ++k)
     if (p[k] == top) return k;
   return 0;
+}
+
+int64_t argmax(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.numel() > 0, "argmax takes a 1-D float32 tensor");
+  x = x.contiguous();
+  return argmax_of(x.data_ptr<float>(), x.numel());
+}
+
+// argmax of each row of x [rows, n], the rows shared by the threads: a batch's greedy picks in one call, where one
+// call a row cost as much again in Python as the search.
+std::vector<int64_t> argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "argmax_rows takes a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* p = x.data_ptr<float>();
+  std::vector<int64_t> picks(static_cast<size_t>(rows));
+  over_rows(rows, n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) picks[r] = argmax_of(p + r * n, n);
+  });
+  return picks;
 }
 
 }  // namespace tokenpath
