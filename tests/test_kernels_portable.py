@@ -60,6 +60,7 @@ def outputs(kernel) -> dict:
         "rotary": kernel.rotary(torch.randn(1, 3, 960, generator=g), cos, sin, 15, 64),
         "silu_mul": kernel.silu_mul(gate_up),
         "decode_attention": kernel.decode_attention(q, k, v, 0.125),
+        "prompt_attention": kernel.prompt_attention(torch.randn(1, 9, 40, 64, generator=g), k, v, [7, 1, 32], 0.125),
         "argmax": torch.tensor([kernel.argmax(gate_up[i]) for i in range(3)]),
         "argmax_rows": torch.tensor(kernel.argmax_rows(gate_up)),
     }

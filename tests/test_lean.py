@@ -410,3 +410,31 @@ def test_a_level_that_replaces_every_layer_keeps_no_view_of_the_block(level):
     tensors = [*variant.model.parameters(), *variant.model.buffers()]
     assert all(t.untyped_storage().nbytes() == t.nbytes for t in tensors)  # each owns its memory: no block left
     assert len({w.untyped_storage().data_ptr() for w in _layer_weights(lm.model)}) == 1
+
+
+def test_prompt_attention_gives_each_prompt_s_rows_what_they_get_alone_and_the_decode_step_s_bits():
+    """Prompts of different lengths side by side: each row attends over its own prompt's positions up to it, the
+    same bits as the prompt alone, its last row the same bits as a decode step at that position, and within
+    float rounding of PyTorch's causal SDPA."""
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, lengths = 9, 3, 64, [5, 17, 1, 40, 16]
+    q = torch.randn(1, heads, sum(lengths), dim, generator=g)
+    k, v = (torch.randn(1, kv_heads, sum(lengths), dim, generator=g) for _ in range(2))
+    together = kernel.prompt_attention(q, k, v, lengths, dim ** -0.5)
+    start = 0
+    for length in lengths:
+        at = slice(start, start + length)
+        alone = kernel.prompt_attention(q[:, :, at], k[:, :, at], v[:, :, at], [length], dim ** -0.5)
+        assert torch.equal(together[:, at], alone)
+        last = kernel.decode_attention(q[:, :, at][:, :, -1:], k[:, :, at], v[:, :, at], dim ** -0.5)
+        assert torch.equal(alone[:, -1:], last)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, at], k[:, :, at], v[:, :, at], is_causal=True,
+                                                                scale=dim ** -0.5, enable_gqa=True)
+        torch.testing.assert_close(alone, sdpa.transpose(1, 2).reshape(1, length, heads * dim), rtol=1e-5, atol=1e-5)
+        start += length
+    with pytest.raises(RuntimeError, match="add up"):
+        kernel.prompt_attention(q, k, v, lengths[:-1], dim ** -0.5)
+

@@ -4,7 +4,9 @@ transformers' eager forward spends about a third of a decode step on this 2-core
 operations around the matrix products (separate q, k and v projections, gate and up, mask
 building, dispatch layers). This module runs the same arithmetic with fewer, larger operations:
 q, k and v come from one fused projection, gate and up from another, attention is one call to
-PyTorch's scaled_dot_product_attention. Everything else stays the model's own: its weights, its
+PyTorch's scaled_dot_product_attention (where the C++ kernels are built, a prompt with nothing cached
+before it, or several side by side, attends in their prompt_attention: each position's row as a decode
+step at that position computes it). Everything else stays the model's own: its weights, its
 rotary embedding (read from a table it fills once), and transformers' DynamicCache (so cache
 cropping is the same). Quantized and sparse layers replace the fused
 nn.Linear modules exactly as they would replace transformers' ones.
@@ -157,31 +159,39 @@ class LeanAttention(nn.Module):
         return self.o_proj(self.attend(q, k, v, cache, mask, x.dtype))
 
     def attend_packed(self, q, k, v, packed: Packed, dtype) -> torch.Tensor:
-        """[1, positions, heads * head_dim]: each part's positions over its own cache. Consecutive prompts of one
-        length with nothing cached before them attend in one call, each a row of its batch: a call costs far more
-        to set up than one short prompt's arithmetic, and each row's is the one it gets alone."""
+        """[1, positions, heads * head_dim]: each part's positions over its own cache. Consecutive prompts with
+        nothing cached before them attend in one call: the kernels' prompt_attention (any lengths, each row the one
+        it gets alone), else PyTorch's SDPA for each run of prompts of one length, each a row of its batch (a call
+        costs far more to set up than one short prompt's arithmetic)."""
+        kernel = cpu_kernel(q)
         outs, fresh = [], []  # fresh: the (positions, cache) of such prompts waiting for their call
 
         def attend_fresh():
-            if fresh:
-                span, length = slice(fresh[0][0].start, fresh[-1][0].stop), fresh[0][0].stop - fresh[0][0].start
-                rows = [t[0, :, span].unflatten(1, (len(fresh), length)).transpose(0, 1).contiguous()
-                        for t in (q, k, v)]
-                for i, (_, part) in enumerate(fresh):
-                    layers = getattr(part, "layers", ())
-                    if len(layers) > self.layer_idx and type(layers[self.layer_idx]) is DynamicLayer:
-                        start_with_room(layers[self.layer_idx], rows[1][i:i + 1], rows[2][i:i + 1])
-                    else:
-                        part.update(rows[1][i:i + 1], rows[2][i:i + 1], self.layer_idx)
+            if not fresh:
+                return
+            span = slice(fresh[0][0].start, fresh[-1][0].stop)
+            for at, part in fresh:
+                layers = getattr(part, "layers", ())
+                if len(layers) > self.layer_idx and type(layers[self.layer_idx]) is DynamicLayer:
+                    start_with_room(layers[self.layer_idx], k[:, :, at], v[:, :, at])
+                else:
+                    part.update(k[:, :, at], v[:, :, at], self.layer_idx)
+            if kernel is not None:
+                lengths = [at.stop - at.start for at, _ in fresh]
+                outs.append(kernel.prompt_attention(q[:, :, span], k[:, :, span], v[:, :, span], lengths,
+                                                    self.scaling).to(dtype))
+            else:
+                length = fresh[0][0].stop - fresh[0][0].start
+                rows = [t[0, :, span].unflatten(1, (len(fresh), length)).transpose(0, 1) for t in (q, k, v)]
                 out = F.scaled_dot_product_attention(*rows, is_causal=True, scale=self.scaling,
                                                      enable_gqa=self.kv_heads != self.heads)
                 outs.append(out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim).to(dtype))
-                fresh.clear()
+            fresh.clear()
 
         for at, part, mask in packed.parts:
             length = at.stop - at.start
             if mask is None and length > 1 and part.get_seq_length(self.layer_idx) == 0:
-                if fresh and fresh[0][0].stop - fresh[0][0].start != length:
+                if fresh and kernel is None and fresh[0][0].stop - fresh[0][0].start != length:
                     attend_fresh()
                 fresh.append((at, part))
             else:
@@ -195,9 +205,11 @@ class LeanAttention(nn.Module):
         batch, _, length, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        kernel = cpu_kernel(q) if length == 1 and mask is None else None
-        if kernel is not None:  # one new token that sees every cached one: a decode step
+        kernel = cpu_kernel(q) if mask is None else None
+        if kernel is not None and length == 1:  # one new token that sees every cached one: a decode step
             return kernel.decode_attention(q, k, v, self.scaling).to(dtype)
+        if kernel is not None and batch == 1 and k.shape[2] == length:  # a prompt with nothing cached before it
+            return kernel.prompt_attention(q, k, v, [length], self.scaling).to(dtype)
         causal = mask is None and length > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                              enable_gqa=self.kv_heads != self.heads)

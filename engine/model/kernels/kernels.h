@@ -481,6 +481,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);  // layers.cpp
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t D);
 at::Tensor silu_mul(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
+at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale);
 int64_t argmax(at::Tensor x);
 std::vector<int64_t> argmax_rows(at::Tensor x);
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(

@@ -312,6 +312,42 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
 }
 
 
+// Causal attention of prompts with nothing cached before them, side by side: q [1, H, P, D], k and v [1, KV, P, D]
+// hold the prompts' positions one prompt after another (`lengths` of them each). Position t of a prompt attends
+// over that prompt's positions up to t, as attend computes a decode step's row over its cache: each row's result is
+// the one it gets alone, whatever prompts are beside it, and the prompt's last row the one its next decode step
+// computes the same way. PyTorch's flash attention takes such prompts one call each, or padded (other sums), where
+// their lengths differ. Returns [1, P, H * D].
+at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "prompt_attention takes float32");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.dim() == 4 && k.size(0) == 1 && v.sizes() == k.sizes() &&
+                  q.size(2) == k.size(2) && q.size(3) == k.size(3),
+              "prompt_attention: q [1, H, P, D], k and v [1, KV, P, D]");
+  const int64_t H = q.size(1), P = q.size(2), D = q.size(3), KV = k.size(1);
+  TORCH_CHECK(KV > 0 && H % KV == 0, "prompt_attention: the heads are not a multiple of the key/value heads");
+  int64_t total = 0;
+  for (const int64_t length : lengths) {
+    TORCH_CHECK(length > 0, "prompt_attention: a prompt has no positions");
+    total += length;
+  }
+  TORCH_CHECK(total == P, "prompt_attention: the lengths do not add up to the positions");
+  const auto rows = q[0].transpose(0, 1).contiguous();  // [P, H, D]: a position's heads side by side
+  k = k.contiguous();
+  v = v.contiguous();
+  std::vector<CacheView> views;
+  views.reserve(static_cast<size_t>(P));
+  int64_t start = 0;
+  for (const int64_t length : lengths) {
+    for (int64_t t = 0; t < length; ++t)
+      views.push_back({k.data_ptr<float>() + start * D, v.data_ptr<float>() + start * D, t + 1, P * D, P * D});
+    start += length;
+  }
+  auto out = q.new_empty({1, P, H * D});
+  attend(rows.data_ptr<float>(), H * D, views, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
 // The index of the largest of n floats, the first one where several are equal, and the first NaN
 // where there is one: what torch.argmax returns, which on a decode step's 49152 logits costs tens of
 // microseconds in a scalar loop. Four chains of maxima side by side (one waited for each maximum before
