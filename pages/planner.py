@@ -216,7 +216,7 @@ def planned_vs_measured(store) -> pd.DataFrame:
                      "planned / measured": round(predicted["decode_ms_per_token"] / run["tpot_ms"], 3),
                      "planned memory ms (estimate)": round(predicted["distances_ms"]["memory"], 2),
                      "weights read from": "last-level cache" if cached else "memory",
-                     "read GB/s": round(predicted["read_gbps"], 1),
+                     "read GB/s planned (estimate)": round(predicted["read_gbps"], 1),
                      "µs per product": round(cached["matvec_call_us"] if cached else
                                              calibration.get("matvec_call_us", 0.0), 1)})
     return pd.DataFrame(rows)

@@ -757,9 +757,9 @@ def local_plan(model, calibration: dict, weights: str = "fp32", kv_dtype: str | 
                batch: int = 1) -> dict:
     """The planner's prediction for a run on this machine with this calibration, batch sequences decoded
     together; bytes_per_token is what a decode token moves: its share of the step's weights, its own cache. A
-    decode step whose bytes (weights and caches) fit the share of the last-level cache the calibration read
-    again and again is planned as read from there at the rate cache_read_gbps gives for them, as each
-    step reads the same bytes as the one before. read_gbps: the rate planned."""
+    decode step whose bytes (weights and caches) stay in the last-level cache is planned as read from there at the
+    rate cache_read_gbps gives for them (each step reads the same bytes as the one before); read_gbps: the rate
+    planned."""
     kv_dtype = kv_dtype or ("fp32" if weights in INTEGER_LEVELS else weights)
 
     def setup_for(cache_gbps: float | None) -> Setup:

@@ -74,10 +74,6 @@ static inline __m512 scaled(const int32_t* sums, float xs, const float* sp, int6
   return _mm512_mul_ps(_mm512_mul_ps(row, _mm512_set1_ps(xs)), _mm512_maskz_loadu_ps(inside, sp + n0));
 }
 
-static inline __mmask16 outputs_below(int64_t n0, int64_t N) {
-  return static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
-}
-
 // Activation rows [m, m + rows)'s sums against blocks b and next (sums[0] and sums[1] of tile_sums) written to y:
 // as they are, y [M, N], or (gated) silu(gate) * up of block b of the gate and block next of the up, y [M, N / 2].
 // Every row is scaled before any SiLU is taken: one row's two exponentials wait on each other, sixteen rows' overlap.

@@ -225,17 +225,16 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
     const int64_t inner = linear_outputs(up) / 2;
     act.resize(static_cast<size_t>(B * inner));
-    if (std::get<0>(up) == 2 && !std::get<6>(up).has_value()) {  // int8-dyn's product makes silu(gate) * up itself
-      apply_linear(up, normed.data(), B, H, act.data(), &narrow, true);
-    } else {
-      gate_up.resize(static_cast<size_t>(B * 2 * inner));
-      apply_linear(up, normed.data(), B, H, gate_up.data(), &narrow);
-      each_row([&](int64_t b) { silu_mul_rows(gate_up.data() + b * 2 * inner, 1, inner, act.data() + b * inner); });
-    }
-    if (takes_blocks(down)) {
-      if (!wide || wide->K != inner) wide.emplace(B, inner);
-      each_row([&](int64_t b) { wide->quantize_row(act.data() + b * inner, b); });
-    }
+    // int8-dyn's product makes silu(gate) * up itself
+    const bool gated = std::get<0>(up) == 2 && !std::get<6>(up).has_value();
+    if (!gated) gate_up.resize(static_cast<size_t>(B * 2 * inner));
+    apply_linear(up, normed.data(), B, H, gated ? act.data() : gate_up.data(), &narrow, gated);
+    if (takes_blocks(down) && (!wide || wide->K != inner)) wide.emplace(B, inner);
+    if (!gated || takes_blocks(down))
+      each_row([&](int64_t b) {  // one pass over the rows: a pass can wake the other thread
+        if (!gated) silu_mul_rows(gate_up.data() + b * 2 * inner, 1, inner, act.data() + b * inner);
+        if (takes_blocks(down)) wide->quantize_row(act.data() + b * inner, b);
+      });
     apply_linear(down, act.data(), B, inner, delta.data(), wide ? &*wide : nullptr);
   }
   const auto& [norm, eps, linear] = forms.head;

@@ -1,9 +1,8 @@
 // The int8 products: int8_linear (int8 weights and activations with int32 sums, the int8-dyn level, its weights
 // packed in blocks of 16 outputs; several rows on AMX tiles where the CPU has them (amx.cpp), else with AVX-512 VNNI
 // one instruction adds 16 outputs' sums of four byte pairs, with AVX2 a few add 8, elsewhere a plain loop gives the
-// same integers), int8_wo_linear (int8
-// weights, float activations) and int8_block_linear (llama.cpp's Q8_0 arithmetic, rows stored in groups), and
-// has_vnni.
+// same integers), int8_wo_linear (int8 weights, float activations) and int8_block_linear (llama.cpp's Q8_0
+// arithmetic, rows stored in groups), and has_vnni.
 #include "kernels.h"
 
 namespace tokenpath {
@@ -70,8 +69,7 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
       }
       for (int64_t j = 0; j < count; ++j) {
         const int64_t n0 = (b0 + j) * kOutBlock;
-        const __mmask16 inside = static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
-        const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(inside, cp + n0), 7);
+        const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(outputs_below(n0, N), cp + n0), 7);
         _mm512_store_si512(sums[j], _mm512_sub_epi32(acc[j], offsets));
       }
 #elif defined(__AVX2__)

@@ -250,6 +250,11 @@ static inline int32_t four_bytes(const int8_t* x) {
 }
 
 #if defined(__AVX512F__)
+// The lanes of a block of kOutBlock outputs from n0 that lie below N.
+static inline __mmask16 outputs_below(int64_t n0, int64_t N) {
+  return static_cast<__mmask16>((1u << std::min(kOutBlock, N - n0)) - 1);
+}
+
 // Two groups' eight fp16 values of block b as sixteen floats, where the second group's blocks follow the
 // first's KB blocks.
 static inline __m512 two_groups_values(const at::Half* h, int64_t b, int64_t KB) {
