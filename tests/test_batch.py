@@ -394,6 +394,24 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
         assert store.runs(20).set_index("run_id").loc[handle.result["run_id"], "status"] == "ok"
 
 
+def test_a_repeated_prompt_is_tokenized_once_and_the_machine_described_once(tiny_lm, store, monkeypatch):
+    import engine.run.batch as batch
+
+    tokenized, described = [], []
+    monkeypatch.setattr(batch, "prompt_ids", lambda lm, prompt, raw: tokenized.append(prompt) or [7, 8, 9, len(prompt)])
+    monkeypatch.setattr(batch.hardware, "hardware_summary", lambda device: described.append(device) or {"n": 1})
+    engine = LocalEngine(tiny_lm, store=store, max_batch=2)
+    try:
+        handles = [engine.submit(p, max_new_tokens=2, ignore_eos=True) for p in [PROMPTS[0], PROMPTS[2], PROMPTS[0]]]
+        results = [h.wait() for h in handles]
+    finally:
+        engine.close()
+    assert tokenized == [PROMPTS[0], PROMPTS[2]] and len(described) == 1  # the caller's check, then the submit
+    assert [r["n_prompt_tokens"] for r in results] == [4, 4, 4]
+    runs = store.query("SELECT prompt, hardware FROM runs ORDER BY run_id")
+    assert list(runs["prompt"]) == [PROMPTS[0], PROMPTS[2], PROMPTS[0]] and set(runs["hardware"]) == {'{"n": 1}'}
+
+
 def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
     return run_engine("generate", "--model", model, "--db", db, "--raw", *args)
 

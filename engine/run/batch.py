@@ -52,6 +52,7 @@ from engine.run.text import Output, prompt_ids
 # A burst of prompts gets its first tokens in fewer, larger steps (the weights read once for more rows), at the cost
 # of a longer wait for the sequences decoding beside them while such a step runs
 PREFILL_CHUNK = 2048
+PROMPTS_KEPT = 1024
 
 
 def most_positions(n_prompt: int, max_new_tokens: int) -> int:
@@ -173,6 +174,9 @@ class BatchEngine:
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
+        self.prompts: dict[tuple[str, bool], tuple[int, ...]] = {}  # each prompt's ids: a load repeats its prompts
+        # every run's row carries the machine's description; asked once, as the engine starts
+        self.hardware = hardware.hardware_summary(lm.device)
 
     @property
     def reserved_bytes(self) -> int:
@@ -194,7 +198,7 @@ class BatchEngine:
             raise BatchError(f"Batching runs on the lean forward, which runs Llama-architecture models; {self.lm.name} "
                              "is not one.")
         check_batchable(cfg, self.lm.sparsity)
-        ids = prompt_ids(self.lm, cfg.prompt, cfg.raw)
+        ids = self._prompt_ids(cfg.prompt, cfg.raw)
         needed = len(ids) + cfg.max_new_tokens
         if needed > self.lm.max_context:
             raise BatchError(f"A prompt ({len(ids)} tokens) plus max_new_tokens ({cfg.max_new_tokens}) needs {needed} "
@@ -206,6 +210,16 @@ class BatchEngine:
                              f"needs ({need / 2**20:.2f} MiB: room for {most} positions); raise it or shorten the "
                              "request.")
         return ids
+
+    def _prompt_ids(self, prompt: str, raw: bool) -> list[int]:
+        """The prompt's token ids, tokenized once per engine (check() runs in the caller's thread, then again as
+        the request is submitted); the most recent PROMPTS_KEPT prompts are kept."""
+        key = (prompt, raw)
+        if key not in self.prompts:
+            if len(self.prompts) >= PROMPTS_KEPT:
+                self.prompts.pop(next(iter(self.prompts)))
+            self.prompts[key] = tuple(prompt_ids(self.lm, prompt, raw))
+        return list(self.prompts[key])
 
     def ready(self) -> None:
         """Take the run ids the next runs get, so that no run's clock counts the connection (a refused request
@@ -223,7 +237,7 @@ class BatchEngine:
             seq.recorder = Recorder(self.store, self.writer)
             seq.run_id = seq.recorder.start(
                 model=self.lm.name, device=str(self.lm.device), dtype=self._dtype(), config=self._config(cfg, batch),
-                hardware=hardware.hardware_summary(self.lm.device), prompt=cfg.prompt,
+                hardware=self.hardware, prompt=cfg.prompt,
                 n_prompt_tokens=len(seq.prompt_ids), tag=tag)
         self.queued.append(seq)
         return seq
