@@ -438,3 +438,26 @@ def test_prompt_attention_gives_each_prompt_s_rows_what_they_get_alone_and_the_d
     with pytest.raises(RuntimeError, match="add up"):
         kernel.prompt_attention(q, k, v, lengths[:-1], dim ** -0.5)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_rooms_copies_each_prompt_into_storage_of_its_own_with_room_to_grow(dtype):
+    """The keys of prompts side by side (transposed out of a fused projection, as a layer makes them) each in storage
+    of its own: its positions at the start of room_for(length) positions, which the next decode writes into."""
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    lengths, kv_heads, dim = [5, 130, 1], 3, 8
+    fused = torch.randn(1, sum(lengths), 2 * kv_heads * dim).to(dtype)
+    keys = fused[..., kv_heads * dim:].view(1, sum(lengths), kv_heads, dim).transpose(1, 2)  # strided, not contiguous
+    rooms = [lean.room_for(n) for n in lengths]
+    made = kernel.with_rooms(keys, lengths, rooms)
+    start = 0
+    for view, length, room in zip(made, lengths, rooms):
+        assert view.shape == (1, kv_heads, length, dim) and view.dtype == dtype and view.is_contiguous() is (length == room)
+        assert view.untyped_storage().nbytes() == kv_heads * room * dim * view.element_size()
+        assert torch.equal(view, keys[:, :, start:start + length])
+        start += length
+    assert len({v.untyped_storage().data_ptr() for v in made}) == len(lengths)
+    with pytest.raises(RuntimeError, match="rooms shorter"):
+        kernel.with_rooms(keys, [5, 130, 1], [128, 128, 128])

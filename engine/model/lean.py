@@ -170,14 +170,20 @@ class LeanAttention(nn.Module):
             if not fresh:
                 return
             span = slice(fresh[0][0].start, fresh[-1][0].stop)
-            for at, part in fresh:
-                layers = getattr(part, "layers", ())
-                if len(layers) > self.layer_idx and type(layers[self.layer_idx]) is DynamicLayer:
-                    start_with_room(layers[self.layer_idx], k[:, :, at], v[:, :, at])
-                else:
-                    part.update(k[:, :, at], v[:, :, at], self.layer_idx)
+            lengths = [at.stop - at.start for at, _ in fresh]
+            layers = [fresh_layer(part, self.layer_idx) for _, part in fresh]
+            if kernel is not None and None not in layers:
+                rooms = [room_for(n) for n in lengths]
+                for layer, keys, values in zip(layers, kernel.with_rooms(k[:, :, span], lengths, rooms),
+                                               kernel.with_rooms(v[:, :, span], lengths, rooms)):
+                    start_layer(layer, keys, values)
+            else:
+                for (at, part), layer in zip(fresh, layers):
+                    if layer is not None:
+                        start_with_room(layer, k[:, :, at], v[:, :, at])
+                    else:
+                        part.update(k[:, :, at], v[:, :, at], self.layer_idx)
             if kernel is not None:
-                lengths = [at.stop - at.start for at, _ in fresh]
                 outs.append(kernel.prompt_attention(q[:, :, span], k[:, :, span], v[:, :, span], lengths,
                                                     self.scaling).to(dtype))
             else:
@@ -585,13 +591,25 @@ def with_room(old: torch.Tensor, length: int, dtype) -> torch.Tensor:
     return store[:, :, :length]
 
 
+def fresh_layer(cache, layer_idx: int) -> DynamicLayer | None:
+    """The cache's DynamicLayer for this layer, which start_layer can start, or None where the cache keeps its layers
+    otherwise."""
+    layers = getattr(cache, "layers", ())
+    return layers[layer_idx] if len(layers) > layer_idx and type(layers[layer_idx]) is DynamicLayer else None
+
+
 def start_with_room(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """An empty DynamicLayer started with keys and values [1, kv_heads, length, head_dim], copied into storage with
     room up to the next multiple of CACHE_ROOM positions (none where length is one), which a decode grows them into
     as append_in_place does (transformers' update would concatenate them to an empty tensor, and the first decode
     copy them again)."""
+    start_layer(layer, *(with_room(t, t.shape[2], t.dtype) for t in (keys, values)))
+
+
+def start_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """An empty DynamicLayer holding keys and values that already have their room (with_room's views)."""
     layer.device = keys.device
-    layer.keys, layer.values = (with_room(t, t.shape[2], t.dtype) for t in (keys, values))
+    layer.keys, layer.values = keys, values
     layer.is_initialized = True
 
 

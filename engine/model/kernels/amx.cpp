@@ -87,8 +87,7 @@ static void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, 
       _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
                       scaled(second + j * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
     }
-    for (int64_t j = 0; j < rows; ++j)
-      silu_mul_rows(both + 2 * kOutBlock * j, 1, kOutBlock, yp + (m + j) * (N / 2) + b * kOutBlock);
+    silu_mul_rows(both, rows, kOutBlock, yp + m * (N / 2) + b * kOutBlock, N / 2);
     return;
   }
   for (const int64_t n : {b, next}) {

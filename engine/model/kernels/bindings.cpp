@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of the first heads of each row, float32");
   m.def("decode_attention", &decode_attention, "attention of one new token over every cached position, float32");
   m.def("prompt_attention", &prompt_attention, "causal attention of fresh prompts side by side, each row as alone");
+  m.def("with_rooms", &with_rooms, "fresh prompts' keys or values, each copied into storage with room to grow");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, "x w^T with int4 weights in blocks (Q4_1 arithmetic) for N outputs, x quantized to int8 per block of 32");

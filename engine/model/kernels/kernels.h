@@ -458,7 +458,7 @@ void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half*
 // The layer pieces around the products (layers.cpp).
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);
 void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out, int64_t stride);
-void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op);
+void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op, int64_t op_stride = 0);
 // One sequence's cache: key head g's T positions at keys + g * k_stride (values + g * v_stride), D floats each.
 struct CacheView {
   const float* keys;
@@ -487,6 +487,7 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, i
 at::Tensor silu_mul(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
 at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale);
+std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms);
 int64_t argmax(at::Tensor x);
 std::vector<int64_t> argmax_rows(at::Tensor x);
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(

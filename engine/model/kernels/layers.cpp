@@ -78,8 +78,8 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, i
 
 // e^x within about two units in the last place for x in [-87, 88], and e^-87 or e^88 beyond (silu and
 // softmax need no more: 1 + e^-87 is 1): x = n ln 2 + r with |r| <= ln 2 / 2, e^r from a polynomial
-// (Cephes' coefficients), times 2^n built in the exponent bits. The vector form below does the same
-// operations on eight lanes, so a value gets the same bits in either. The library's expf, one value at
+// (Cephes' coefficients), times 2^n built in the exponent bits. The vector forms below do the same
+// operations on eight or sixteen lanes, so a value gets the same bits in either. The library's expf, one value at
 // a time, cost a decode step several times as much: silu takes tens of thousands of them a step.
 constexpr float kExpHigh = 88.f, kExpLow = -87.f;  // 2^n stays a normal float
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
@@ -114,6 +114,22 @@ static inline __m256 exp_approx8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp_approx8's operations on sixteen lanes: the same bits.
+static inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpHigh)), _mm512_set1_ps(kExpLow));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2High))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(kLn2Low)));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kExpPoly[i]));
+  const __m512 e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // w[t] = e^(w[t] - top) for t < T.
 static void exp_shifted(float* w, int64_t T, float top) {
   int64_t t = 0;
@@ -124,13 +140,23 @@ static void exp_shifted(float* w, int64_t T, float top) {
   for (; t < T; ++t) w[t] = exp_approx(w[t] - top);
 }
 
-// silu(g) * u = g / (1 + e^-g) * u, for each row of x [rows, 2 * I] holding g then u.
-void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op) {
+// silu(g) * u = g / (1 + e^-g) * u, for each row of x [rows, 2 * I] holding g then u, into rows op_stride apart (I
+// where it is 0). A row is a few chains of dependent operations; the loop over the rows lets the core run the next
+// row's beside them.
+void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op, int64_t op_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = xp + r * 2 * I;
     const float* up = gate + I;
-    float* out = op + r * I;
+    float* out = op + r * (op_stride ? op_stride : I);
     int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= I; k += 16) {
+      const __m512 g = _mm512_loadu_ps(gate + k);
+      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      _mm512_storeu_ps(out + k, _mm512_mul_ps(silu, _mm512_loadu_ps(up + k)));
+    }
+#endif
 #if defined(__AVX2__)
     for (; k + 8 <= I; k += 8) {
       const __m256 g = _mm256_loadu_ps(gate + k);
@@ -345,6 +371,33 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
   }
   auto out = q.new_empty({1, P, H * D});
   attend(rows.data_ptr<float>(), H * D, views, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
+// The prompts side by side in t [1, KV, P, D] (lengths of them, one after another), each copied into storage of its
+// own with room for rooms[i] positions: [1, KV, lengths[i], D] views at the start of [1, KV, rooms[i], D] tensors, a
+// fresh cache's keys or values as a decode grows them in place. One call for a layer's prompts, where making each
+// view and copying into it from Python cost several times the copy.
+std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms) {
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1, "with_rooms: t [1, KV, P, D], rows contiguous");
+  TORCH_CHECK(lengths.size() == rooms.size(), "with_rooms: a room for each prompt");
+  const int64_t KV = t.size(1), D = t.size(3), bytes = D * t.element_size();
+  const char* base = static_cast<const char*>(t.data_ptr());
+  std::vector<at::Tensor> out;
+  int64_t start = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int64_t length = lengths[i];
+    TORCH_CHECK(length > 0 && rooms[i] >= length && start + length <= t.size(2),
+                "with_rooms: lengths past the positions, or rooms shorter than them");
+    auto store = t.new_empty({1, KV, rooms[i], D});
+    char* to = static_cast<char*>(store.data_ptr());
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t p = 0; p < length; ++p)
+        std::memcpy(to + (h * rooms[i] + p) * bytes, base + (h * t.stride(1) + (start + p) * t.stride(2)) *
+                    t.element_size(), static_cast<size_t>(bytes));
+    out.push_back(store.narrow(2, 0, length));
+    start += length;
+  }
   return out;
 }
 
