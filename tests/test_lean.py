@@ -461,3 +461,16 @@ def test_with_rooms_copies_each_prompt_into_storage_of_its_own_with_room_to_grow
     assert len({v.untyped_storage().data_ptr() for v in made}) == len(lengths)
     with pytest.raises(RuntimeError, match="rooms shorter"):
         kernel.with_rooms(keys, [5, 130, 1], [128, 128, 128])
+
+
+def test_new_cache_is_the_cache_the_config_makes_for_full_and_sliding_window_layers():
+    config = tiny_model(seed=1, layers=3).config
+    sliding = config.__class__(**{**config.to_dict(), "sliding_window": 16, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention"]})
+    for cfg in (config, sliding):
+        made, reference = lean.new_cache(lean.cache_layer_kinds(cfg)), DynamicCache(config=cfg)
+        assert [type(layer) for layer in made.layers] == [type(layer) for layer in reference.layers]
+        assert [vars(layer) for layer in made.layers] == [vars(layer) for layer in reference.layers]
+        assert {k: v for k, v in vars(made).items() if k != "layers"} == \
+            {k: v for k, v in vars(reference).items() if k != "layers"}
+    assert type(lean.new_cache(lean.cache_layer_kinds(sliding)).layers[0]).__name__ == "DynamicSlidingWindowLayer"

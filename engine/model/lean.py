@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, DynamicLayer,
+                                      get_layer_types_and_kwargs)
 
 from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
 
@@ -589,6 +590,20 @@ def with_room(old: torch.Tensor, length: int, dtype) -> torch.Tensor:
     store = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3], dtype=dtype, device=old.device)
     store[:, :, :old.shape[2]] = old
     return store[:, :, :length]
+
+
+def cache_layer_kinds(config) -> list[tuple[type, dict]]:
+    """The class and arguments of each layer of the DynamicCache that DynamicCache(config=config) makes."""
+    types, arguments = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [(DYNAMIC_LAYER_TYPE_MAPPING[kind], kwargs) for kind, kwargs in zip(types, arguments)]
+
+
+def new_cache(kinds: list[tuple[type, dict]]) -> DynamicCache:
+    """An empty DynamicCache of these layers (cache_layer_kinds), as DynamicCache(config=config) makes it: that reads
+    the config's layer types anew each time, most of a millisecond, which a burst of arrivals pays per request."""
+    cache = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(cache, layers=[kind(**kwargs) for kind, kwargs in kinds])
+    return cache
 
 
 def fresh_layer(cache, layer_idx: int) -> DynamicLayer | None:

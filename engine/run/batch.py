@@ -38,7 +38,7 @@ from engine.measure import hardware
 from engine.measure.accounting import batch_decode_work, model_shape
 from engine.measure.distances import BUCKETS, sum_buckets
 from engine.measure.metrics import run_metrics
-from engine.model.lean import LeanLlama, room_for
+from engine.model.lean import LeanLlama, cache_layer_kinds, new_cache, room_for
 from engine.run.generate import TokenEvent, collector_spared
 from engine.store.record import Recorder
 from engine.store.writer import Writer
@@ -164,6 +164,7 @@ class BatchEngine:
         self.kv_dtype = None if kv_dtype == "auto" else torch_dtype(kv_dtype)
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.prefills_side_by_side()
+        self.cache_layers = cache_layer_kinds(lm.config)
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
             self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes, lm.weights),
@@ -326,7 +327,7 @@ class BatchEngine:
                 seq.preempted_ns += now - seq.t_preempted
                 seq.t_preempted = None
             seq.held = room_for(len(seq.fill_ids))
-            seq.cache = DynamicCache(config=self.lm.config)
+            seq.cache = new_cache(self.cache_layers)
             self.running.append(seq)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
