@@ -220,7 +220,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       views.push_back({keys[c].data_ptr<float>(), values[c].data_ptr<float>(), T + 1, keys[c].stride(1),
                        values[c].stride(1)});
     }
-    attend(rotated.data(), rotated_heads * D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
+    attend(rotated.data(), rotated_heads * D, D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), B, heads * D, delta.data());
     each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
     const int64_t inner = linear_outputs(up) / 2;

@@ -465,8 +465,9 @@ struct CacheView {
   const float* values;
   int64_t T, k_stride, v_stride;
 };
-void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& caches, int64_t H, int64_t KV, int64_t D,
-            float s, float* op);
+// Query head h of sequence b at qp + b * q_stride + h * head_stride.
+void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches, int64_t H,
+            int64_t KV, int64_t D, float s, float* op);
 
 // What bindings.cpp gives Python, each defined in the source named.
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp

@@ -133,6 +133,14 @@ static inline __m512 exp_approx16(__m512 x) {
 // w[t] = e^(w[t] - top) for t < T.
 static void exp_shifted(float* w, int64_t T, float top) {
   int64_t t = 0;
+#if defined(__AVX512F__)
+  // the last lanes masked rather than left to the plain loop: a prompt's rows attend over a few keys each
+  for (; t < T; t += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, T - t)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, w + t), _mm512_set1_ps(top));
+    _mm512_mask_storeu_ps(w + t, lanes, exp_approx16(x));
+  }
+#endif
 #if defined(__AVX2__)
   for (; t + 8 <= T; t += 8)
     _mm256_storeu_ps(w + t, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(top))));
@@ -277,8 +285,8 @@ static __m512 scores16(const float* q, const float* keys, int64_t D, float s, fl
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
 // cache, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
 // for the threads as many times); each head's arithmetic is the same whatever runs beside it.
-void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& caches, int64_t H, int64_t KV,
-            int64_t D, float s, float* op) {
+void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches, int64_t H,
+            int64_t KV, int64_t D, float s, float* op) {
   const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
   int64_t longest = 1;
   for (const auto& c : caches) longest = std::max(longest, c.T);
@@ -289,7 +297,7 @@ void attend(const float* qp, int64_t q_stride, const std::vector<CacheView>& cac
       const int64_t b = bh / H, h = bh % H;
       const CacheView& c = caches[b];
       const int64_t T = c.T;
-      const float* qh = qp + b * q_stride + h * D;
+      const float* qh = qp + b * q_stride + h * head_stride;
       const float* kh = c.keys + h / group * c.k_stride;
       const float* vh = c.values + h / group * c.v_stride;
       float top = -INFINITY;
@@ -333,7 +341,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
   std::vector<CacheView> caches;
   for (int64_t b = 0; b < B; ++b)
     caches.push_back({k.data_ptr<float>() + b * KV * T * D, v.data_ptr<float>() + b * KV * T * D, T, T * D, T * D});
-  attend(q.data_ptr<float>(), H * D, caches, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  attend(q.data_ptr<float>(), H * D, D, caches, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
@@ -358,7 +366,7 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
     total += length;
   }
   TORCH_CHECK(total == P, "prompt_attention: the lengths do not add up to the positions");
-  const auto rows = q[0].transpose(0, 1).contiguous();  // [P, H, D]: a position's heads side by side
+  if (q.stride(3) != 1) q = q.contiguous();  // each head's row read where it lies, a position's heads apart
   k = k.contiguous();
   v = v.contiguous();
   std::vector<CacheView> views;
@@ -370,7 +378,8 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
     start += length;
   }
   auto out = q.new_empty({1, P, H * D});
-  attend(rows.data_ptr<float>(), H * D, views, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  attend(q.data_ptr<float>(), q.stride(2), q.stride(1), views, H, KV, D, static_cast<float>(scale),
+         out.data_ptr<float>());
   return out;
 }
 
