@@ -205,7 +205,7 @@ class LeanAttention(nn.Module):
                 attend_fresh()
                 outs.append(self.attend(q[:, :, at], k[:, :, at], v[:, :, at], part, mask, dtype))
         attend_fresh()
-        return torch.cat(outs, dim=1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # cat copies even one tensor
 
     def attend(self, q, k, v, cache, mask, dtype) -> torch.Tensor:
         """[batch, length, heads * head_dim]: the new positions' attention over the cache they join."""
