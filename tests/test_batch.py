@@ -412,6 +412,22 @@ def test_a_repeated_prompt_is_tokenized_once_and_the_machine_described_once(tiny
     assert list(runs["prompt"]) == [PROMPTS[0], PROMPTS[2], PROMPTS[0]] and set(runs["hardware"]) == {'{"n": 1}'}
 
 
+def test_the_prompts_kept_stay_bounded_while_callers_threads_submit_at_once(tiny_lm, monkeypatch, calibration):
+    import engine.run.batch as batch
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(batch, "PROMPTS_KEPT", 3)
+    prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]  # 12 prompts, each asked for twice
+    engine = LocalEngine(tiny_lm, max_batch=4)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: engine.submit(p, max_new_tokens=3, ignore_eos=True).wait(), prompts * 2))
+    finally:
+        engine.close()
+    assert all(r["status"] == "ok" for r in results) and len(engine.engine.prompts) <= 3
+    assert [r["n_prompt_tokens"] for r in results] == [len(batch.prompt_ids(tiny_lm, p, False)) for p in prompts * 2]
+
+
 def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
     return run_engine("generate", "--model", model, "--db", db, "--raw", *args)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -176,6 +177,7 @@ class BatchEngine:
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
         self.prompts: dict[tuple[str, bool], tuple[int, ...]] = {}  # each prompt's ids: a load repeats its prompts
+        self.prompts_lock = threading.Lock()
         # every run's row carries the machine's description; asked once, as the engine starts
         self.hardware = hardware.hardware_summary(lm.device)
 
@@ -214,13 +216,18 @@ class BatchEngine:
 
     def _prompt_ids(self, prompt: str, raw: bool) -> list[int]:
         """The prompt's token ids, tokenized once per engine (check() runs in the caller's thread, then again as
-        the request is submitted); the most recent PROMPTS_KEPT prompts are kept."""
+        the request is submitted); the latest PROMPTS_KEPT prompts are kept. Callers' threads and the engine's
+        share them."""
         key = (prompt, raw)
-        if key not in self.prompts:
-            if len(self.prompts) >= PROMPTS_KEPT:
-                self.prompts.pop(next(iter(self.prompts)))
-            self.prompts[key] = tuple(prompt_ids(self.lm, prompt, raw))
-        return list(self.prompts[key])
+        with self.prompts_lock:
+            ids = self.prompts.get(key)
+        if ids is None:
+            ids = tuple(prompt_ids(self.lm, prompt, raw))
+            with self.prompts_lock:
+                if len(self.prompts) >= PROMPTS_KEPT:
+                    del self.prompts[next(iter(self.prompts))]
+                self.prompts[key] = ids
+        return list(ids)
 
     def ready(self) -> None:
         """Take the run ids the next runs get, so that no run's clock counts the connection (a refused request
