@@ -193,13 +193,15 @@ def test_sigterm_and_sigint_end_a_served_run_cancelled_with_its_tokens(stream_se
     assert "Traceback" not in message
 
 
-def test_a_killed_load_sweep_keeps_every_request_that_finished(stream_server, tmp_path):
+@pytest.mark.parametrize("every_s", ["1", "600"])  # some requests written before the kill, or none
+def test_a_killed_load_sweep_keeps_every_request_that_finished(stream_server, tmp_path, every_s):
     from engine.serve import records as served_store
 
     db, progress = tmp_path / "runs.duckdb", tmp_path / "progress.json"
     url, _ = stream_server("ok", delay=0.1)
     proc = start_engine("load", "--endpoint", url, "--concurrency", "1", "--requests", "50", "--max-new-tokens", "4",
-                        "--progress", progress, "--db", db, stdout=subprocess.DEVNULL)
+                        "--progress", progress, "--db", db, stdout=subprocess.DEVNULL,
+                        env={**os.environ, "TOKENPATH_WRITE_EVERY_S": every_s})
     deadline, done = time.monotonic() + 300, 0
     while done < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "the sweep finished no request"
@@ -210,11 +212,13 @@ def test_a_killed_load_sweep_keeps_every_request_that_finished(stream_server, tm
             pass
     proc.kill()
     proc.wait(timeout=60)
-    store = Store(db)
+    store = Store(db)  # folds in the rows the sweep's journal kept
     (sweep,) = served_store.sweeps(store).to_dict("records")
     requests = served_store.sweep_requests(store, sweep["sweep_id"])
     assert sweep["status"] == "interrupted" and 3 <= len(requests) < 50
     assert set(requests["status"]) == {"ok"} and (requests["n_output_tokens"] > 0).all()
+    assert sorted(requests["idx"]) == list(range(len(requests)))  # each once, none lost between
+    assert not journal.sweep_journal_path(db, sweep["sweep_id"]).exists()
 
 
 def test_a_held_database_defers_a_served_run_and_loses_nothing(stream_server, tmp_path):

@@ -32,6 +32,7 @@ from engine.serve.client import (BUDGET_GRACE_S, STALL_TIMEOUT_S, ServedError, S
                                  round_trip_ms, tokenizer_for)
 from engine.serve.metrics import level_summary, request_metrics, spread
 from engine.store.db import Store
+from engine.store.request_rows import RequestRows
 
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = arrivals.MAX_REQUESTS
@@ -422,12 +423,14 @@ class Sweep:
         kind = kind or ("concurrency" if self.cfg.concurrency else "rate")
         self.sweep_id = served_store.start_sweep(self.store, endpoint=self.root, server_model=self.model,
                                                  config=config, kind=kind)
+        self.rows = RequestRows(self.store, self.sweep_id)
         self.t0 = time.monotonic()
         if self.cfg.warmup:
             self._warmup()
         return self.sweep_id
 
     def close(self, status: str, error: str | None = None, result: dict | None = None) -> None:
+        self.rows.close()
         served_store.update_sweep(self.store, self.sweep_id, levels=self.levels, status=status, error=error,
                                   server=self.target.describe(), result=result)
         self._progress(status)
@@ -478,6 +481,7 @@ class Sweep:
         poller.done.set()
         poller.join(timeout=10)
         after = self.target.snapshot()
+        self.rows.write()
         self.store.insert({"load_samples": [{"sweep_id": self.sweep_id, "level": index,
                                              "concurrency": spec.get("concurrency"), **s} for s in poller.samples]})
         level = self._summarise(spec, index, records, wall, poller.samples)
@@ -556,8 +560,9 @@ class Sweep:
                        **metrics, **network.columns(reply.network), "physical_ms": network.physical_ms(reply.network)})
         if self.cfg.slo and index >= 0:
             record["good"] = slos.is_good(slo_view(record), self.cfg.slo)
-        # stored as it ends, so a sweep killed mid-level keeps every request that finished
-        self.store.insert({"requests": [{k: v for k, v in record.items() if k != "itl_ms"}]})
+        # kept as it ends (in the sweep's journal, then the database), so a sweep killed mid-level keeps every
+        # request that finished
+        self.rows.add({k: v for k, v in record.items() if k != "itl_ms"})
         with self._count_lock:
             self.done += 1
         self._progress("running")

@@ -22,6 +22,16 @@ def journal_path(db_path: Path, run_id: int) -> Path:
     return journal_dir(db_path) / f"run-{run_id}.jsonl"
 
 
+def sweep_journal_path(db_path: Path, sweep_id: int) -> Path:
+    """A load sweep's journal: its requests' rows (engine.store.request_rows)."""
+    return journal_dir(db_path) / f"sweep-{sweep_id}.jsonl"
+
+
+def request_key(row: dict) -> tuple:
+    """What names a request within its sweep."""
+    return row["level"], row["idx"], bool(row["warmup"])
+
+
 class Journal:
     """The live side file of one run, locked for as long as it is open."""
 
@@ -88,8 +98,8 @@ def claimed(path: Path):
 
 
 def read(path: Path) -> dict:
-    """{"run": header, "steps": [...], "tokens": [...], "text": streamed text, "finish": record or None}.
-    A last line cut short by a kill is ignored."""
+    """{"run": header, "steps": [...], "tokens": [...], "text": streamed text, "finish": record or None}, and a load
+    sweep's journal's "requests" too. A last line cut short by a kill is ignored."""
     with open(path, encoding="utf-8") as f:
         return _rows(f)
 
@@ -109,4 +119,6 @@ def _rows(lines) -> dict:
             out["tokens"].append(row)
         elif kind in ("run", "finish"):
             out[kind] = row
+        elif kind == "request":  # a load sweep's journal (engine.store.request_rows)
+            out.setdefault("requests", []).append(row)
     return out

@@ -1,11 +1,12 @@
-"""Runs whose process ended before the run did: folded in from their journals when a store opens.
+"""Runs whose process ended before the run did, and load sweeps' requests not yet written: folded in from their
+journals when a store opens.
 
 A journal with no live owner goes into the database in one transaction: the run's row if it was not written
 yet, its steps and tokens, and
 either the run's own ending (when the process wrote it to the journal but could not reach the
 database) or status 'interrupted' with the totals its rows add up to. Runs left 'running' without a
 journal (a kill between the run's row and its journal) become 'interrupted', with no tokens, when their process
-is gone."""
+is gone. A sweep's journal (engine.store.request_rows) adds the requests the database lacks."""
 from __future__ import annotations
 
 import socket
@@ -34,6 +35,10 @@ def recover(store) -> int:
                     changed += fold(con, run_id, kept)
                 elif path.exists():
                     live.add(run_id)
+        for path in sorted(folder.glob("sweep-*.jsonl")) if folder.is_dir() else []:
+            with journal.claimed(path) as kept:
+                if kept is not None:
+                    changed += fold_requests(con, int(path.stem.removeprefix("sweep-")), kept.get("requests", []))
         rows = con.execute("SELECT run_id, pid, pid_started FROM runs WHERE status = 'running' AND host = ?",
                            [socket.gethostname()]).fetchall()
         for run_id, pid, started in rows:
@@ -65,6 +70,15 @@ def fold(con, run_id: int, kept: dict) -> int:
         interrupt(con, run_id, kept)
     con.execute("COMMIT")
     return 1
+
+
+def fold_requests(con, sweep_id: int, rows: list[dict]) -> int:
+    """Write the journal's requests that the sweep's writes had not; returns how many."""
+    written = {journal.request_key({"level": level, "idx": idx, "warmup": warmup}) for level, idx, warmup in con.execute(
+        "SELECT level, idx, warmup FROM requests WHERE sweep_id = ?", [sweep_id]).fetchall()}
+    missing = [row for row in rows if journal.request_key(row) not in written]
+    insert_batches(con, {"requests": missing})
+    return len(missing)
 
 
 def interrupt(con, run_id: int, kept: dict) -> None:
