@@ -21,9 +21,7 @@ class RequestRows:
 
     def __init__(self, store, sweep_id: int):
         self.store = store
-        self.journal = Journal(sweep_journal_path(store.path, sweep_id))
-        self.journal.write("sweep", {"sweep_id": sweep_id})
-        self.journal.flush()
+        self.journal = Journal(sweep_journal_path(store.path, sweep_id))  # the file's name says whose it is
         self._rows: list[dict] = []
         self._since: float | None = None  # when the oldest waiting row came
         self._lock = threading.Lock()
