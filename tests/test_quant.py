@@ -178,7 +178,8 @@ def test_int8_dynamic_smoothing_is_exact_before_rounding():
 
 # 200 inputs: whole 32- and 64-byte blocks and a remainder; 576 (the default model's width) and 1536 in whole
 # 64-byte stretches, which AMX's tiles take where the CPU has them, for two rows and more (one chunk of 16 rows, a
-# part of one, two, several); 96 outputs are three pairs of 16, 112 three and a lone 16
+# part of one, two, several), else AVX-512 VNNI in groups of 8, 4, 2 and 1 rows; 96 outputs are three pairs of 16,
+# 112 three and a lone 16
 @pytest.mark.parametrize("inputs, rows, outputs", [(200, 3, 96), (576, 1, 96), (576, 3, 96), (576, 16, 96),
                                                    (576, 32, 112), (1536, 37, 96), (100, 20, 90), (100, 1, 90)])
 def test_int8_dynamic_kernel_gives_the_integer_products_exactly(inputs, rows, outputs):

@@ -18,7 +18,7 @@
 namespace tokenpath {
 
 #ifdef HAVE_AMX_INT8
-constexpr int64_t kTile = 16;     // rows of a tile: activation rows on the left, 4-byte groups of inputs on the right
+constexpr int64_t kTile = kSumRows;  // rows of a tile: activation rows on the left, 4-byte groups of inputs on the right
 constexpr int64_t kTileRows = 2;  // the fewest activation rows the tiles take; one row streams its weights as fast
 
 // Linux lets a process use the tile registers once it asks for them (arch_prctl ARCH_REQ_XCOMP_PERM with
@@ -65,39 +65,6 @@ static void tile_sums(const int8_t* x, int64_t Kp, const int8_t* w, const int8_t
   }
   _tile_stored(0, sums, kOutBlock * 4);
   if (Blocks == 2) _tile_stored(1, sums + kTile * kOutBlock, kOutBlock * 4);
-}
-
-// The block's outputs n0 + i below N of one activation row: float(sums[i]) * xs * sp[n0 + i], the operations of
-// int8_dyn_rows in its order.
-static inline __m512 scaled(const int32_t* sums, float xs, const float* sp, int64_t n0, __mmask16 inside) {
-  const __m512 row = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
-  return _mm512_mul_ps(_mm512_mul_ps(row, _mm512_set1_ps(xs)), _mm512_maskz_loadu_ps(inside, sp + n0));
-}
-
-// Activation rows [m, m + rows)'s sums against blocks b and next (sums[0] and sums[1] of tile_sums) written to y:
-// as they are, y [M, N], or (gated) silu(gate) * up of block b of the gate and block next of the up, y [M, N / 2].
-// Every row is scaled before any SiLU is taken: one row's two exponentials wait on each other, sixteen rows' overlap.
-static void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t next, bool gated,
-                       const float* xs, const float* sp, int64_t N, float* yp) {
-  const int32_t* second = sums + kTile * kOutBlock;
-  if (gated) {
-    alignas(64) float both[kTile * 2 * kOutBlock];  // each row's 16 gate outputs, then its 16 up outputs
-    for (int64_t j = 0; j < rows; ++j) {
-      _mm512_store_ps(both + 2 * kOutBlock * j, scaled(sums + j * kOutBlock, xs[m + j], sp, b * kOutBlock, 0xffff));
-      _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
-                      scaled(second + j * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
-    }
-    silu_mul_rows(both, rows, kOutBlock, yp + m * (N / 2) + b * kOutBlock, N / 2);
-    return;
-  }
-  for (const int64_t n : {b, next}) {
-    if (n * kOutBlock >= N) break;
-    const __mmask16 inside = outputs_below(n * kOutBlock, N);
-    const int32_t* block = n == b ? sums : second;
-    for (int64_t j = 0; j < rows; ++j)
-      _mm512_mask_storeu_ps(yp + (m + j) * N + n * kOutBlock, inside,
-                            scaled(block + j * kOutBlock, xs[m + j], sp, n * kOutBlock, inside));
-  }
 }
 
 bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,

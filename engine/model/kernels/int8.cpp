@@ -102,6 +102,90 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
   }
 }
 
+#if defined(__AVX512F__)
+// The block's outputs n0 + i below N of one activation row: float(sums[i]) * xs * sp[n0 + i], the operations of
+// int8_dyn_rows in its order.
+static inline __m512 scaled(const int32_t* sums, float xs, const float* sp, int64_t n0, __mmask16 inside) {
+  const __m512 row = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums));
+  return _mm512_mul_ps(_mm512_mul_ps(row, _mm512_set1_ps(xs)), _mm512_maskz_loadu_ps(inside, sp + n0));
+}
+
+// Activation rows [m, m + rows)'s sums against blocks b and next written to y (kernels.h).
+// Every row is scaled before any SiLU is taken: one row's two exponentials wait on each other, sixteen rows' overlap.
+void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t next, bool gated, const float* xs,
+                const float* sp, int64_t N, float* yp) {
+  const int32_t* second = sums + kSumRows * kOutBlock;
+  if (gated) {
+    alignas(64) float both[kSumRows * 2 * kOutBlock];  // each row's 16 gate outputs, then its 16 up outputs
+    for (int64_t j = 0; j < rows; ++j) {
+      _mm512_store_ps(both + 2 * kOutBlock * j, scaled(sums + j * kOutBlock, xs[m + j], sp, b * kOutBlock, 0xffff));
+      _mm512_store_ps(both + 2 * kOutBlock * j + kOutBlock,
+                      scaled(second + j * kOutBlock, xs[m + j], sp, next * kOutBlock, 0xffff));
+    }
+    silu_mul_rows(both, rows, kOutBlock, yp + m * (N / 2) + b * kOutBlock, N / 2);
+    return;
+  }
+  for (const int64_t n : {b, next}) {
+    if (n * kOutBlock >= N) break;
+    const __mmask16 inside = outputs_below(n * kOutBlock, N);
+    const int32_t* block = n == b ? sums : second;
+    for (int64_t j = 0; j < rows; ++j)
+      _mm512_mask_storeu_ps(yp + (m + j) * N + n * kOutBlock, inside,
+                            scaled(block + j * kOutBlock, xs[m + j], sp, n * kOutBlock, inside));
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// R activation rows (unsigned bytes q + 128, Kp apart) against blocks b and next of the packed weights (next only
+// where it is below `blocks`): each 64-byte weight row is loaded once for the R rows, whose 2R chains of sums run
+// side by side. The sums, less the 128 times each output's weight sum that the unsigned bytes add, go to
+// sums[block][row][output] as write_rows reads them.
+template <int R>
+static void vnni_pair_sums(const uint8_t* xu, int64_t Kp, const int8_t* wp, const int32_t* cp, int64_t N,
+                           int64_t b, int64_t next, int64_t blocks, int32_t* sums) {
+  const bool two = next < blocks;
+  __m512i acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp / 4; ++k) {
+    const __m512i first = _mm512_loadu_si512(packed_row(wp, Kp, b, k));
+    const __m512i second = two ? _mm512_loadu_si512(packed_row(wp, Kp, next, k)) : first;
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(four_bytes(reinterpret_cast<const int8_t*>(xu + r * Kp + 4 * k)));
+      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], a, first);
+      acc[1][r] = _mm512_dpbusd_epi32(acc[1][r], a, second);
+    }
+  }
+  for (int h = 0; h < (two ? 2 : 1); ++h) {
+    const int64_t n0 = (h == 0 ? b : next) * kOutBlock;
+    const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(outputs_below(n0, N), cp + n0), 7);
+    for (int r = 0; r < R; ++r)
+      _mm512_store_si512(sums + (h * kSumRows + r) * kOutBlock, _mm512_sub_epi32(acc[h][r], offsets));
+  }
+}
+
+// Several rows with AVX-512 VNNI, as the tiles take them (amx.cpp): each pair of weight blocks (for a fused gate/up
+// product, the gate's block p and the up's) against every group of up to 8 rows in turn, so the pair stays in the
+// nearest cache and each load of a weight row serves 8 rows. xq's bytes are made unsigned here (q + 128).
+static void vnni_rows(int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
+                      const int32_t* cp, int64_t N, float* yp, bool gated) {
+  for (int64_t i = 0; i < M * Kp; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);
+  const uint8_t* xu = reinterpret_cast<const uint8_t*>(xq);
+  const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, half = N / 2 / kOutBlock;
+  shared_rows(gated ? half : (blocks + 1) / 2, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t sums[2 * kSumRows * kOutBlock];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t b = gated ? p : 2 * p, next = gated ? p + half : b + 1;
+      in_row_groups<8>(M, [&](auto rows, int64_t m) {
+        constexpr int R = decltype(rows)::value;
+        vnni_pair_sums<R>(xu + m * Kp, Kp, wp, cp, N, b, next, blocks, sums);
+        write_rows(sums, m, R, b, next, gated, xs, sp, N, yp);
+      });
+    }
+  });
+}
+#endif
+
 // y = x w^T for x [M, K] float32 and packed int8 weights w (N outputs) with one scale per output (sp) and the sum
 // of each output's integers (cp). Each row of x is quantized here, symmetric: s = max|x| / 127, q = round(x / s) in
 // [-127, 127]. The sums of q times w are exact integers whichever path takes them (AMX tiles for several rows where
@@ -131,6 +215,9 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
     }
   });
   if (int8_tile_rows(xq, xs.data(), M, Kp, wp, sp, N, yp, gated)) return;
+#if defined(__AVX512VNNI__)
+  if (M > 1 && (!gated || N % (2 * kOutBlock) == 0)) return vnni_rows(xq, xs.data(), M, Kp, wp, sp, cp, N, yp, gated);
+#endif
   std::vector<float> both(gated ? static_cast<size_t>(M * N) : 0);
   float* out = gated ? both.data() : yp;
   shared_rows((N + kOutBlock - 1) / kOutBlock, kOutBlock * Kp, [&](int64_t begin, int64_t end) {

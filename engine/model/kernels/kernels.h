@@ -452,6 +452,12 @@ void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Hal
 // not apply (amx.cpp).
 bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
                     int64_t N, float* yp, bool gated);
+// Several rows' sums against two blocks of packed weights, as both the tiles and the VNNI path keep them
+// (sums[block][row][output], kSumRows rows a block), scaled and written to y (int8.cpp): as they are, y [M, N], or
+// (gated) silu(gate) * up of block b of the gate and block next of the up, y [M, N / 2].
+constexpr int64_t kSumRows = 16;
+void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t next, bool gated, const float* xs,
+                const float* sp, int64_t N, float* yp);
 void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t N,
                    float* yp);
 
