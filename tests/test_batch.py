@@ -428,6 +428,57 @@ def test_the_prompts_kept_stay_bounded_while_callers_threads_submit_at_once(tiny
     assert [r["n_prompt_tokens"] for r in results] == [len(batch.prompt_ids(tiny_lm, p, False)) for p in prompts * 2]
 
 
+def test_release_threads_frees_the_calling_thread_s_openmp_threads():
+    """libgomp spins its threads between regions only while it manages no more threads than cores, and every thread
+    that ran a region keeps its own: release_threads lets a thread give its own back."""
+    import os
+    import threading
+
+    from engine.model.cpu_kernels import release_threads
+
+    if optional_kernel() is None or not Path("/proc/self/task").is_dir():
+        pytest.skip("needs the C++ kernels and Linux's /proc")
+    counts = []
+
+    def in_a_thread():
+        outside = torch.get_num_threads()
+        torch.set_num_threads(2)  # this thread's own setting (a test worker runs with one)
+        try:
+            torch.ones(1 << 22).exp_()  # a parallel region: this thread's other OpenMP thread starts
+            counts.append(len(os.listdir("/proc/self/task")))
+            release_threads()
+            counts.append(len(os.listdir("/proc/self/task")))
+            torch.ones(1 << 22).exp_()  # and starts again at the next
+            counts.append(len(os.listdir("/proc/self/task")))
+        finally:
+            torch.set_num_threads(outside)
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
+    started, released, again = counts
+    assert released == started - 1 and again == started
+
+
+def test_the_local_engine_gives_back_openmp_threads_where_they_would_idle(tiny_lm, monkeypatch):
+    import threading
+
+    import engine.run.local as local
+
+    calls = []
+    monkeypatch.setattr(local, "release_threads", lambda: calls.append(threading.current_thread().name))
+    engine = LocalEngine(tiny_lm, max_batch=2)
+    try:
+        assert calls[0] == threading.current_thread().name  # the maker's, as the engine's thread takes the model
+        engine.submit(PROMPTS[0], max_new_tokens=3, ignore_eos=True).wait()
+        deadline = time.monotonic() + 60
+        while calls.count("tokenpath-batch") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert calls.count("tokenpath-batch") >= 2  # idle at its start, and again once the request ended
+
+
 def cli(*args, db: Path, model) -> subprocess.CompletedProcess:
     return run_engine("generate", "--model", model, "--db", db, "--raw", *args)
 

@@ -197,6 +197,14 @@ def optional_kernel():
         return None
 
 
+def release_threads() -> None:
+    """Free the calling thread's OpenMP threads until its next parallel region (kernels/decode.cpp says why), where
+    the kernels are loaded already: a thread that hands the model to another calls it, and a thread that steps a
+    model when it goes idle."""
+    if _kernel is not None:
+        _kernel.release_threads()
+
+
 def prepare() -> str:
     """Make sure the kernels are ready before anything is timed; returns what happened, in words."""
     if _kernel is not None:

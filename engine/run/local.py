@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from engine.measure import hardware
 from engine.measure.distances import BUCKETS
+from engine.model.cpu_kernels import release_threads
 from engine.run.batch import BatchEngine, Sequence, batch_prompts, batch_summary
 from engine.run.generate import TokenEvent, collector_spared
 from engine.spec import GenConfig, RunSpec
@@ -71,6 +72,7 @@ class LocalEngine:
         self._wake = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="tokenpath-batch", daemon=True)
+        release_threads()  # the model is stepped in the engine's thread from now on
         self._thread.start()
 
     def check(self, prompt: str, max_new_tokens: int = 64, **settings) -> GenConfig:
@@ -121,6 +123,7 @@ class LocalEngine:
             if not busy:
                 with self._wake:
                     if not self._inbox and not self._closing:
+                        release_threads()  # while idle, other engines' steps spin their threads
                         self._wake.wait()
 
 

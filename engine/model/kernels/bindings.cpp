@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "the logits of one new token per sequence: its embedding, every Llama decoder layer, appending to each sequence's KV caches, then the last norm and the head");
   m.def("argmax", &argmax, "index of the largest value (the first among equals, the first NaN if any)");
   m.def("argmax_rows", &argmax_rows, "argmax of each row of a 2-D tensor, in one call");
+  m.def("release_threads", &release_threads, "free the calling thread's OpenMP threads until its next parallel region");
   m.def("int8_block_linear", &int8_block_linear, "x w^T with int8 weights in blocks (Q8_0 arithmetic) for N outputs, x quantized to int8 per block of 32");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built with AVX-512 VNNI instructions");
   m.def("has_amx_tiles", &has_amx_tiles, "whether int8_linear multiplies several rows on AMX tiles here");

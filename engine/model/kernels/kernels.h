@@ -496,6 +496,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
 at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale);
 std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms);
 int64_t argmax(at::Tensor x);
+void release_threads();  // decode.cpp
 std::vector<int64_t> argmax_rows(at::Tensor x);
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
     at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> rows,
