@@ -49,10 +49,11 @@ from engine.run.step import select_token, select_tokens
 from engine.paths import workloads
 from engine.run.text import Output, prompt_ids
 
-# prompt tokens a step prefills, between the running sequences' decode steps: vLLM's CPU build's token budget a step.
-# A burst of prompts gets its first tokens in fewer, larger steps (the weights read once for more rows), at the cost
-# of a longer wait for the sequences decoding beside them while such a step runs
-PREFILL_CHUNK = 2048
+# prompt tokens a step prefills, between the running sequences' decode steps. From a hundred or so rows on the
+# products are as busy per row as they get, so a larger chunk gives a burst of prompts its first tokens no sooner
+# (the same tokens at the same rate), while every sequence decoding beside it waits for the whole chunk: a few
+# hundred rows keep that wait to a few decode steps' time and let the first prompts of a burst start decoding
+PREFILL_CHUNK = 256
 PROMPTS_KEPT = 1024
 
 
