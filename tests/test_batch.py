@@ -460,6 +460,37 @@ def test_release_threads_frees_the_calling_thread_s_openmp_threads():
     assert released == started - 1 and again == started
 
 
+def test_a_kernel_lets_other_python_threads_run_while_it_works():
+    """The threads taking a batch's tokens run beside a forward: a thread waiting for the GIL gets it during a
+    kernel call. With the switch interval at 100 s, the caller keeps the GIL between calls, so the waiting thread
+    can only run inside one."""
+    import queue
+    import sys
+    import threading
+
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("needs the C++ kernels")
+    x, w = torch.rand(4096, 2048), torch.rand(2048)
+    wake, seen, state = queue.SimpleQueue(), [], {"in_kernel": False}
+    helper = threading.Thread(target=lambda: (wake.get(), seen.append(state["in_kernel"])))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    try:
+        helper.start()  # it waits in wake.get(), without the GIL
+        wake.put(None)  # now it waits for the GIL
+        for _ in range(500):
+            state["in_kernel"] = True
+            kernel.rms_norm(x, w, 1e-5)
+            state["in_kernel"] = False
+            if seen:
+                break
+        helper.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen == [True]
+
+
 def test_the_local_engine_gives_back_openmp_threads_where_they_would_idle(tiny_lm, monkeypatch):
     import threading
 
