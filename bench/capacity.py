@@ -39,6 +39,7 @@ from engine.measure.slo import format_slo, parse_slo
 from engine.plan import capacity as cap
 from engine.plan import planner
 from engine.plan import simulate as sim
+from engine.plan.probe import ProbeError
 from engine.run.batch import PREFILL_CHUNK
 from engine.run.load_target import planned_setup
 from engine.serve import capacity
@@ -221,7 +222,11 @@ def vllm_part(args, store: Store) -> None:
         print(f"\nstarted in {started:.0f} s (idle, it took {idle:.2f} cores)\n\nProbe ({time.monotonic() - t0:.0f} s;"
               f" single requests at {args.input_tokens} and {args.probe_long} prompt words, {args.output_tokens} "
               f"output tokens; {args.probe_batch} at once):\n\n```\n{probe.describe(found)}\n```")
-        setup, scheduler, fitted = probe.planned_setup(found, bandwidth, args.output_tokens, dtype=args.dtype)
+        try:
+            setup, scheduler, fitted = probe.planned_setup(found, bandwidth, args.output_tokens, dtype=args.dtype)
+        except ProbeError as exc:  # a noisy probe costs vLLM's part, not the local one measured before it
+            print(f"\nvLLM is not planned or measured: {exc}")
+            return
         t0 = time.monotonic()
         planned, planned_cap, planned_found = predict(args, setup, scheduler)
         print(f"\nFitted: {fitted.describe()}."
