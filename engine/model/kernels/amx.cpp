@@ -75,7 +75,7 @@ bool int8_tile_rows(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, co
   const int64_t pairs = gated ? half : (blocks + 1) / 2, chunks = (M + kTile - 1) / kTile, full = M / kTile;
   // each pair of weight blocks (kept in the nearest cache) against every chunk of activation rows in turn; the full
   // chunks first, then the rest, so the tiles are configured twice a share at most
-  shared_rows(pairs, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+  shared_rows(pairs, 2 * kOutBlock * Kp * M, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t sums[2 * kTile * kOutBlock];
     for (const auto& [first, last] : {std::pair{int64_t{0}, full}, std::pair{full, chunks}}) {
       if (first == last) continue;

@@ -172,7 +172,7 @@ static void vnni_rows(int8_t* xq, const float* xs, int64_t M, int64_t Kp, const 
   for (int64_t i = 0; i < M * Kp; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);
   const uint8_t* xu = reinterpret_cast<const uint8_t*>(xq);
   const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, half = N / 2 / kOutBlock;
-  shared_rows(gated ? half : (blocks + 1) / 2, 2 * kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+  shared_rows(gated ? half : (blocks + 1) / 2, 2 * kOutBlock * Kp * M, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t sums[2 * kSumRows * kOutBlock];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t b = gated ? p : 2 * p, next = gated ? p + half : b + 1;
@@ -220,7 +220,7 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
 #endif
   std::vector<float> both(gated ? static_cast<size_t>(M * N) : 0);
   float* out = gated ? both.data() : yp;
-  shared_rows((N + kOutBlock - 1) / kOutBlock, kOutBlock * Kp, [&](int64_t begin, int64_t end) {
+  shared_rows((N + kOutBlock - 1) / kOutBlock, kOutBlock * Kp * M, [&](int64_t begin, int64_t end) {
     packed_blocks(xq, xs.data(), M, Kp, wp, sp, cp, N, begin, end, out);
   });
   if (gated)
@@ -292,7 +292,7 @@ static inline float dot_int8(const int8_t* __restrict w, const float* __restrict
 // (w = q * scale). Few rows: each output alone (dot_int8), so a row's result does not depend on M.
 void int8_wo_rows(const float* xp, int64_t M, const int8_t* wp, const uint16_t* sp, int64_t N, int64_t K,
                          float* yp) {
-  shared_rows(N, K * 4, [&](int64_t begin, int64_t end) {
+  shared_rows(N, K * 4 * M, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float scale = bf16_to_float(sp[n]);
       for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_int8(wp + n * K, xp + m * K, K) * scale;

@@ -26,7 +26,8 @@ namespace tokenpath {
 // Below this many bytes of float32 weights a product runs on the calling thread: waking a sleeping
 // thread costs more than the second core saves on so few bytes. Products that widen int8 weights to
 // floats do as much work per weight as a float32 one and count their weights at four bytes; the
-// integer product counts its actual bytes.
+// integer product counts its actual bytes. A product of M rows counts each weight M times: each is
+// read once but does M rows' work, so a batch's small product is shared where one row's is not.
 constexpr int64_t kParallelBytes = int64_t{1} << 19;
 
 // A thread's share of rows [lo, hi), both in one word so that its owner taking rows from the front
@@ -51,12 +52,12 @@ struct alignas(64) RowShare {
   }
 };
 
-// The fewest rows a thread takes at a time: 8 KB of weights, so that a thread that runs out of its
-// own share waits for no more than that.
+// The fewest rows a thread takes at a time: 8 KB of weights (counted as kParallelBytes counts them), so
+// that a thread that runs out of its own share waits for no more than that.
 constexpr int64_t kChunkBytes = int64_t{1} << 13;
 
 // f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
-// weights (counted as kParallelBytes counts them), in groups of up to S ranges [begin[j], end[j]) that
+// weights (counted as kParallelBytes counts them, times the activation rows), in groups of up to S ranges [begin[j], end[j]) that
 // f reads side by side: S streams from far-apart places keep more of memory's bandwidth busy than one
 // (the loads of several misses are in flight at once), where one range after another would not.
 // Threads share the rows when there are enough: each starts with S equal contiguous shares of its
@@ -386,8 +387,8 @@ constexpr int64_t kGroupsAtOnce = 1;
 // take shares of the groups, so every weight is read once for all M rows.
 template <typename F>
 static void past_groups(int64_t groups, int64_t K, int64_t M, const F& f) {
-  shared_rows((groups + kGroupsAtOnce - 1) / kGroupsAtOnce, kGroupsAtOnce * kGroup * K * 4, [&](int64_t begin,
-                                                                                              int64_t end) {
+  shared_rows((groups + kGroupsAtOnce - 1) / kGroupsAtOnce, kGroupsAtOnce * kGroup * K * 4 * M, [&](int64_t begin,
+                                                                                                  int64_t end) {
     for (int64_t g = begin * kGroupsAtOnce; g < std::min(groups, end * kGroupsAtOnce); g += kGroupsAtOnce)
       in_row_groups(M, [&](auto rows, int64_t r) { f(rows, g, r); });
   });

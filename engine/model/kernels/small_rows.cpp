@@ -20,7 +20,7 @@ constexpr int kXRows = 1;
 // rows of x from the nearest cache, kXRows of them at a time. A row's sums run in an order that does
 // not depend on M (MKL's few-row kernels pack the weights first and sum in another order).
 void small_linear_rows(const float* xp, int64_t M, const float* wp, int64_t N, int64_t K, float* yp) {
-  shared_streams<kStreams>(N, K * 4, [&](const int64_t* begin, const int64_t* end, int ranges) {
+  shared_streams<kStreams>(N, K * 4 * M, [&](const int64_t* begin, const int64_t* end, int ranges) {
     side_by_side<kStreams>(begin, end, ranges, [&](const int64_t* rows, int count) {
       const float* w[kStreams];
       for (int r = 0; r < count; ++r) w[r] = wp + rows[r] * K;
