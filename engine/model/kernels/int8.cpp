@@ -169,7 +169,10 @@ static void vnni_pair_sums(const uint8_t* xu, int64_t Kp, const int8_t* wp, cons
 // nearest cache and each load of a weight row serves 8 rows. xq's bytes are made unsigned here (q + 128).
 static void vnni_rows(int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp, const float* sp,
                       const int32_t* cp, int64_t N, float* yp, bool gated) {
-  for (int64_t i = 0; i < M * Kp; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);
+  // a count of its own: the byte stores could alias M and Kp, whose addresses the lambdas below take, and reloading
+  // them each byte kept the loop from being vectorized
+  const int64_t bytes = M * Kp;
+  for (int64_t i = 0; i < bytes; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);
   const uint8_t* xu = reinterpret_cast<const uint8_t*>(xq);
   const int64_t blocks = (N + kOutBlock - 1) / kOutBlock, half = N / 2 / kOutBlock;
   shared_rows(gated ? half : (blocks + 1) / 2, 2 * kOutBlock * Kp * M, [&](int64_t begin, int64_t end) {
