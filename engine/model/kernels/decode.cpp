@@ -107,24 +107,20 @@ static bool has_room(const at::Tensor& cache, int64_t KV, int64_t D) {
          cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
 }
 
-// Head g's new row, from row + g * D, written at `position` of cache [1, KV, >position, D] (or of its
-// storage's room just after it).
-static void write_position(const at::Tensor& cache, int64_t position, const float* row, int64_t KV, int64_t D) {
-  float* dst = cache.data_ptr<float>();
-  for (int64_t g = 0; g < KV; ++g) std::memcpy(dst + g * cache.stride(1) + position * D, row + g * D, sizeof(float) * D);
-}
-
-// cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions, as
-// [1, KV, T + 1, D] with the new rows from row written at T.
-static at::Tensor regrown(const at::Tensor& cache, const float* row, int64_t KV, int64_t D) {
+// cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions after its last.
+static at::Tensor with_room(const at::Tensor& cache, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
-  auto out = cache.new_empty({1, KV, capacity, D}).narrow(2, 0, T + 1);
+  auto out = cache.new_empty({1, KV, capacity, D}).narrow(2, 0, T);
   for (int64_t g = 0; g < KV; ++g)
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
                   cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
-  write_position(out, T, row, KV, D);
   return out;
+}
+
+// Head g's new row, from row + g * D, written at position T of the cache whose heads start stride apart.
+static void write_position(float* cache, int64_t stride, int64_t T, const float* row, int64_t KV, int64_t D) {
+  for (int64_t g = 0; g < KV; ++g) std::memcpy(cache + g * stride + T * D, row + g * D, sizeof(float) * D);
 }
 
 // A decode step of B sequences in one call from Python: each one's new token's embedding (ids [B]),
@@ -168,26 +164,31 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   const float* sin = sin_table.data_ptr<float>();
   std::vector<float> normed(B * H), delta(B * H), rotated(B * rotated_heads * D), attended(B * heads * D), fused,
       gate_up, act;
-  // A cache with room gets its new position written in place, and its size one position longer after
-  // the last layer, all together: a longer view made per layer between the products cost several
-  // microseconds each, and a step that fails part-way leaves every cache's size as it was.
-  std::vector<char> longer(2 * keys.size());
-  std::vector<CacheView> views;  // each sequence's caches of the layer, attended all together
+  // Every cache is checked, and one without room for the new position copied into one with room, before the first
+  // layer: a step that fails part-way leaves every cache as it was, and the layers write each sequence's new
+  // position from plain pointers (reading 2 x B tensors' sizes and strides between the products of every layer
+  // missed the cache for each). The caches grow by a position all together after the last layer.
   const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
   int64_t cache_read = 0, cache_written = 0;
-  auto appended = [&](at::Tensor& cache, const float* row) {
-    const int64_t T = cache.size(2);
-    cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
-    cache_written += position_bytes;
-    if (has_room(cache, KV, D)) {
-      write_position(cache, T, row, KV, D);
-      return true;
+  std::vector<CacheView> caches(keys.size());
+  std::vector<char> moved(keys.size());  // the pair was copied into new storage
+  for (size_t c = 0; c < keys.size(); ++c) {
+    TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
+                    values[c].sizes() == keys[c].sizes() && keys[c].scalar_type() == at::kFloat &&
+                    values[c].scalar_type() == at::kFloat, "a cache is not float32 [1, kv_heads, T, head_dim]");
+    const int64_t T = keys[c].size(2);
+    for (at::Tensor* cache : {&keys[c], &values[c]}) {
+      cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
+      cache_written += position_bytes;
+      if (has_room(*cache, KV, D)) continue;
+      cache_read += T * position_bytes;  // and a cache without room is copied first
+      cache_written += T * position_bytes;
+      *cache = with_room(*cache, KV, D);
+      moved[c] = 1;
     }
-    cache_read += T * position_bytes;  // and a cache without room is copied first
-    cache_written += T * position_bytes;
-    cache = regrown(cache, row, KV, D);
-    return false;
-  };
+    caches[c] = {keys[c].data_ptr<float>(), values[c].data_ptr<float>(), T, keys[c].stride(1), values[c].stride(1)};
+  }
+  std::vector<CacheView> views(static_cast<size_t>(B));  // each sequence's caches of the layer, attended all together
   // The work row by row between the products, shared by the threads where there are rows enough: with fewer,
   // waking the other thread and waiting for it costs more than its half of the rows saves (a row's norm or SiLU
   // and quantization take a microsecond or two).
@@ -220,20 +221,15 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
     const int64_t width = linear_outputs(qkv);
     fused.resize(static_cast<size_t>(B * width));
     apply_linear(qkv, normed.data(), B, H, fused.data(), &narrow);
-    views.clear();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t c = b * L + i;
-      TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
-                      values[c].sizes() == keys[c].sizes(), "a cache is not [1, kv_heads, T, head_dim]");
+    each_row([&](int64_t b) {
+      const CacheView& cache = caches[b * L + i];
       float* rot = rotated.data() + b * rotated_heads * D;
       const float* row = fused.data() + b * width;
       rotary_row(row, cos + rows[b] * D, sin + rows[b] * D, rotated_heads, D, rot, D);
-      const int64_t T = keys[c].size(2);
-      longer[2 * c] = appended(keys[c], rot + heads * D);
-      longer[2 * c + 1] = appended(values[c], row + rotated_heads * D);
-      views.push_back({keys[c].data_ptr<float>(), values[c].data_ptr<float>(), T + 1, keys[c].stride(1),
-                       values[c].stride(1)});
-    }
+      write_position(const_cast<float*>(cache.keys), cache.k_stride, cache.T, rot + heads * D, KV, D);
+      write_position(const_cast<float*>(cache.values), cache.v_stride, cache.T, row + rotated_heads * D, KV, D);
+      views[b] = {cache.keys, cache.values, cache.T + 1, cache.k_stride, cache.v_stride};
+    });
     attend(rotated.data(), rotated_heads * D, D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
     apply_linear(o, attended.data(), B, heads * D, delta.data());
     each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
@@ -255,16 +251,15 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   each_row([&](int64_t b) { added_and_normed(b, L > 0, norm, eps, linear); });
   auto logits = out.new_empty({B, 1, linear_outputs(linear)});
   apply_linear(linear, normed.data(), B, H, logits.data_ptr<float>(), &narrow);
-  // The caches with room grow by changing the given tensors' sizes, not by new tensors: none is made
-  // or freed, and Python's caches need no new objects.
+  // The caches grow by changing the tensors' sizes, not by new tensors: a cache with room is the one given, and
+  // Python's caches need no new objects but for those copied.
   std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> copied;
   for (size_t c = 0; c < keys.size(); ++c) {
-    for (auto [cache, grown] : {std::pair{&keys[c], longer[2 * c]}, std::pair{&values[c], longer[2 * c + 1]}})
-      if (grown) {
-        const std::vector<int64_t> strides = cache->strides().vec();  // not a view of what it overwrites
-        cache->unsafeGetTensorImpl()->set_sizes_and_strides({1, KV, cache->size(2) + 1, D}, strides);
-      }
-    if (!longer[2 * c] || !longer[2 * c + 1]) copied.emplace_back(static_cast<int64_t>(c), keys[c], values[c]);
+    for (at::Tensor* cache : {&keys[c], &values[c]}) {
+      const std::vector<int64_t> strides = cache->strides().vec();  // not a view of what it overwrites
+      cache->unsafeGetTensorImpl()->set_sizes_and_strides({1, KV, cache->size(2) + 1, D}, strides);
+    }
+    if (moved[c]) copied.emplace_back(static_cast<int64_t>(c), keys[c], values[c]);
   }
   return {logits, copied, cache_read, cache_written};
 }
