@@ -141,8 +141,8 @@ void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half*
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock;
     const at::Half *dg = dp + g * KB * kGroup, *mg = mp + g * KB * kGroup;
-    const int8_t* xq = a.q.data() + r * K;
-    const float *dx = a.d.data() + r * KB, *dsum = a.dsum.data() + r * KB;
+    const int8_t* xq = a.q.get() + r * K;
+    const float *dx = a.d.get() + r * KB, *dsum = a.dsum.get() + r * KB;
 #ifdef HAVE_GROUP_PAIRS
     if (g + 1 < groups)
       return int4_pair_dot<R>(wg, dg, mg, xq, dx, dsum, KB, yp + r * N + g * kGroup, N,

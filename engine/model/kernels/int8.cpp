@@ -3,6 +3,8 @@
 // one instruction adds 16 outputs' sums of four byte pairs, with AVX2 a few add 8, elsewhere a plain loop gives the
 // same integers), int8_wo_linear (int8 weights, float activations) and int8_block_linear (llama.cpp's Q8_0
 // arithmetic, rows stored in groups), and has_vnni.
+#include <memory>
+
 #include "kernels.h"
 
 namespace tokenpath {
@@ -202,9 +204,10 @@ void int8_dyn_rows(const float* xp, int64_t M, const int8_t* wp, const float* sp
                    int64_t K, float* yp, const float* inv_smooth, bool gated) {
   const int64_t Kp = packed_width(K);
   // rows on cache-line boundaries, as PyTorch's allocator puts the weights: a tile load of rows that straddle two
-  // lines each takes several times as long
-  std::vector<int8_t> storage(static_cast<size_t>(M * Kp + kDepthBytes));
-  int8_t* xq = storage.data() + (kDepthBytes - reinterpret_cast<uintptr_t>(storage.data()) % kDepthBytes) % kDepthBytes;
+  // lines each takes several times as long. Not zeroed (a vector's would be, on this thread alone): each row is
+  // written whole below.
+  const std::unique_ptr<int8_t[]> storage(new int8_t[M * Kp + kDepthBytes]);
+  int8_t* xq = storage.get() + (kDepthBytes - reinterpret_cast<uintptr_t>(storage.get()) % kDepthBytes) % kDepthBytes;
   std::vector<float> xs(static_cast<size_t>(M));
   over_rows(M, K, [&](int64_t begin, int64_t end) {
     std::vector<float> smoothed(inv_smooth ? K : 0);
@@ -454,9 +457,9 @@ void int8_block_rows(const BlockActivations& a, const uint8_t* wp, const at::Hal
     constexpr int R = decltype(rows)::value;
     const uint8_t* wg = wp + g * KB * kGroupBlock8;
     const at::Half* dg = dp + g * KB * kGroup;
-    const int8_t* xq = a.q.data() + r * K;
-    const float* dx = a.d.data() + r * KB;
-    const int32_t* xsums = a.sums.data() + r * KB;
+    const int8_t* xq = a.q.get() + r * K;
+    const float* dx = a.d.get() + r * KB;
+    const int32_t* xsums = a.sums.get() + r * KB;
 #ifdef HAVE_GROUP_PAIRS
     if (g + 1 < groups)
       return int8_pair_dot<R>(wg, dg, xq, dx, xsums, KB, yp + r * N + g * kGroup, N,

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -350,13 +351,14 @@ static constexpr int64_t row_block(int64_t b, int r) {
 // for them that quantize_row fills row by row (each row's own memory, so threads may fill different rows).
 struct BlockActivations {
   int64_t M, K;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> sums;
-  std::vector<float> dsum;
+  // not zeroed (a vector's would be, on one thread): quantize_row writes all of a row's
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> sums;
+  std::unique_ptr<float[]> dsum;
   BlockActivations(int64_t M, int64_t K)
-      : M(M), K(K), q(static_cast<size_t>(M * K)), d(static_cast<size_t>(M * K / kBlock)), sums(d.size()),
-        dsum(d.size()) {}
+      : M(M), K(K), q(new int8_t[M * K]), d(new float[M * K / kBlock]), sums(new int32_t[M * K / kBlock]),
+        dsum(new float[M * K / kBlock]) {}
   BlockActivations(const float* x, int64_t M, int64_t K) : BlockActivations(M, K) {
     over_rows(M, K, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, r);
@@ -368,8 +370,7 @@ struct BlockActivations {
       if (r >= from && r < from + decltype(rows)::value) first = from, R = decltype(rows)::value;
     });
     const int64_t at = first * K / kBlock + (r - first);
-    quantize_blocks(x, K, R, q.data() + first * K + (r - first) * kBlock, d.data() + at, sums.data() + at,
-                    dsum.data() + at);
+    quantize_blocks(x, K, R, q.get() + first * K + (r - first) * kBlock, d.get() + at, sums.get() + at, dsum.get() + at);
   }
 };
 
