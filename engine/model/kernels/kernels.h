@@ -58,9 +58,10 @@ struct alignas(64) RowShare {
 constexpr int64_t kChunkBytes = int64_t{1} << 13;
 
 // f(begin, end, count) over rows [0, N) of a product whose rows are independent, each row_bytes of
-// weights (counted as kParallelBytes counts them, times the activation rows), in groups of up to S ranges [begin[j], end[j]) that
-// f reads side by side: S streams from far-apart places keep more of memory's bandwidth busy than one
-// (the loads of several misses are in flight at once), where one range after another would not.
+// weights (counted as kParallelBytes counts them, times the activation rows), in groups of up to S
+// ranges [begin[j], end[j]) that f reads side by side: S streams from far-apart places keep more of
+// memory's bandwidth busy than one (the loads of several misses are in flight at once), where one
+// range after another would not.
 // Threads share the rows when there are enough: each starts with S equal contiguous shares of its
 // own and walks them from the front, chunk after adjacent chunk; a thread done with its own takes
 // chunks from the back of the others'. Equal shares alone leave a core idle while the other, slowed by
@@ -370,7 +371,8 @@ struct BlockActivations {
       if (r >= from && r < from + decltype(rows)::value) first = from, R = decltype(rows)::value;
     });
     const int64_t at = first * K / kBlock + (r - first);
-    quantize_blocks(x, K, R, q.get() + first * K + (r - first) * kBlock, d.get() + at, sums.get() + at, dsum.get() + at);
+    quantize_blocks(x, K, R, q.get() + first * K + (r - first) * kBlock, d.get() + at, sums.get() + at,
+                    dsum.get() + at);
   }
 };
 
