@@ -21,6 +21,9 @@ model. For each, the highest concurrency whose p90 first token is within 1 s and
 within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the last level before
 the first that fails, where a level that fails is measured once more at once and counts as failing only when it
 fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search early).
+Beside it, the most requests a second each finished at any level, as the FLOP rate of the model's forwards that is,
+against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof each engine
+runs when it is saturated, which bounds how far apart the concurrencies they hold can be.
 Writes bench/results/batching.md.
 
     .venv/bin/python bench/batching.py [--tokens 48] [--rounds 3] [--batches 1,2,4,8] [--levels fp32,int4-dyn]
@@ -38,10 +41,11 @@ from common import (PROMPT, highest_holding, idle_cpu_share, in_turn, llama_cpp_
                     local_target, ratio, recorded)  # OpenMP's wait policy before torch loads
 from engine.cli.serving import level_table
 from engine.measure import hardware
-from engine.measure.accounting import model_shape
+from engine.measure.accounting import forward_work, model_shape
 from engine.model.loader import default_gguf_path, load_model
 from engine.run.batch import BatchEngine
 from engine.run.generate import GenConfig, Generation, collector_spared
+from engine.run.text import prompt_ids
 from engine.serve.load import Sweep, SweepConfig
 from engine.serve.vllm import VLLMError, VLLMServer, vllm_python
 from engine.spec import MAX_BATCH
@@ -50,6 +54,9 @@ from engine.switches.quant import quantize
 
 TTFT_MS, TPOT_MS = 1000.0, 100.0  # the target under load, at the 90th percentile
 PEERS = ("vllm", "llamacpp")
+# the arithmetic each peer multiplies with, as the calibration names it: llama.cpp's Q4_1 is int4-dyn's (int4 weights
+# in blocks of 32 with a scale and a minimum, the activations in int8 blocks)
+PEER_ARITHMETIC = {"vLLM bf16": "bfloat16", "llama.cpp Q4_1": "int4-dyn"}
 
 
 def request(n: int) -> GenConfig:
@@ -130,6 +137,41 @@ def measure_again(args, store, name: str, url: str | None, target, notes: list[s
     return again
 
 
+def request_gflop(lm, prompt_tokens: int, output_tokens: int) -> float:
+    """GFLOP of one request's forwards as the model's shapes count them (products and attention): the prompt's, its
+    head for the last position alone, then one a further output token over the cache it grows."""
+    shape = model_shape(lm.model)
+    flops = forward_work(shape, prompt_tokens, 0).flops
+    flops += sum(forward_work(shape, 1, prompt_tokens + i).flops for i in range(output_tokens - 1))
+    return flops / 1e9
+
+
+def arithmetic_peak(arithmetic: str, calibration: dict) -> tuple[str, float] | None:
+    """(what was timed, GFLOP/s): this machine's calibrated rate for a runner's arithmetic, None where the calibration
+    has none (an integer level without the project's kernels). Float matmuls are PyTorch's at their best shape; the
+    integer levels' are one layer's products at the most rows timed, its weights in the caches: neither counts the
+    weights' trip from memory."""
+    if arithmetic in calibration.get("matmul_gflops", {}):
+        return f"{arithmetic} matmul", calibration["matmul_gflops"][arithmetic]
+    if arithmetic in calibration.get("prefill_gflops", {}):
+        rows, rate = max(calibration["prefill_gflops"][arithmetic].items(), key=lambda item: item[1])
+        return f"{arithmetic} products at {rows} rows", rate
+    return None
+
+
+def at_most_line(levels: list[dict], gflop: float, arithmetic: str, calibration: dict) -> str:
+    """The most requests a second a runner finished at any level, the FLOP rate that is, and its share of the
+    calibrated rate of the runner's arithmetic."""
+    top = max(levels, key=lambda level: level["requests_per_s"] or 0)
+    rate = (top["requests_per_s"] or 0) * gflop
+    line = (f"at its most: {top['requests_per_s'] or 0:.2f} requests a second ({top['concurrency']} at once), "
+            f"{rate:.0f} GFLOP/s of the model's forwards")
+    peak = arithmetic_peak(arithmetic, calibration)
+    if peak is None:
+        return f"{line}; no calibrated rate of {arithmetic} here to set it against"
+    return f"{line}, {rate / peak[1]:.0%} of this machine's calibrated {peak[0]} ({peak[1]:.0f} GFLOP/s)"
+
+
 def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     """{name: URL} of each requested peer that started (each started once, stopped when `stack` closes); a line
     says why for each that is not measured."""
@@ -157,11 +199,15 @@ def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     return urls
 
 
-def under_load(args) -> None:
-    """Each runner's concurrency sweep once a round (the order rotating), its table, and the highest load that
-    holds the target, with the local engine's against each peer's."""
+def under_load(args, lm, calibration: dict) -> None:
+    """Each runner's concurrency sweep once a round (the order rotating), its table, the highest load that holds the
+    target and the most requests a second it finished against its arithmetic's calibrated rate, with the local
+    engine's figures against each peer's."""
     store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "batching.duckdb")
-    highest, tables, notes = {}, {}, []
+    highest, most, tables, notes = {}, {}, {}, []
+    arithmetic = {**PEER_ARITHMETIC, **{f"Tokenpath {w}": "float32" if w == "fp32" else w
+                                        for w in args.levels.split(",")}}
+    gflop = request_gflop(lm, len(prompt_ids(lm, PROMPT, raw=False)), args.tokens)
     with contextlib.ExitStack() as stack:
         runners = {}
         for weights in args.levels.split(","):
@@ -178,23 +224,28 @@ def under_load(args) -> None:
                 summary = Sweep(load_config(args, url), store, target=target).run()
                 again = measure_again(args, store, f"{name}, round {r + 1}", url, target, notes)
                 highest.setdefault(name, []).append(highest_load(summary["levels"], again))
+                most.setdefault(name, []).append(max(level["requests_per_s"] or 0 for level in summary["levels"]))
                 tables[name] = summary["levels"]
     print(f"\nunder load: identical requests ({args.tokens} new tokens, greedy), concurrency {args.load}, "
           f"{args.load_requests} requests a level, {args.load_rounds} round(s); target: p90 first token within "
           f"{TTFT_MS:.0f} ms and p90 time per output token within {TPOT_MS:.0f} ms, every request finished; the "
           "highest level holding it is the last before the first that fails, a failing level measured once more "
-          "and counted as failing only when it fails again")
+          "and counted as failing only when it fails again; a request's forwards are "
+          f"{gflop:.2f} GFLOP as the model's shapes count them")
     print("\n".join(["levels measured again:", *notes] if notes else ["no level was measured again"]))
     for name in runners:
         print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
-              f"highest concurrency holding the target: {highest[name]} (one per round)")
+              f"highest concurrency holding the target: {highest[name]} (one per round); "
+              f"{at_most_line(tables[name], gflop, arithmetic[name], calibration)}")
     for mine in ours:
         for name in names[len(ours):]:
             held, theirs = highest[mine], highest[name]
             against = ratio(theirs, held) if min(held + theirs) > 0 else "no ratio: a side held no level in some round"
             ceiling = " (the highest level tried: a ratio censored there)" if max(args.load) in held + theirs else ""
             print(f"{mine} against {name}: highest concurrency {statistics.median(held):g} against "
-                  f"{statistics.median(theirs):g}, {against}{ceiling}")
+                  f"{statistics.median(theirs):g}, {against}{ceiling}; the most requests a second at any level "
+                  f"{statistics.median(most[mine]):.2f} against {statistics.median(most[name]):.2f}, "
+                  f"{ratio(most[name], most[mine])}")
 
 
 def main() -> None:
@@ -261,7 +312,7 @@ def main() -> None:
     print(f"\none sequence, fp32, in lockstep: plain decode loop median {statistics.median(plain):.2f} ms a token, "
           f"batch engine with one user {statistics.median(batched):.2f} ms; engine speed against plain speed "
           f"{ratio(speed(plain), speed(batched))} (per round: {', '.join(f'{x:.3f}' for x in ratios)})")
-    under_load(args)
+    under_load(args, base, calibration)
 
 
 if __name__ == "__main__":
