@@ -242,10 +242,10 @@ def under_load(args, lm, calibration: dict) -> None:
             held, theirs = highest[mine], highest[name]
             against = ratio(theirs, held) if min(held + theirs) > 0 else "no ratio: a side held no level in some round"
             ceiling = " (the highest level tried: a ratio censored there)" if max(args.load) in held + theirs else ""
+            rates = ratio(most[name], most[mine]) if min(most[mine] + most[name]) > 0 else "no ratio"
             print(f"{mine} against {name}: highest concurrency {statistics.median(held):g} against "
                   f"{statistics.median(theirs):g}, {against}{ceiling}; the most requests a second at any level "
-                  f"{statistics.median(most[mine]):.2f} against {statistics.median(most[name]):.2f}, "
-                  f"{ratio(most[name], most[mine])}")
+                  f"{statistics.median(most[mine]):.2f} against {statistics.median(most[name]):.2f}, {rates}")
 
 
 def main() -> None:
