@@ -108,7 +108,8 @@ def recorded(name: str):
              f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {cpu['model']}, {cpu['physical_cores']} physical / {cpu['logical_cores']} logical cores, "
              f"{cpu['ram_bytes'] / 2**30:.0f} GiB; load average {os.getloadavg()[0]:.1f} at the end",
-             f"- OpenMP threads between regions: {cpu['openmp_wait']}; freed memory: {cpu['freed_memory']}",
+             f"- OpenMP threads between regions: {cpu['openmp_wait']}; freed memory: {cpu['freed_memory']}; "
+             f"pages: {cpu['huge_pages']}",
              f"- memory: a streaming read of 1 GiB ran at {start_gbps:.1f} GB/s at the start and {_stream_gbps():.1f} "
              "at the end (the load average does not show other machines on the host drawing on the same memory)",
              f"- command: `python {' '.join(sys.argv)}`",

@@ -23,7 +23,8 @@ with c[0]:
                 f"torch uses {cpu['torch_threads']} threads\n- RAM: {cpu['ram_bytes'] / 2**30:.1f} GiB "
                 f"({cpu['ram_bytes'] / 1e9:.1f} GB)\n- torch {facts['torch']}, generation device **{device}**\n"
                 f"- OpenMP threads between parallel regions: {md_escape(cpu['openmp_wait'])}\n"
-                f"- memory freed by a process: {md_escape(cpu['freed_memory'])}")
+                f"- memory freed by a process: {md_escape(cpu['freed_memory'])}\n"
+                f"- pages: {md_escape(cpu['huge_pages'])}")
     gpu = facts["gpu"]
     if not gpu["available"]:
         st.info(f"No NVIDIA GPU here: {gpu['reason']}. Runs use the {device.type}.")

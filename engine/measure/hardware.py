@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine import FREED_MEMORY, OPENMP_WAIT
+from engine import FREED_MEMORY, OPENMP_WAIT, huge_pages
 from engine.dtypes import INTEGER_LEVELS, weight_level
 from engine.measure.distances import Roofline, cache_read_gbps
 from engine.paths import cache_dir
@@ -26,10 +26,12 @@ from engine.paths import cache_dir
 # 4: adds the rate of the default model's layer products at prefill chunk rows
 # 5: adds the read rate of weights that stay in the last-level cache and the integer levels' product rates
 # 6: adds the read rate of weights as large as the whole last-level cache
-CALIBRATION_VERSION = 6
+# 7: reads the memory peak from buffers on the pages the layers' weights stream from (2 MiB where the kernel gives them)
+CALIBRATION_VERSION = 7
 # versions still read from a database; an older one is measured again, since without the cache's read rate and the
-# integer rates the planner would plan the integer levels as float ones read from memory
-READABLE_VERSIONS = (5, 6)
+# integer rates the planner would plan the integer levels as float ones read from memory (5 and 6 read the memory
+# peak on 4 KiB pages, a little below what reads on huge pages reach)
+READABLE_VERSIONS = (5, 6, 7)
 
 
 def _cpu_model() -> str:
@@ -51,6 +53,7 @@ def cpu_facts() -> dict:
         "torch_threads": torch.get_num_threads(),
         "openmp_wait": OPENMP_WAIT,
         "freed_memory": FREED_MEMORY,
+        "huge_pages": huge_pages.describe(),
         "ram_bytes": psutil.virtual_memory().total,
     }
 
@@ -165,10 +168,18 @@ def _weights_budget_bytes(device: torch.device) -> int:
     return 1 << 30
 
 
+def _ones(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-D tensor of ones to read a memory peak from: on the CPU on the pages the layers' weights stream from
+    (engine.huge_pages), so that the peak is the one their reads can reach."""
+    if device.type != "cpu":
+        return torch.ones(numel, device=device, dtype=dtype)
+    return huge_pages.empty(numel, dtype).fill_(1)
+
+
 def _cold_weights(device: torch.device, dtype: torch.dtype, rows: int = 4096, cols: int = 4096) -> list:
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(2, _weights_budget_bytes(device) // (rows * cols * elem))
-    return [torch.ones(rows, cols, device=device, dtype=dtype) for _ in range(count)]
+    return [_ones(rows * cols, device, dtype).view(rows, cols) for _ in range(count)]
 
 
 def _nbytes(mats: list) -> int:
@@ -230,15 +241,15 @@ def small_rows_pass(device: torch.device):
 
 def measure_stream_bandwidth(device: torch.device) -> float:
     """GB/s of a plain streaming read (a sum over a large buffer, on every thread)."""
-    buf = torch.ones(_weights_budget_bytes(device) // 4, device=device)
+    buf = _ones(_weights_budget_bytes(device) // 4, device)
     seconds = _best_seconds(lambda: buf.sum(), device, repeats=3)
     return buf.nbytes / seconds / 1e9
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:
     """GB/s of bytes read plus bytes written by a large copy (STREAM's convention for copy)."""
-    src = torch.ones(_weights_budget_bytes(device) // 8, device=device)
-    dst = torch.empty_like(src)
+    src = _ones(_weights_budget_bytes(device) // 8, device)
+    dst = _ones(src.numel(), device)
     seconds = _best_seconds(lambda: dst.copy_(src), device, repeats=3)
     return 2 * src.nbytes / seconds / 1e9
 
@@ -412,7 +423,7 @@ def measure_cache_read(device: torch.device, pairs: int = 15) -> dict | None:
 
 def _matrices_of(size: int, device: torch.device) -> list:
     """4 MiB float32 matrices, `size` bytes of them (one at least)."""
-    return [torch.ones(1024, 1024, device=device) for _ in range(max(size // (4 << 20), 1))]
+    return [_ones(1024 * 1024, device).view(1024, 1024) for _ in range(max(size // (4 << 20), 1))]
 
 
 def _layer_pass(layers: list, rows: int, device: torch.device):

@@ -18,8 +18,8 @@ call does not apply (see LeanLlama.decode_in_one_call). That call grows each cac
 room for 128 positions at a time, where DynamicCache concatenates, and reports the bytes its caches
 moved for the step's accounting.
 
-On the CPU the layers' linear weights sit in one block, in the order a step reads them, and every
-other weight in memory of its own (place_weights).
+On the CPU the layers' linear weights sit in one block, in the order a step reads them, on 2 MiB pages where the
+kernel gives them (engine.huge_pages), and every other weight in memory of its own (place_weights).
 
 The module tree keeps transformers' names (`model.layers[i].self_attn`, `model.norm`, `lm_head`)
 so code that walks it (early-exit drafts, calibration hooks) works on both."""
@@ -35,6 +35,7 @@ from torch.nn.modules import module as torch_module
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, DynamicLayer,
                                       get_layer_types_and_kwargs)
 
+from engine import huge_pages
 from engine.model.cpu_kernels import has_small_rows_kernel, optional_kernel
 
 
@@ -270,24 +271,44 @@ def place_weights(model: nn.Module, layers) -> None:
     rest gets its own memory so that nothing keeps the model file's mapping, whose pages would
     otherwise stay resident beside the copies. The head (the embedding too, which quantized levels
     keep in full) stays out of the block, which would otherwise outlive a level that replaces every
-    layer; such a level frees the block with the last of its views."""
+    layer; such a level frees the block with the last of its views. The block, and any other parameter of
+    2 MiB or more, lies on 2 MiB pages where the kernel gives them (engine.huge_pages)."""
     weights = [linear.weight for layer in layers for linear in _layer_parts(layer)[5:]]
     weights = [w for w in weights if type(w) is nn.Parameter and w.is_cpu and w.dtype == weights[0].dtype]
     in_block = {id(w) for w in weights}
     with torch.no_grad():
-        if weights:
-            align = max(1, 64 // weights[0].element_size())  # each weight starts on a cache line
-            sizes = [-(-w.numel() // align) * align for w in weights]
-            block = torch.empty(sum(sizes), dtype=weights[0].dtype)
-            offset = 0
-            for weight, size in zip(weights, sizes):
-                view = block[offset:offset + weight.numel()].view(weight.shape)
-                view.copy_(weight)
-                weight.data = view
-                offset += size
+        for weight, view in zip(weights, _in_one_block(weights)):
+            weight.data = view
         for parameter in model.parameters():
             if id(parameter) not in in_block and parameter.is_cpu:
-                parameter.data = parameter.detach().clone()
+                parameter.data = _in_one_block([parameter.detach()])[0]
+
+
+def place_level_tensors(model: nn.Module) -> None:
+    """After a weight level replaced the layers' products: the tensors they keep (integer weights, scales, sums) in
+    one block in the order a step reads them, and the head's in one of its own, as place_weights places float
+    weights."""
+    layers = model.model.layers
+    for modules in ([linear for layer in layers for linear in _layer_parts(layer)[5:]], [model.lm_head]):
+        slots = [(module, name) for module in modules for name, t in module._buffers.items()
+                 if t is not None and t.is_cpu and t.numel()]
+        with torch.no_grad():
+            for (module, name), view in zip(slots, _in_one_block([getattr(m, name) for m, name in slots])):
+                setattr(module, name, view)
+
+
+def _in_one_block(tensors: list) -> list:
+    """Copies of the tensors side by side in one block of memory, in the order given, each starting on a cache line:
+    on 2 MiB pages where the kernel gives them (engine.huge_pages), since a step streams them all."""
+    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
+    block = huge_pages.empty(sum(sizes), torch.uint8)
+    views, offset = [], 0
+    for tensor, size in zip(tensors, sizes):
+        view = block[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        views.append(view)
+        offset += size
+    return views
 
 
 def _layer_parts(layer: LeanLayer) -> tuple:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from engine import FREED_MEMORY, OPENMP_WAIT
+from engine import FREED_MEMORY, OPENMP_WAIT, huge_pages
 from engine.measure import hardware
 from engine.switches import speculative
 from engine.measure.accounting import cache_nbytes, model_shape
@@ -222,6 +222,7 @@ class Generation:
             "kv_dtype": name_of(self.kv_dtype or self.lm.dtype),
             "openmp_wait": OPENMP_WAIT,
             "freed_memory": FREED_MEMORY,
+            "huge_pages": huge_pages.describe(),
             "weight_bytes_per_forward": self.shape.weight_bytes,
             "calibration": {k: self.calibration.get(k) for k in hardware.RUN_CALIBRATION},
             # the decode's bytes per second against the calibrated peak, flagged when it beats it
