@@ -48,7 +48,10 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not available():
         return torch.empty(numel, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no mapping of its own to be had: the allocator's memory serves
+        return torch.empty(numel, dtype=dtype)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # refused: the mapping still serves, on small pages

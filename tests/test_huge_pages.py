@@ -5,7 +5,17 @@ import torch
 
 from engine import huge_pages
 
-needs_huge_pages = pytest.mark.skipif(not huge_pages.available(), reason="this kernel gives no transparent huge pages")
+
+def _smaps_tells() -> bool:
+    try:
+        with open("/proc/self/smaps") as f:
+            return any(line.startswith("THPeligible:") for line in f)
+    except OSError:
+        return False
+
+
+needs_huge_pages = pytest.mark.skipif(not (huge_pages.available() and _smaps_tells()),
+                                      reason="this kernel gives no transparent huge pages, or does not say where")
 
 
 def huge_page_eligible(address: int) -> bool:
@@ -61,7 +71,7 @@ def test_the_mapping_lives_as_long_as_a_view_of_it():
 
 
 @needs_huge_pages
-@pytest.mark.parametrize("level", ["fp32", "int8-dyn", "int4-dyn"])
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int8-wo", "int8-dyn", "int4-dyn"])
 def test_what_a_decode_step_of_the_default_model_streams_lies_on_mappings_that_asked_for_huge_pages(default_lm, level):
     from engine.switches.quant import variant
 
@@ -73,3 +83,15 @@ def test_what_a_decode_step_of_the_default_model_streams_lies_on_mappings_that_a
     streamed += [t for t in [*model.lm_head.parameters(), *model.lm_head.buffers()] if t.numel()]
     assert len(streamed) > 4 * len(model.model.layers)
     assert all(huge_page_eligible(t.data_ptr()) for t in streamed)
+
+
+@pytest.mark.parametrize("mode", ["mask", "skip"])
+def test_a_sparse_copy_streams_its_layers_from_one_block_as_the_model_it_is_compared_with(tiny_lm, mode):
+    from engine.model.lean import _layer_parts
+    from engine.switches.sparsity import sparse_targets, sparsify
+
+    sparse = sparsify(tiny_lm, 0.5, mode, {name: 0.05 for name in sparse_targets(tiny_lm.model)})
+    layers = [t for layer in sparse.model.model.layers for m in _layer_parts(layer)[5:] for t in m.parameters()]
+    assert len(layers) == 4 * len(sparse.model.model.layers)
+    assert len({t.untyped_storage().data_ptr() for t in layers}) == 1
+    assert all(a.data_ptr() < b.data_ptr() for a, b in zip(layers, layers[1:]))  # in the order a step reads them

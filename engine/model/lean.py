@@ -284,17 +284,18 @@ def place_weights(model: nn.Module, layers) -> None:
                 parameter.data = _in_one_block([parameter.detach()])[0]
 
 
-def place_level_tensors(model: nn.Module) -> None:
-    """After a weight level replaced the layers' products: the tensors they keep (integer weights, scales, sums) in
-    one block in the order a step reads them, and the head's in one of its own, as place_weights places float
-    weights."""
+def place_layer_tensors(model: nn.Module) -> None:
+    """After a conversion replaced the layers' products (a weight level, sparsity): the tensors they keep (weights,
+    integer weights, scales, sums) in one block in the order a step reads them, and the head's in one of its own,
+    as place_weights places the float model's, so that no variant streams from other pages than the model it is
+    compared with."""
     layers = model.model.layers
     for modules in ([linear for layer in layers for linear in _layer_parts(layer)[5:]], [model.lm_head]):
-        slots = [(module, name) for module in modules for name, t in module._buffers.items()
-                 if t is not None and t.is_cpu and t.numel()]
+        tensors = {id(t): t for module in modules for t in (*module._parameters.values(), *module._buffers.values())
+                   if t is not None and t.is_cpu and t.numel()}
         with torch.no_grad():
-            for (module, name), view in zip(slots, _in_one_block([getattr(m, name) for m, name in slots])):
-                setattr(module, name, view)
+            for tensor, view in zip(tensors.values(), _in_one_block(list(tensors.values()))):
+                tensor.data = view
 
 
 def _in_one_block(tensors: list) -> list:

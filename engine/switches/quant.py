@@ -22,7 +22,7 @@ import torch
 from engine.model.cpu_kernels import cpu_has_avx2, cpu_has_vnni, has_small_rows_kernel, optional_kernel
 from engine.dtypes import torch_dtype
 from engine.errors import UserError
-from engine.model.lean import LeanLlama, place_level_tensors
+from engine.model.lean import LeanLlama, place_layer_tensors
 from engine.model.loader import LoadedModel
 from engine.paths import CALIBRATION_TEXT
 from engine.switches.qlinear import (Int4DynamicLinear, Int4WeightOnlyLinear, Int8BlockLinear, Int8DynamicLinear,
@@ -271,7 +271,7 @@ def quantize(lm: LoadedModel, name: str, group_size: int = 32) -> LoadedModel:
     model = copy.deepcopy(lm.model)
     lv.convert(lm, model, group_size)
     if isinstance(model, LeanLlama):
-        place_level_tensors(model)
+        place_layer_tensors(model)
     model.eval()
     suffix = f" g{group_size}" if lv.uses_group_size else ""
     return replace(lm, model=model, weights=name + suffix)

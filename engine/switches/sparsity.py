@@ -25,7 +25,7 @@ from engine.switches import sparse24
 from engine.switches.fitted import kept, model_fingerprint
 from engine.model.cpu_kernels import kernel
 from engine.errors import UserError
-from engine.model.lean import SMALL_ROWS
+from engine.model.lean import SMALL_ROWS, LeanLlama, place_layer_tensors
 from engine.model.loader import LoadedModel
 from engine.paths import CALIBRATION_TEXT
 from engine.switches.names import ALL_MODES, MODES
@@ -201,6 +201,8 @@ def sparsify(lm: LoadedModel, sparsity: float, mode: str, thresholds: dict) -> L
         setattr(modules[parent_name], attr, SparseLinear(modules[name], threshold, mode))
     if lm.device.type == "cpu":
         kernel()
+    if isinstance(model, LeanLlama):
+        place_layer_tensors(model)
     return replace(lm, model=model.eval(), sparsity=sparsity, sparsity_mode=mode)
 
 
