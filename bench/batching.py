@@ -149,8 +149,8 @@ def request_gflop(lm, prompt_tokens: int, output_tokens: int) -> float:
 def arithmetic_peak(arithmetic: str, calibration: dict) -> tuple[str, float] | None:
     """(what was timed, GFLOP/s): this machine's calibrated rate for a runner's arithmetic, None where the calibration
     has none (an integer level without the project's kernels). Float matmuls are PyTorch's at their best shape; the
-    integer levels' are one layer's products at the most rows timed, its weights in the caches: neither counts the
-    weights' trip from memory."""
+    integer levels' are one layer's products at the count of rows (of those timed) that ran fastest, its weights in
+    the caches: neither counts the weights' trip from memory."""
     if arithmetic in calibration.get("matmul_gflops", {}):
         return f"{arithmetic} matmul", calibration["matmul_gflops"][arithmetic]
     if arithmetic in calibration.get("prefill_gflops", {}):

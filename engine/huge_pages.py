@@ -34,9 +34,11 @@ def available() -> bool:
 
 
 def describe() -> str:
-    """One line for a run's record: the pages the weights stream from."""
+    """One line for a run's record: the pages the weights stream from (asked for: the kernel may still fall back to
+    small pages where it finds no free 2 MiB run)."""
     if available():
-        return f"2 MiB pages for the layers' weights and the calibration's reads (transparent huge pages: {setting()})"
+        return (f"2 MiB pages asked for the layers' weights and the calibration's reads (transparent huge pages: "
+                f"{setting()})")
     why = "set to never" if setting() == "never" else "not offered by this system"
     return f"4 KiB pages (transparent huge pages {why})"
 
