@@ -62,7 +62,7 @@ else:
                           "server to start.") == TARGETS[1]
 with st.form("sweep"):
     if local:
-        c = st.columns([3, 2, 1, 2])
+        c = st.columns([3, 2, 1, 2, 2])
         model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
                                    + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
                                       else ""))
@@ -72,6 +72,9 @@ with st.form("sweep"):
         max_batch = whole_number_input(c[2], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
         kv_budget = c[3].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
                                       "batch may reserve; arrivals beyond it wait for a slot")
+        prefix_cache = c[4].number_input("Prefix cache (MiB, 0 = off)", 0.0, 1e6, 0.0, help="keep prefilled prompts' "
+                                         "KV cache: a later request opening with a kept prompt's tokens prefills "
+                                         "only the rest, as vLLM's prefix caching does (`load --prefix-cache-mb`)")
         st.caption("The engine runs the model at this weight level with its KV cache, as `load --local --weights` "
                    "does; a server's address, model name and key do not apply here.")
     else:
@@ -115,7 +118,8 @@ def sweep_options() -> list[str]:
     if local:
         options += ["--local", "--model", model_id.strip() or "default", "--weights", weights,
                     "--max-batch", str(int(max_batch))]
-        return options + (["--kv-budget-mb", f"{kv_budget:g}"] if kv_budget else [])
+        return (options + (["--kv-budget-mb", f"{kv_budget:g}"] if kv_budget else [])
+                + (["--prefix-cache-mb", f"{prefix_cache:g}"] if prefix_cache else []))
     options += ["--endpoint", endpoint]
     if model.strip():
         options += ["--served-model", model.strip()]

@@ -67,7 +67,8 @@ def test_a_concurrency_sweep_on_the_local_engine_shares_steps_between_its_reques
     code, again = run_json(capsys, "load", "--from-sweep", str(out["sweep_id"]), "--db", str(db), "--json")
     assert code == 0 and [lv["concurrency"] for lv in again["levels"]] == [1, 3]
     assert json.loads(served_store.sweeps(Store(db)).set_index("sweep_id").loc[again["sweep_id"], "server"]) == {
-        "kind": "local", "model": again["server_model"], "weights": "fp32", "max_batch": 4, "kv_budget_bytes": None}
+        "kind": "local", "model": again["server_model"], "weights": "fp32", "max_batch": 4, "kv_budget_bytes": None,
+        "prefix_cache_bytes": None}
 
 
 def test_a_local_sweep_runs_every_request_at_its_weight_level_and_is_made_again_at_it(

@@ -192,6 +192,7 @@ def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_swee
     widget(at.selectbox, "Weight precision").set_value("int8-dyn")
     widget(at.number_input, "Max batch").set_value(2)
     widget(at.number_input, "KV-cache budget (MiB, 0 = none)").set_value(64.0)
+    widget(at.number_input, "Prefix cache (MiB, 0 = off)").set_value(16.0)
     widget(at.number_input, "Requests per level").set_value(3)
     widget(at.number_input, "New tokens per request").set_value(3)
     widget(at.selectbox, "Prompts").set_value("open chat")
@@ -209,8 +210,8 @@ def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_swee
     config = stored_config(page_db, sweep["sweep_id"])
     assert (config["rates"], config["requests"], config["max_new_tokens"], config["slo"]) == ([40.0, 80.0], 3, 3,
                                                                                             {"e2e_ms": 600000.0})
-    assert (config["local"], config["model"], config["weights"], config["max_batch"], config["kv_budget_mb"]) == (
-        True, str(tiny_folder), "int8-dyn", 2, 64.0)
+    assert (config["local"], config["model"], config["weights"], config["max_batch"], config["kv_budget_mb"],
+            config["prefix_cache_mb"]) == (True, str(tiny_folder), "int8-dyn", 2, 64.0, 16.0)
     # every request is a recorded run of the local engine
     assert len(store.query("SELECT run_id FROM runs WHERE tag LIKE 'load:%'")) == 6
     at = open_page()
@@ -221,7 +222,7 @@ def test_a_local_sweep_from_the_page_and_the_command_it_shows_make_the_same_swee
     command = at.code[0].value
     argv = shlex.split(command)
     assert argv[:4] == ["python", "-m", "engine", "load"] and argv[-2:] == ["--db", str(page_db)]
-    assert {"--local", "--rate", "--weights", "--max-batch", "--kv-budget-mb", "--slo"} <= set(argv)
+    assert {"--local", "--rate", "--weights", "--max-batch", "--kv-budget-mb", "--prefix-cache-mb", "--slo"} <= set(argv)
     done = run_python(*argv[1:], cwd=REPO_ROOT)  # as `python` runs it, forked by the launcher
     assert done.returncode == 0, done.stderr
     again = served_store.sweeps(store).iloc[0]["sweep_id"]

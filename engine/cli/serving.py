@@ -102,6 +102,10 @@ def _start(args, make_levels, on_progress):
         print("error: --weights sets the local engine's weight level, and a server runs the weights it loaded: leave "
               "it out, or use --local.", file=sys.stderr)
         return USER_ERROR
+    if args.endpoint and args.prefix_cache_mb is not None:
+        print("error: --prefix-cache-mb sets the local engine's prefix cache, and a server keeps its own (vLLM's "
+              "--enable-prefix-caching): leave it out, or use --local.", file=sys.stderr)
+        return USER_ERROR
     target = None
     try:
         cfg = _sweep_config(args, **make_levels())
@@ -134,11 +138,12 @@ def _local_target(args, cfg):
 
     check_cap(args.max_batch)
     budget = budget_bytes(args.kv_budget_mb)
+    prefixes = budget_bytes(args.prefix_cache_mb, "--prefix-cache-mb")
     weights = args.weights or "fp32"
     level(weights)
     cfg.check()
     return LocalTarget.load(cfg, Store(args.db), model=args.model, weights=weights, max_batch=args.max_batch,
-                            kv_budget_bytes=budget)
+                            kv_budget_bytes=budget, prefix_cache_bytes=prefixes)
 
 
 def _swept(sweep, run) -> dict:
@@ -298,6 +303,9 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-128)")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")
+    p.add_argument("--prefix-cache-mb", type=float, help="with --local: keep prefilled prompts' KV cache, up to this "
+                   "many MiB, so that a later request opening with a kept prompt's tokens prefills only the rest "
+                   "(vLLM's prefix caching); off when not given")
     p.add_argument("--slo", required=slo_required, help="targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also itl_ms, "
                                                         "e2e_ms): goodput and attainment per level")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma-shaped gaps between arrivals: 1 Poisson, "

@@ -41,6 +41,7 @@ from engine.measure.distances import BUCKETS, sum_buckets
 from engine.measure.metrics import run_metrics
 from engine.model.lean import LeanLlama, cache_layer_kinds, new_cache, room_for
 from engine.run.generate import TokenEvent, collector_spared
+from engine.run.prefix import Prefixes, reusable
 from engine.store.record import Recorder
 from engine.store.writer import Writer
 from engine.store.rows import Attribution, Outcome, account, columns
@@ -67,12 +68,13 @@ class BatchError(UserError):
     """A batch that cannot run as asked; the message is one sentence."""
 
 
-def budget_bytes(mb: float | None) -> int | None:
-    """--kv-budget-mb in bytes (None: no budget); BatchError unless it is a positive number of MiB."""
+def budget_bytes(mb: float | None, flag: str = "--kv-budget-mb") -> int | None:
+    """The MiB of --kv-budget-mb (or another flag's) in bytes (None: not given); BatchError unless it is a
+    positive number of MiB."""
     if mb is None:
         return None
     if not (math.isfinite(mb * 2**20) and mb > 0):
-        raise BatchError(f"--kv-budget-mb must be a positive number of MiB, not {mb:g}.")
+        raise BatchError(f"{flag} must be a positive number of MiB, not {mb:g}.")
     return int(mb * 2**20)
 
 
@@ -111,6 +113,7 @@ class Sequence:
         self.held = 0  # positions of room its cache takes, or that are reserved for the prefill under way
         self.filled = 0  # prompt tokens (after a preemption: prompt and output tokens) in the cache
         self.prefill_forward_ns = 0
+        self.reused = 0  # positions of its cache copied from a kept prompt's (engine.run.prefix)
         self.past = 0  # positions in the cache
         self.step = 0
         self.t_request = t_request
@@ -155,7 +158,7 @@ class BatchEngine:
 
     def __init__(self, lm, store=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
                  kv_dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK, calibration: dict | None = None,
-                 arrivals: bool = True):
+                 arrivals: bool = True, prefix_cache_bytes: int | None = None):
         check_cap(max_batch)
         self.lm, self.store, self.max_batch = lm, store, max_batch
         # the runs' rows are written together, off the stepping thread (engine.store.writer); run ids are taken
@@ -167,6 +170,10 @@ class BatchEngine:
         self.shape = model_shape(lm.model, kv_dtype=self.kv_dtype)
         self.prefills_together = isinstance(lm.model, LeanLlama) and lm.model.prefills_side_by_side()
         self.cache_layers = cache_layer_kinds(lm.config)
+        if prefix_cache_bytes and not reusable(self.cache_layers):
+            raise BatchError(f"{lm.name} keeps only a window of positions in some layers, so a kept prompt's cache "
+                             "cannot start another's: run it without --prefix-cache-mb.")
+        self.prefixes = Prefixes(prefix_cache_bytes, self.shape.kv_bytes_per_token) if prefix_cache_bytes else None
         self.calibration = calibration or hardware.calibration_for(lm.device, store)
         self.attribution = Attribution(
             self.shape, hardware.roofline(self.calibration, lm.dtype, self.shape.weight_bytes, lm.weights),
@@ -188,8 +195,13 @@ class BatchEngine:
         return sum(s.held for s in self.running) * self.shape.kv_bytes_per_token
 
     def _fits(self, extra_positions: int) -> bool:
-        return (self.kv_budget_bytes is None
-                or self.reserved_bytes + extra_positions * self.shape.kv_bytes_per_token <= self.kv_budget_bytes)
+        """Whether the budget has room for extra_positions more, the kept prompts making way first."""
+        if self.kv_budget_bytes is None:
+            return True
+        need = self.reserved_bytes + extra_positions * self.shape.kv_bytes_per_token
+        while self.prefixes is not None and need + self.prefixes.bytes > self.kv_budget_bytes and self.prefixes.evict():
+            pass
+        return need + (self.prefixes.bytes if self.prefixes is not None else 0) <= self.kv_budget_bytes
 
     def check(self, cfg: GenConfig) -> list[int]:
         """The prompt's token ids, or BatchError (GenerationError) with one sentence when this request cannot run
@@ -317,7 +329,7 @@ class BatchEngine:
         self.running.remove(seq)
         self.queued.insert(0, seq)
         seq.phase = seq.status = "queued"
-        seq.cache, seq.held, seq.filled, seq.prefill_forward_ns = None, 0, 0, 0
+        seq.cache, seq.held, seq.filled, seq.reused, seq.prefill_forward_ns = None, 0, 0, 0, 0
         seq.preemptions += 1
         seq.t_preempted = time.perf_counter_ns()
         self.preemptions += 1
@@ -336,6 +348,8 @@ class BatchEngine:
                 seq.t_preempted = None
             seq.held = room_for(len(seq.fill_ids))
             seq.cache = new_cache(self.cache_layers)
+            if self.prefixes is not None:
+                seq.filled = seq.reused = self.prefixes.reuse(seq.fill_ids, seq.cache)
             self.running.append(seq)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -373,6 +387,9 @@ class BatchEngine:
             seq.filled += len(chunk)
             if seq.filled == len(seq.fill_ids):
                 ended.append((seq, select_token(row.float().cpu(), seq.cfg, seq.generator)))
+                if self.prefixes is not None and not seq.token_ids:
+                    room = None if self.kv_budget_bytes is None else self.kv_budget_bytes - self.reserved_bytes
+                    self.prefixes.keep(seq.prompt_ids, seq.cache, room)
         t_host = time.perf_counter_ns()
         for seq, token in ended:
             # the prefill's forwards as one phase, which ended at t_sync; everything else since the request or its
@@ -382,8 +399,8 @@ class BatchEngine:
             began = t_sync - seq.prefill_forward_ns
             seq.past = len(seq.fill_ids)
             seq.phase = seq.status = "decode"
-            self._emit(seq, Outcome(n_input=seq.past, past=0, drafted=0, accepted=0, emitted=[token],
-                                    marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
+            self._emit(seq, Outcome(n_input=seq.past - seq.reused, past=seq.reused, drafted=0, accepted=0,
+                                    emitted=[token], marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
                                     batch=len(parts)),
                        kind="recompute" if seq.preemptions and seq.step else None)
 
@@ -465,6 +482,7 @@ class BatchEngine:
             "stop_reason": seq.stop_reason,
             "queue_ms": ((seq.t_admitted or time.perf_counter_ns()) - seq.t_request) / 1e6,
             "preemptions": seq.preemptions,
+            "prefix_reused_tokens": seq.reused,
             "preempted_ms": (seq.preempted_ns + (time.perf_counter_ns() - seq.t_preempted if seq.t_preempted
                                                  else 0)) / 1e6,
             "batch_mean": sum(s["batch"] for s in decode) / len(decode) if decode else None,
@@ -483,7 +501,9 @@ class BatchEngine:
     def _config(self, cfg: GenConfig, batch: dict | None = None) -> dict:
         return {"model": self.lm.name, "device": str(self.lm.device), "dtype": self._dtype(), "weights": self.lm.weights,
                 "sparsity": self.lm.sparsity, "sparsity_mode": self.lm.sparsity_mode, **asdict(cfg),
-                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes, **({"batch": batch} if batch else {})}
+                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget_bytes,
+                "prefix_cache_bytes": self.prefixes.capacity if self.prefixes is not None else None,
+                **({"batch": batch} if batch else {})}
 
 
 def batch_summary(seqs: list[Sequence], wall_s: float) -> dict:

@@ -17,6 +17,7 @@ from engine.run.text import tokenizer_prompt_ids
 from engine.serve.arrivals import synthetic_prompt
 from engine.serve.client import tokenizer_for
 from engine.serve.load import Reply, SweepConfig
+from engine.serve.scrape import LOCAL_PREFIX_CACHE
 from engine.spec import GenConfig, RunSpec
 
 
@@ -49,12 +50,13 @@ class LocalTarget:
     kind = "local"
 
     def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None,
-                 model: str = "default", weights: str = "fp32"):
+                 model: str = "default", weights: str = "fp32", prefix_cache_bytes: int | None = None):
         self.cfg, self.store = cfg, store
-        self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes)
+        self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes,
+                                  prefix_cache_bytes=prefix_cache_bytes)
         self.model, self.tokenizer = lm.name, lm.tokenizer
         self.settings = {"kind": self.kind, "model": lm.name, "weights": lm.weights, "max_batch": max_batch,
-                         "kv_budget_bytes": kv_budget_bytes}
+                         "kv_budget_bytes": kv_budget_bytes, "prefix_cache_bytes": prefix_cache_bytes}
         # as they were given (--model, --weights), so that --from-sweep loads the same model at the same level
         self.model_option, self.weights_option = model, weights
         self._handles: set[Handle] = set()
@@ -62,12 +64,13 @@ class LocalTarget:
 
     @classmethod
     def load(cls, cfg: SweepConfig, store, model: str = "default", weights: str = "fp32", max_batch: int = 8,
-             kv_budget_bytes: int | None = None) -> LocalTarget:
+             kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None) -> LocalTarget:
         """The model loaded per `model` ('default', a Hugging Face id or a local folder) at the weight level
         `weights` and the engine over it, as `python -m engine load --local` makes it: every request a recorded
         run in `store`."""
         return cls(cfg, prepare(RunSpec(GenConfig(""), model=model, weights=weights), store), store,
-                   max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model, weights=weights)
+                   max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model, weights=weights,
+                   prefix_cache_bytes=prefix_cache_bytes)
 
     def rtt_ms(self) -> None:
         return None  # no network between the sweep and the engine
@@ -77,13 +80,21 @@ class LocalTarget:
 
     def options(self) -> dict:
         """The command-line options that make this target again (stored with the sweep, for --from-sweep)."""
-        budget = self.settings["kv_budget_bytes"]
+        mib = {key: self.settings[key + "_bytes"] / 2**20 if self.settings[key + "_bytes"] is not None else None
+               for key in ("kv_budget", "prefix_cache")}
         return {"local": True, "model": self.model_option, "weights": self.weights_option,
-                "max_batch": self.settings["max_batch"],
-                "kv_budget_mb": budget / 2**20 if budget is not None else None}
+                "max_batch": self.settings["max_batch"], "kv_budget_mb": mib["kv_budget"],
+                "prefix_cache_mb": mib["prefix_cache"]}
 
-    def snapshot(self) -> None:
-        return None  # the engine keeps no server-side histograms; every request's run holds its own figures
+    def snapshot(self) -> dict | None:
+        """The prompt tokens the kept prompts were asked for and supplied so far (counted as vLLM's prefix cache
+        counts them); None without kept prompts. The engine keeps no histograms: every request's run holds its
+        own figures."""
+        prefixes = self.engine.engine.prefixes
+        if prefixes is None:
+            return None
+        return {LOCAL_PREFIX_CACHE["queries"]: prefixes.queried_tokens,
+                LOCAL_PREFIX_CACHE["hits"]: prefixes.reused_tokens}
 
     def gauges(self, timeout_s: float) -> dict:
         """Sequences decoding and waiting for a slot now, and, under a KV budget, the share of it reserved."""

@@ -63,9 +63,9 @@ class LocalEngine:
     """A BatchEngine stepped by a thread of its own; submit() from any thread."""
 
     def __init__(self, lm, store=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
-                 kv_dtype: str = "auto", template: GenConfig | None = None):
+                 kv_dtype: str = "auto", template: GenConfig | None = None, prefix_cache_bytes: int | None = None):
         self.engine = BatchEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, prefix_cache_bytes=prefix_cache_bytes)
         self.template = template or GenConfig("", kv_dtype=kv_dtype)
         self.error: BaseException | None = None  # the last step failure (its runs ended with it)
         self._inbox: list[tuple[GenConfig, Handle, int, str | None]] = []

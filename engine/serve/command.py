@@ -12,8 +12,8 @@ from engine.errors import UserError
 LOAD_OPTIONS = frozenset({
     "--api-key-env", "--burstiness", "--concurrency", "--deadline", "--duration", "--endpoint", "--input-tokens",
     "--kv-budget-mb", "--length-spread", "--local", "--max-batch", "--max-concurrency", "--max-new-tokens", "--model",
-    "--output-tokens", "--prompts", "--rate", "--requests", "--seed", "--served-model", "--shared-prefix-tokens",
-    "--slo", "--temperature", "--timeout", "--warmup", "--weights"})
+    "--output-tokens", "--prefix-cache-mb", "--prompts", "--rate", "--requests", "--seed", "--served-model",
+    "--shared-prefix-tokens", "--slo", "--temperature", "--timeout", "--warmup", "--weights"})
 SWEEP_RENAMED = {"rates": "--rate"}  # a load sweep's config keys whose option is not their own name
 
 

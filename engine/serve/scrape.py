@@ -24,6 +24,8 @@ VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:
                  "prompt_tokens": "vllm:prompt_tokens", "generation_tokens": "vllm:generation_tokens"}
 # the prefix cache's counters, in prompt tokens: looked up in the cache, and found there
 PREFIX_CACHE = {"queries": "vllm:prefix_cache_queries", "hits": "vllm:prefix_cache_hits"}
+# the same counted by the local engine's kept prompts (engine.run.load_target.LocalTarget.snapshot)
+LOCAL_PREFIX_CACHE = {"queries": "tokenpath:prefix_cache_queries", "hits": "tokenpath:prefix_cache_hits"}
 PREFIX_CACHE_COLUMNS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
 
 
@@ -104,11 +106,14 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
 
 def prefix_cache(before: dict | None, after: dict | None) -> dict | None:
     """The prompt tokens the prefix cache was asked for and found between two scrapes, and the share
-    found; None when either scrape lacks vLLM's counters or they went back (a restarted server)."""
-    if not before or not after or any(f not in before or f not in after for f in PREFIX_CACHE.values()):
+    found; None when either scrape lacks vLLM's counters (or the local engine's) or they went back (a restarted
+    server)."""
+    names = next((n for n in (PREFIX_CACHE, LOCAL_PREFIX_CACHE)
+                  if before and after and all(f in before and f in after for f in n.values())), None)
+    if names is None:
         return None
-    queries = after[PREFIX_CACHE["queries"]] - before[PREFIX_CACHE["queries"]]
-    hits = after[PREFIX_CACHE["hits"]] - before[PREFIX_CACHE["hits"]]
+    queries = after[names["queries"]] - before[names["queries"]]
+    hits = after[names["hits"]] - before[names["hits"]]
     if queries < 0 or hits < 0:
         return None
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,

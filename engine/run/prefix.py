@@ -1,0 +1,105 @@
+"""Prompt openings kept for reuse: the keys and values of prompts the batch engine prefilled, so that a later request
+that opens with the same tokens starts from a copy of them and prefills only the rest, as vLLM's automatic prefix
+caching and SGLang's radix cache do. A request that repeats a kept prompt whole prefills nothing: its last prompt
+token, which gives its first output token, joins the next batched decode. The entries are copies (a sequence's own
+cache grows and is freed as it runs), kept least recently used first out, within a number of bytes.
+
+Each position's keys and values are those of the tokens before it, whichever sequence computed them, so a reused
+opening is the one the request would compute alone, to the bit where the products do not depend on the rows beside
+them; its remaining tokens then run as a prefill chunk does after an earlier chunk (a single one as a decode step)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from transformers.cache_utils import DynamicLayer
+
+from engine.model.lean import start_with_room
+
+BLOCK = 16  # openings are looked up a block of tokens at a time, then extended token by token
+
+
+def reusable(kinds: list[tuple[type, dict]]) -> bool:
+    """Whether caches of these layers (engine.model.lean.cache_layer_kinds) keep every position, so an opening can be
+    copied from one to another (a sliding window's layer keeps only its last ones)."""
+    return all(kind is DynamicLayer for kind, _ in kinds)
+
+
+class Prefixes:
+    """Kept prompts' keys and values, within capacity_bytes (bytes_per_position each position)."""
+
+    def __init__(self, capacity_bytes: int, bytes_per_position: int):
+        self.capacity, self.per_position = capacity_bytes, bytes_per_position
+        self.entries: OrderedDict[tuple[int, ...], list[tuple]] = OrderedDict()  # least recently used first
+        self.index: dict[tuple[int, ...], tuple[int, ...]] = {}  # each entry's block openings and whole ids
+        self.positions = 0
+        self.queried_tokens = self.hits = self.reused_tokens = 0  # as vLLM counts its prefix cache's (in tokens)
+
+    @property
+    def bytes(self) -> int:
+        return self.positions * self.per_position
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def longest(self, ids: list[int]) -> tuple[tuple[int, ...] | None, int]:
+        """The kept entry that opens with the most of ids, and how many of its tokens it shares (0: none)."""
+        best = self.index.get(tuple(ids))  # an entry that opens with all of ids
+        if best is not None:
+            return best, len(ids)
+        blocks = 0
+        while (blocks + 1) * BLOCK <= len(ids) and (found := self.index.get(tuple(ids[:(blocks + 1) * BLOCK]))):
+            best, blocks = found, blocks + 1
+        if best is None:
+            return None, 0
+        shared, most = blocks * BLOCK, min(len(best), len(ids))
+        while shared < most and best[shared] == ids[shared]:
+            shared += 1
+        return best, shared
+
+    def reuse(self, ids: list[int], cache) -> int:
+        """Start the empty cache with the longest kept opening of ids, leaving at least its last token to compute
+        (its logits give the next token); the positions it holds now."""
+        entry, shared = self.longest(ids)
+        shared = min(shared, len(ids) - 1)
+        self.queried_tokens += len(ids)
+        if shared <= 0:
+            return 0
+        self.entries.move_to_end(entry)
+        for layer, (keys, values) in zip(cache.layers, self.entries[entry]):
+            start_with_room(layer, keys[:, :, :shared], values[:, :, :shared])
+        self.hits += 1
+        self.reused_tokens += shared
+        return shared
+
+    def keep(self, ids: list[int], cache, room_bytes: int | None = None) -> None:
+        """Keep a copy of the prefilled cache's first len(ids) positions, unless a kept entry holds them already;
+        the least recently used entries make way, within the capacity and room_bytes (what a KV budget leaves)."""
+        key = tuple(ids)
+        if self.longest(ids)[1] == len(key):
+            return
+        limit = self.capacity if room_bytes is None else min(self.capacity, room_bytes)
+        need = len(key) * self.per_position
+        if need > limit:
+            return
+        while self.entries and self.bytes + need > limit:
+            self.evict()
+        self.entries[key] = [(layer.keys[:, :, :len(key)].clone(), layer.values[:, :, :len(key)].clone())
+                             for layer in cache.layers]
+        self.positions += len(key)
+        for opening in self._openings(key):
+            self.index[opening] = key
+
+    def evict(self) -> bool:
+        """Drop the least recently used entry; False when none is kept."""
+        if not self.entries:
+            return False
+        key, _ = self.entries.popitem(last=False)
+        self.positions -= len(key)
+        for opening in self._openings(key):
+            if self.index.get(opening) is key:  # else a later entry holds it too
+                del self.index[opening]
+        return True
+
+    @staticmethod
+    def _openings(key: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [key[:blocks * BLOCK] for blocks in range(1, len(key) // BLOCK + 1)] + [key]

@@ -1,0 +1,148 @@
+"""Prompt prefixes kept for reuse in the batch engine: a later request that opens with a kept prompt's tokens starts
+from a copy of its cache, prefills only the rest, and gets the tokens it gets alone; the kept prompts stay within
+their bytes and make way for a KV budget; load --local takes the switch and refuses it where it cannot apply."""
+import json
+
+import pytest
+
+from engine.model.lean import CACHE_ROOM
+from engine.run.batch import BatchEngine
+from engine.run.prefix import BLOCK
+from engine.spec import GenConfig
+from engine.store.db import Store
+from engine.switches.quant import quantize
+from commands import run_engine
+
+MIB = 2**20
+# a prompt of several blocks, a second that shares its first two blocks and then differs
+OPENING = "Tell me a story about a lighthouse keeper who finds a message in a bottle on a stormy night " * 2
+
+
+def sampled(prompt: str, seed: int = 7, tokens: int = 10) -> GenConfig:
+    return GenConfig(prompt=prompt, max_new_tokens=tokens, ignore_eos=True, temperature=1.0, seed=seed)
+
+
+def one_by_one(engine: BatchEngine, cfgs: list[GenConfig]) -> list:
+    """Each request submitted once the one before it has finished, so that every later one can find it kept."""
+    seqs = []
+    for cfg in cfgs:
+        seqs.append(engine.submit(cfg))
+        engine.run()
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def int8_dyn(tiny_lm):
+    return quantize(tiny_lm, "int8-dyn")
+
+
+@pytest.mark.parametrize("level", ["int8-dyn", "fp32"])
+def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_gets_alone(tiny_lm, int8_dyn, level,
+                                                                                          calibration):
+    lm = int8_dyn if level == "int8-dyn" else tiny_lm
+    plain = one_by_one(BatchEngine(lm, max_batch=2, calibration=calibration), [sampled(OPENING)])[0]
+    engine = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    first, again = one_by_one(engine, [sampled(OPENING), sampled(OPENING)])
+    n = len(first.prompt_ids)
+    assert (first.reused, again.reused) == (0, n - 1)
+    assert again.steps[0]["kind"] == "prefill" and again.steps[0]["n_input"] == 1
+    assert again.steps[0]["context_len"] == n and again.result["prefix_reused_tokens"] == n - 1
+    # the reused positions hold what the request computes alone: its sampled tokens are the same
+    assert again.token_ids == first.token_ids == plain.token_ids
+    assert (engine.prefixes.hits, engine.prefixes.reused_tokens, len(engine.prefixes)) == (1, n - 1, 1)
+    assert engine.prefixes.bytes == n * engine.shape.kv_bytes_per_token
+
+
+def test_a_prompt_that_shares_an_opening_reuses_it_block_by_block_then_token_by_token(int8_dyn, calibration):
+    engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    other = OPENING + "Then tell me another about a baker."
+    kept, longer = one_by_one(engine, [sampled(OPENING), sampled(other, seed=3)])
+    shared = next(i for i, (a, b) in enumerate(zip(kept.prompt_ids, longer.prompt_ids)) if a != b)
+    assert shared > BLOCK and shared % BLOCK  # past whole blocks, then token by token
+    assert longer.reused == shared and longer.steps[0]["n_input"] == len(longer.prompt_ids) - shared
+    alone = one_by_one(BatchEngine(int8_dyn, max_batch=2, calibration=calibration), [sampled(other, seed=3)])[0]
+    assert longer.token_ids == alone.token_ids
+    assert len(engine.prefixes) == 2  # it is kept as well: its tail is its own
+
+
+def test_kept_prompts_stay_within_their_bytes_least_recently_used_first_out(int8_dyn, calibration):
+    prompts = ["Name three rivers in Europe", "Write a haiku about a kettle that sings", "Count the stars tonight"]
+    measure = BatchEngine(int8_dyn, calibration=calibration)
+    per_position = measure.shape.kv_bytes_per_token
+    n = [len(measure.check(sampled(p))) for p in prompts]
+    room = (max(n[0], n[1]) + n[2]) * per_position  # the last two at most, never all three
+    assert sum(n) * per_position > room
+    engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefix_cache_bytes=room)
+    one_by_one(engine, [sampled(p) for p in prompts])
+    kept = list(engine.prefixes.entries)
+    assert kept == [tuple(measure.check(sampled(p))) for p in prompts[1:]]
+    assert engine.prefixes.bytes == (n[1] + n[2]) * per_position <= room
+    assert all(entry in kept for entry in engine.prefixes.index.values())  # nothing points at the one let go
+    again = one_by_one(engine, [sampled(prompts[2])])[0]
+    assert again.reused == len(again.prompt_ids) - 1
+
+
+def test_kept_prompts_make_way_for_running_sequences_under_a_kv_budget(int8_dyn, calibration):
+    per_position = BatchEngine(int8_dyn, calibration=calibration).shape.kv_bytes_per_token
+    engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB,
+                         kv_budget_bytes=2 * CACHE_ROOM * per_position)
+    one_by_one(engine, [sampled("Count the stars")])
+    assert len(engine.prefixes) == 1
+    pair = [engine.submit(sampled(p)) for p in ("Name three rivers in Europe", "Write a haiku about a kettle")]
+    engine.run()
+    # the two ran side by side, in the whole budget: the kept prompt was let go rather than either waiting
+    assert [s.status for s in pair] == ["ok", "ok"] and all(s.result["batch_max"] == 2 for s in pair)
+    assert len(engine.prefixes) == 0 and engine.prefixes.bytes == 0
+
+
+def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(default_lm, calibration):
+    lm = quantize(default_lm, "int8-dyn")
+    prompt = "Explain in two sentences why the sky is blue."
+    engine = BatchEngine(lm, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    first = one_by_one(engine, [sampled(prompt, tokens=16)])[0]
+    # three at once find it kept: their last prompt tokens prefill side by side, then decode together
+    three = [engine.submit(sampled(prompt, seed=7, tokens=16)) for _ in range(3)]
+    engine.run()
+    assert all(s.reused == len(s.prompt_ids) - 1 and s.token_ids == first.token_ids for s in three)
+    for seq in three:
+        total = seq.result["total_ms"]
+        assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)
+
+
+def test_load_local_takes_the_prefix_cache_and_refuses_it_where_it_cannot_apply(tiny_folder, tmp_path):
+    db = tmp_path / "t.duckdb"
+    common = ["load", "--local", "--model", str(tiny_folder), "--concurrency", "2", "--requests", "4",
+              "--max-new-tokens", "3", "--db", str(db), "--json"]
+    done = run_engine(*common, "--prefix-cache-mb", "8")
+    assert done.returncode == 0, done.stderr
+    store = Store(db)
+    runs = store.query("SELECT config, metrics FROM runs ORDER BY run_id")
+    assert all(json.loads(c)["prefix_cache_bytes"] == 8 * MIB for c in runs["config"])
+    reused = [json.loads(m)["prefix_reused_tokens"] for m in runs["metrics"]]
+    assert reused[0] == 0 and max(reused) > 0  # the later ones open as the first did
+    sweep = json.loads(store.query("SELECT config FROM load_sweeps")["config"].iloc[0])
+    assert sweep["prefix_cache_mb"] == 8  # --from-sweep makes it again with the same cache
+    for bad, said in ((["--prefix-cache-mb", "0"], "--prefix-cache-mb must be a positive number of MiB"),
+                      (["--prefix-cache-mb", "nan"], "--prefix-cache-mb must be a positive number of MiB")):
+        refused = run_engine(*common, *bad)
+        assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr
+    served = run_engine("load", "--endpoint", "http://127.0.0.1:9", "--prefix-cache-mb", "8", "--db", str(db))
+    assert served.returncode == 2 and "server keeps its own" in served.stderr
+
+
+def test_under_a_budget_that_preempts_kept_prompts_never_crowd_it_and_every_sequence_decodes_as_alone(
+        int8_dyn, calibration):
+    prompts = ["Name three rivers in Europe and say which is longest", "Count the stars", "Hi",
+               "Write a haiku about a kettle that sings in the morning before anyone wakes"]
+    per_position = BatchEngine(int8_dyn, calibration=calibration).shape.kv_bytes_per_token
+    budget = 3 * CACHE_ROOM * per_position
+    engine = BatchEngine(int8_dyn, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB,
+                         kv_budget_bytes=budget)
+    seqs = [engine.submit(sampled(p, seed=i, tokens=150 + 10 * i)) for i, p in enumerate(prompts)]
+    while engine.step():
+        assert engine.reserved_bytes + engine.prefixes.bytes <= budget
+    assert engine.preemptions >= 2
+    plain = BatchEngine(int8_dyn, max_batch=1, calibration=calibration)
+    for seq in seqs:
+        assert len([s for s in seq.steps if s["kind"] == "recompute"]) == seq.preemptions
+        assert seq.status == "ok" and seq.token_ids == one_by_one(plain, [seq.cfg])[0].token_ids
