@@ -15,19 +15,22 @@ eight sequences, and the per-sequence share four times would take.
 Under load, the same identical request (the prompt, --tokens new tokens, greedy) goes out at each concurrency of
 --load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
 engine in process at each level of --levels (its batch cap --load's largest level, at most the engine's largest
-batch, beyond which requests wait in its queue), and, with --peers, to vLLM's CPU build
+batch, beyond which requests wait in its queue), with --prefix-cache-mb also keeping prompts for reuse as vLLM does
+by default, and, with --peers, to vLLM's CPU build
 (started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python, `make peers`) on the same
 model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time per output token
 within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the last level before
 the first that fails, where a level that fails is measured once more at once and counts as failing only when it
-fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search early).
-Beside it, the most requests a second each finished at any level, as the FLOP rate of the model's forwards that is,
-against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof each engine
-runs when it is saturated, which bounds how far apart the concurrencies they hold can be.
+fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search early);
+the levels beyond it are not measured.
+Beside it, the most requests a second each finished at a level measured, as the FLOP rate of the model's forwards
+that is, against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof
+each engine runs when it is saturated, which bounds how far apart the concurrencies they hold can be.
 Writes bench/results/batching.md.
 
     .venv/bin/python bench/batching.py [--tokens 48] [--rounds 3] [--batches 1,2,4,8] [--levels fp32,int4-dyn]
         [--load 1,2,4,8,16] [--load-requests 16] [--load-rounds 1] [--peers vllm,llamacpp | --no-peers] [--threads 2]
+        [--prefix-cache-mb 256]
 """
 import argparse
 import contextlib
@@ -113,9 +116,10 @@ def holds(level: dict) -> bool:
             and ttft <= TTFT_MS and tpot <= TPOT_MS)
 
 
-def highest_load(levels: list[dict], again) -> int:
+def highest_load(levels, again) -> int:
     """The highest concurrency that holds the target, a failing level measured `again` before it counts as failing
-    (bench/common.py highest_holding); 0 where even the first level does not hold."""
+    (bench/common.py highest_holding; levels may be measured as they are asked for); 0 where even the first level
+    does not hold."""
     best = highest_holding(levels, holds, again)
     return best["concurrency"] if best else 0
 
@@ -126,22 +130,34 @@ def load_config(args, endpoint: str | None, concurrency: list[int] | None = None
                        poll_s=0.5)
 
 
-def measure_again(args, store, name: str, url: str | None, target, notes: list[str]):
-    """A failing level's second measurement: the same concurrency swept once more on its own (a line in `notes`
-    says how it ended)."""
+def search(args, store, name: str, url: str | None, target, notes: list[str]) -> tuple[int, list[dict]]:
+    """The highest concurrency of --load the runner holds and the levels measured: each level swept on its own in
+    rising order, a failing one once more at once (a line in `notes` says how it ended), the search ending at the
+    first that fails again (the levels beyond it are not measured)."""
+    measured = []
+
+    def sweep(concurrency: int) -> dict:
+        return Sweep(load_config(args, url, [concurrency]), store, target=target).run()["levels"][0]
+
+    def levels():
+        for concurrency in args.load:
+            measured.append(sweep(concurrency))
+            yield measured[-1]
+
     def again(level: dict) -> dict:
-        once_more = Sweep(load_config(args, url, [level["concurrency"]]), store, target=target).run()["levels"][0]
+        measured[-1] = sweep(level["concurrency"])
         notes.append(f"{name}: concurrency {level['concurrency']} failed the target, measured again: "
-                     f"{'held' if holds(once_more) else 'failed again'}")
-        return once_more
-    return again
+                     f"{'held' if holds(measured[-1]) else 'failed again'}")
+        return measured[-1]
+    return highest_load(levels(), again), measured
 
 
-def request_gflop(lm, prompt_tokens: int, output_tokens: int) -> float:
-    """GFLOP of one request's forwards as the model's shapes count them (products and attention): the prompt's, its
-    head for the last position alone, then one a further output token over the cache it grows."""
+def request_gflop(lm, prompt_tokens: int, output_tokens: int, reused: float = 0) -> float:
+    """GFLOP of one request's forwards as the model's shapes count them (products and attention): the prompt's (less
+    the `reused` tokens a prefix cache supplied), its head for the last position alone, then one a further output
+    token over the cache it grows."""
     shape = model_shape(lm.model)
-    flops = forward_work(shape, prompt_tokens, 0).flops
+    flops = forward_work(shape, prompt_tokens - reused, reused).flops
     flops += sum(forward_work(shape, 1, prompt_tokens + i).flops for i in range(output_tokens - 1))
     return flops / 1e9
 
@@ -159,13 +175,16 @@ def arithmetic_peak(arithmetic: str, calibration: dict) -> tuple[str, float] | N
     return None
 
 
-def at_most_line(levels: list[dict], gflop: float, arithmetic: str, calibration: dict) -> str:
-    """The most requests a second a runner finished at any level, the FLOP rate that is, and its share of the
-    calibrated rate of the runner's arithmetic."""
+def at_most_line(levels: list[dict], gflop_of, arithmetic: str, calibration: dict) -> str:
+    """The most requests a second a runner finished at any level it was measured at, the FLOP rate that is
+    (gflop_of(reused): a request's GFLOP where its prefix cache supplied `reused` prompt tokens on average, as the
+    runner counts them), and its share of the calibrated rate of the runner's arithmetic."""
     top = max(levels, key=lambda level: level["requests_per_s"] or 0)
-    rate = (top["requests_per_s"] or 0) * gflop
+    reused = (top.get("prefix_cache_hits") or 0) / max(top["completed"], 1)
+    rate = (top["requests_per_s"] or 0) * gflop_of(reused)
     line = (f"at its most: {top['requests_per_s'] or 0:.2f} requests a second ({top['concurrency']} at once), "
-            f"{rate:.0f} GFLOP/s of the model's forwards")
+            f"{rate:.0f} GFLOP/s of the model's forwards"
+            + (f" (its prefix cache supplied {reused:.1f} tokens of a prompt)" if reused else ""))
     peak = arithmetic_peak(arithmetic, calibration)
     if peak is None:
         return f"{line}; no calibrated rate of {arithmetic} here to set it against"
@@ -179,12 +198,18 @@ def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     if "vllm" in args.peers:
         try:
             vllm_python()
-            server = VLLMServer(dtype="bfloat16", threads=args.threads)
-            t0 = time.monotonic()
-            urls["vLLM bf16"] = server.start()
-            stack.callback(server.stop)
-            print(f"vLLM's CPU build (bf16, {args.threads} OpenMP threads) started in {time.monotonic() - t0:.0f} s; "
-                  f"idle, it takes {idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
+            # its CPU build caches prompts in whole blocks of 128 tokens by default, none of a shorter prompt: where
+            # the local engine keeps prompts, vLLM is measured with 32-token blocks as well
+            blocks = {"vLLM bf16": []} | ({"vLLM bf16, 32-token blocks": ["--block-size", "32"]}
+                                          if args.prefix_cache_mb else {})
+            for name, extra in blocks.items():
+                server = VLLMServer(dtype="bfloat16", threads=args.threads, extra_args=extra)
+                t0 = time.monotonic()
+                urls[name] = server.start()
+                stack.callback(server.stop)
+                print(f"{name}: vLLM's CPU build ({args.threads} OpenMP threads{', ' if extra else ''}"
+                      f"{' '.join(extra)}) started in {time.monotonic() - t0:.0f} s; idle, it takes "
+                      f"{idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
         except VLLMError as exc:
             print(f"vLLM is not measured under load: {exc}")
     if "llamacpp" in args.peers:
@@ -205,38 +230,49 @@ def under_load(args, lm, calibration: dict) -> None:
     engine's figures against each peer's."""
     store = Store(Path(tempfile.mkdtemp(prefix="tokenpath-bench-")) / "batching.duckdb")
     highest, most, tables, notes = {}, {}, {}, []
-    arithmetic = {**PEER_ARITHMETIC, **{f"Tokenpath {w}": "float32" if w == "fp32" else w
-                                        for w in args.levels.split(",")}}
-    gflop = request_gflop(lm, len(prompt_ids(lm, PROMPT, raw=False)), args.tokens)
+    arithmetic = {}
+    n_prompt = len(prompt_ids(lm, PROMPT, raw=False))
+    gflop = request_gflop(lm, n_prompt, args.tokens)
+    prefix_caches = [None] + ([int(args.prefix_cache_mb * 2**20)] if args.prefix_cache_mb else [])
     with contextlib.ExitStack() as stack:
         runners = {}
         for weights in args.levels.split(","):
-            local = local_target(load_config(args, None), store, max_batch=min(max(args.load), MAX_BATCH),
-                                 weights=weights)
-            stack.callback(local.close)
-            runners[f"Tokenpath {weights}"] = (None, local)
+            for prefix_cache in prefix_caches:
+                local = local_target(load_config(args, None), store, max_batch=min(max(args.load), MAX_BATCH),
+                                     weights=weights, prefix_cache_bytes=prefix_cache)
+                stack.callback(local.close)
+                name = f"Tokenpath {weights}" + (", prefix cache" if prefix_cache else "")
+                runners[name] = (None, local)
+                arithmetic[name] = "float32" if weights == "fp32" else weights
         ours = list(runners)
-        runners.update({name: (url, None) for name, url in peer_urls(args, stack).items()})
+        for name, url in peer_urls(args, stack).items():
+            runners[name] = (url, None)
+            arithmetic[name] = PEER_ARITHMETIC[name.split(",")[0]]
         names = list(runners)
         for r in range(args.load_rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 url, target = runners[name]
-                summary = Sweep(load_config(args, url), store, target=target).run()
-                again = measure_again(args, store, f"{name}, round {r + 1}", url, target, notes)
-                highest.setdefault(name, []).append(highest_load(summary["levels"], again))
-                most.setdefault(name, []).append(max(level["requests_per_s"] or 0 for level in summary["levels"]))
-                tables[name] = summary["levels"]
+                held, tables[name] = search(args, store, f"{name}, round {r + 1}", url, target, notes)
+                highest.setdefault(name, []).append(held)
+                most.setdefault(name, []).append(max(level["requests_per_s"] or 0 for level in tables[name]))
     print(f"\nunder load: identical requests ({args.tokens} new tokens, greedy), concurrency {args.load}, "
           f"{args.load_requests} requests a level, {args.load_rounds} round(s); target: p90 first token within "
           f"{TTFT_MS:.0f} ms and p90 time per output token within {TPOT_MS:.0f} ms, every request finished; the "
           "highest level holding it is the last before the first that fails, a failing level measured once more "
-          "and counted as failing only when it fails again; a request's forwards are "
-          f"{gflop:.2f} GFLOP as the model's shapes count them")
+          "and counted as failing only when it fails again, the levels beyond it not measured; a request's "
+          f"forwards are {gflop:.2f} GFLOP as the model's shapes count them, less the prompt tokens a prefix cache "
+          "supplied where the runner counts them (llama.cpp's server does not: its requests count whole); "
+          + (f"'prefix cache': the local engine keeps prefilled prompts ({args.prefix_cache_mb:g} MiB), so a request "
+             "repeating one prefills only its last token; vLLM's CPU build keeps prompts by default too, in whole "
+             "blocks of 128 tokens (none of this prompt's), and is measured with blocks of 32 as well; llama.cpp's "
+             "server reuses what a prompt shares with its slot's last" if args.prefix_cache_mb
+             else "the local engine keeps no prompts for reuse"))
     print("\n".join(["levels measured again:", *notes] if notes else ["no level was measured again"]))
+    gflop_of = lambda reused: request_gflop(lm, n_prompt, args.tokens, reused)  # noqa: E731
     for name in runners:
         print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
               f"highest concurrency holding the target: {highest[name]} (one per round); "
-              f"{at_most_line(tables[name], gflop, arithmetic[name], calibration)}")
+              f"{at_most_line(tables[name], gflop_of, arithmetic[name], calibration)}")
     for mine in ours:
         for name in names[len(ours):]:
             held, theirs = highest[mine], highest[name]
@@ -244,7 +280,7 @@ def under_load(args, lm, calibration: dict) -> None:
             ceiling = " (the highest level tried: a ratio censored there)" if max(args.load) in held + theirs else ""
             rates = ratio(most[name], most[mine]) if min(most[mine] + most[name]) > 0 else "no ratio"
             print(f"{mine} against {name}: highest concurrency {statistics.median(held):g} against "
-                  f"{statistics.median(theirs):g}, {against}{ceiling}; the most requests a second at any level "
+                  f"{statistics.median(theirs):g}, {against}{ceiling}; the most requests a second at a level measured "
                   f"{statistics.median(most[mine]):.2f} against {statistics.median(most[name]):.2f}, {rates}")
 
 
@@ -261,6 +297,9 @@ def main() -> None:
                         help=f"measured under load beside Tokenpath: {', '.join(PEERS)}")
     parser.add_argument("--no-peers", action="store_true", help="the local engine alone under load")
     parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM and llama.cpp")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256,
+                        help="under load, each level also with the local engine keeping prompts for reuse, in this "
+                             "many MiB (0: without only)")
     args = parser.parse_args()
     args.load = [int(c) for c in args.load.split(",")]
     if not all(1 <= c <= 256 for c in args.load):
