@@ -47,6 +47,8 @@ def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_
     assert (first.reused, again.reused) == (0, n - 1)
     assert again.steps[0]["kind"] == "prefill" and again.steps[0]["n_input"] == 1
     assert again.steps[0]["context_len"] == n and again.result["prefix_reused_tokens"] == n - 1
+    # its one token went through the fused decode, which grew the copy in place: one position written
+    assert again.steps[0]["kv_write_bytes"] == engine.shape.kv_bytes_per_token
     # the reused positions hold what the request computes alone: its sampled tokens are the same
     assert again.token_ids == first.token_ids == plain.token_ids
     assert (engine.prefixes.hits, engine.prefixes.reused_tokens, len(engine.prefixes)) == (1, n - 1, 1)
@@ -122,12 +124,28 @@ def test_load_local_takes_the_prefix_cache_and_refuses_it_where_it_cannot_apply(
     assert reused[0] == 0 and max(reused) > 0  # the later ones open as the first did
     sweep = json.loads(store.query("SELECT config FROM load_sweeps")["config"].iloc[0])
     assert sweep["prefix_cache_mb"] == 8  # --from-sweep makes it again with the same cache
-    for bad, said in ((["--prefix-cache-mb", "0"], "--prefix-cache-mb must be a positive number of MiB"),
-                      (["--prefix-cache-mb", "nan"], "--prefix-cache-mb must be a positive number of MiB")):
-        refused = run_engine(*common, *bad)
+    said = "--prefix-cache-mb must be a positive number of MiB"
+    for bad in ("0", "nan", "-4", "1e-9"):  # 1e-9 MiB is no byte at all
+        refused = run_engine(*common, "--prefix-cache-mb", bad)
         assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr
     served = run_engine("load", "--endpoint", "http://127.0.0.1:9", "--prefix-cache-mb", "8", "--db", str(db))
     assert served.returncode == 2 and "server keeps its own" in served.stderr
+
+
+def test_kept_prompts_stay_while_an_arrival_waits_that_letting_them_go_would_not_admit(int8_dyn, calibration):
+    per_position = BatchEngine(int8_dyn, calibration=calibration).shape.kv_bytes_per_token
+    short = "Hi"
+    n_short = len(BatchEngine(int8_dyn, calibration=calibration).check(sampled(short)))
+    engine = BatchEngine(int8_dyn, max_batch=3, calibration=calibration, prefix_cache_bytes=64 * MIB,
+                         kv_budget_bytes=(2 * CACHE_ROOM + n_short) * per_position)
+    one_by_one(engine, [sampled(short, tokens=2)])
+    kept = list(engine.prefixes.entries)
+    three = [engine.submit(sampled(f"Name three rivers in Europe, number {i}", tokens=4)) for i in range(3)]
+    engine.step()
+    # two run in the budget beside the kept prompt; the third would not fit even without it, so it stays
+    assert (len(engine.running), len(engine.queued)) == (2, 1) and list(engine.prefixes.entries) == kept
+    engine.run()
+    assert [s.status for s in three] == ["ok"] * 3
 
 
 def test_under_a_budget_that_preempts_kept_prompts_never_crowd_it_and_every_sequence_decodes_as_alone(

@@ -73,7 +73,7 @@ def budget_bytes(mb: float | None, flag: str = "--kv-budget-mb") -> int | None:
     positive number of MiB."""
     if mb is None:
         return None
-    if not (math.isfinite(mb * 2**20) and mb > 0):
+    if not (math.isfinite(mb * 2**20) and int(mb * 2**20) > 0):
         raise BatchError(f"{flag} must be a positive number of MiB, not {mb:g}.")
     return int(mb * 2**20)
 
@@ -199,7 +199,8 @@ class BatchEngine:
         if self.kv_budget_bytes is None:
             return True
         need = self.reserved_bytes + extra_positions * self.shape.kv_bytes_per_token
-        while self.prefixes is not None and need + self.prefixes.bytes > self.kv_budget_bytes and self.prefixes.evict():
+        while (self.prefixes is not None and need <= self.kv_budget_bytes < need + self.prefixes.bytes
+               and self.prefixes.evict()):
             pass
         return need + (self.prefixes.bytes if self.prefixes is not None else 0) <= self.kv_budget_bytes
 
@@ -371,11 +372,14 @@ class BatchEngine:
         """The sequences' chunks through the model in one forward; a sequence whose prefill it ends takes its
         first token (after a preemption, its next)."""
         t_forward = time.perf_counter_ns()
+        kv_bytes = None  # (read, written), where the forward counted them (one token through the fused decode)
         if len(parts) == 1:
             (seq, chunk), = parts
             extra = {"kv_dtype": self.kv_dtype} if self.kv_dtype is not None else {}
-            logits = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache,
-                                   use_cache=True, logits_to_keep=1, **extra).logits[0, -1:]
+            out = self.lm.model(input_ids=torch.tensor([chunk], device=self.lm.device), cache=seq.cache,
+                                use_cache=True, logits_to_keep=1, **extra)
+            logits = out.logits[0, -1:]
+            kv_bytes = getattr(out, "kv_bytes", None) if seq.filled == seq.reused else None
         else:
             logits = self.lm.model.prefill_batch([chunk for _, chunk in parts], [seq.cache for seq, _ in parts],
                                                  self.kv_dtype)
@@ -401,7 +405,7 @@ class BatchEngine:
             seq.phase = seq.status = "decode"
             self._emit(seq, Outcome(n_input=seq.past - seq.reused, past=seq.reused, drafted=0, accepted=0,
                                     emitted=[token], marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
-                                    batch=len(parts)),
+                                    kv_bytes=kv_bytes, batch=len(parts)),
                        kind="recompute" if seq.preemptions and seq.step else None)
 
     @torch.inference_mode()

@@ -17,7 +17,9 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.model.lean import start_with_room
 
-BLOCK = 16  # openings are looked up a block of tokens at a time, then extended token by token
+# openings are looked up a block of tokens at a time, then extended token by token: a kept prompt shorter than a
+# block is found only when a request repeats it whole
+BLOCK = 16
 
 
 def reusable(kinds: list[tuple[type, dict]]) -> bool:
