@@ -25,7 +25,7 @@ fails again (one noisy level, a spike of other work on the shared cores, does no
 the levels beyond it are not measured.
 Beside it, the most requests a second each finished at a level measured, as the FLOP rate of the model's forwards
 that is, against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof
-each engine runs when it is saturated, which bounds how far apart the concurrencies they hold can be.
+each engine runs near the most load it holds, which bounds how far apart the concurrencies they hold can be.
 Writes bench/results/batching.md.
 
     .venv/bin/python bench/batching.py [--tokens 48] [--rounds 3] [--batches 1,2,4,8] [--levels fp32,int4-dyn]
@@ -195,23 +195,21 @@ def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     """{name: URL} of each requested peer that started (each started once, stopped when `stack` closes); a line
     says why for each that is not measured."""
     urls = {}
-    if "vllm" in args.peers:
+    # vLLM's CPU build caches prompts in whole blocks of 128 tokens by default, none of a shorter prompt: where the
+    # local engine keeps prompts, vLLM is measured with 32-token blocks as well
+    blocks = {"vLLM bf16": []} | ({"vLLM bf16, 32-token blocks": ["--block-size", "32"]} if args.prefix_cache_mb else {})
+    for name, extra in blocks.items() if "vllm" in args.peers else ():
         try:
             vllm_python()
-            # its CPU build caches prompts in whole blocks of 128 tokens by default, none of a shorter prompt: where
-            # the local engine keeps prompts, vLLM is measured with 32-token blocks as well
-            blocks = {"vLLM bf16": []} | ({"vLLM bf16, 32-token blocks": ["--block-size", "32"]}
-                                          if args.prefix_cache_mb else {})
-            for name, extra in blocks.items():
-                server = VLLMServer(dtype="bfloat16", threads=args.threads, extra_args=extra)
-                t0 = time.monotonic()
-                urls[name] = server.start()
-                stack.callback(server.stop)
-                print(f"{name}: vLLM's CPU build ({args.threads} OpenMP threads{', ' if extra else ''}"
-                      f"{' '.join(extra)}) started in {time.monotonic() - t0:.0f} s; idle, it takes "
-                      f"{idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
+            server = VLLMServer(dtype="bfloat16", threads=args.threads, extra_args=extra)
+            t0 = time.monotonic()
+            urls[name] = server.start()
+            stack.callback(server.stop)
+            print(f"{name}: vLLM's CPU build ({args.threads} OpenMP threads{', ' if extra else ''}"
+                  f"{' '.join(extra)}) started in {time.monotonic() - t0:.0f} s; idle, it takes "
+                  f"{idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
         except VLLMError as exc:
-            print(f"vLLM is not measured under load: {exc}")
+            print(f"{name} is not measured under load: {exc}")
     if "llamacpp" in args.peers:
         if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
             print("llama.cpp's server is not measured under load: llama-cpp-python with its server is not installed "
@@ -308,6 +306,8 @@ def main() -> None:
     unknown = set(args.peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peer(s) {', '.join(sorted(unknown))}: choose from {', '.join(PEERS)}")
+    if not 0 <= args.prefix_cache_mb < 2**20:
+        parser.error("--prefix-cache-mb is a number of MiB from 0 (without only) below a tebibyte")
     batches = [int(b) for b in args.batches.split(",")]
     base = load_model()
     variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in args.levels.split(",")}
