@@ -62,7 +62,7 @@ else:
                           "server to start.") == TARGETS[1]
 with st.form("sweep"):
     if local:
-        c = st.columns([3, 2, 1, 2, 2])
+        c = st.columns([3, 2, 2])
         model_id = c[0].text_input("Model", default_model_id(), help="'default', a local folder or a Hugging Face id"
                                    + ("; a shared dashboard runs only the project's own models" if access.shared_mode()
                                       else ""))
@@ -70,9 +70,10 @@ with st.form("sweep"):
                                  help="the level the whole batch runs at (those that run here); "
                                       + "; ".join(f"{n}: {lv.help}" for n, lv in LEVELS.items()))
         max_batch = whole_number_input(c[2], "Max batch", 1, MAX_BATCH, 8, help="sequences decoded together in one step")
-        kv_budget = c[3].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
+        c = st.columns(2)
+        kv_budget = c[0].number_input("KV-cache budget (MiB, 0 = none)", 0.0, 1e6, 0.0, help="KV-cache memory the "
                                       "batch may reserve; arrivals beyond it wait for a slot")
-        prefix_cache = c[4].number_input("Prefix cache (MiB, 0 = off)", 0.0, 1e6, 0.0, help="keep prefilled prompts' "
+        prefix_cache = c[1].number_input("Prefix cache (MiB, 0 = off)", 0.0, 1e6, 0.0, help="keep prefilled prompts' "
                                          "KV cache: a later request opening with a kept prompt's tokens prefills "
                                          "only the rest, as vLLM's prefix caching does (`load --prefix-cache-mb`)")
         st.caption("The engine runs the model at this weight level with its KV cache, as `load --local --weights` "
