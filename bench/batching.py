@@ -46,7 +46,7 @@ from engine.cli.serving import level_table
 from engine.measure import hardware
 from engine.measure.accounting import forward_work, model_shape
 from engine.model.loader import default_gguf_path, load_model
-from engine.run.batch import BatchEngine
+from engine.run.batch import BatchEngine, BatchError, budget_bytes
 from engine.run.generate import GenConfig, Generation, collector_spared
 from engine.run.text import prompt_ids
 from engine.serve.load import Sweep, SweepConfig
@@ -197,7 +197,8 @@ def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     urls = {}
     # vLLM's CPU build caches prompts in whole blocks of 128 tokens by default, none of a shorter prompt: where the
     # local engine keeps prompts, vLLM is measured with 32-token blocks as well
-    blocks = {"vLLM bf16": []} | ({"vLLM bf16, 32-token blocks": ["--block-size", "32"]} if args.prefix_cache_mb else {})
+    blocks = {"vLLM bf16": [], **({"vLLM bf16, 32-token blocks": ["--block-size", "32"]} if args.prefix_cache_bytes
+                                  else {})}
     for name, extra in blocks.items() if "vllm" in args.peers else ():
         try:
             vllm_python()
@@ -230,8 +231,9 @@ def under_load(args, lm, calibration: dict) -> None:
     highest, most, tables, notes = {}, {}, {}, []
     arithmetic = {}
     n_prompt = len(prompt_ids(lm, PROMPT, raw=False))
-    gflop = request_gflop(lm, n_prompt, args.tokens)
-    prefix_caches = [None] + ([int(args.prefix_cache_mb * 2**20)] if args.prefix_cache_mb else [])
+    gflop_of = lambda reused: request_gflop(lm, n_prompt, args.tokens, reused)  # noqa: E731
+    gflop = gflop_of(0)
+    prefix_caches = [None] + ([args.prefix_cache_bytes] if args.prefix_cache_bytes else [])
     with contextlib.ExitStack() as stack:
         runners = {}
         for weights in args.levels.split(","):
@@ -263,10 +265,9 @@ def under_load(args, lm, calibration: dict) -> None:
           + (f"'prefix cache': the local engine keeps prefilled prompts ({args.prefix_cache_mb:g} MiB), so a request "
              "repeating one prefills only its last token; vLLM's CPU build keeps prompts by default too, in whole "
              "blocks of 128 tokens (none of this prompt's), and is measured with blocks of 32 as well; llama.cpp's "
-             "server reuses what a prompt shares with its slot's last" if args.prefix_cache_mb
+             "server reuses what a prompt shares with its slot's last" if args.prefix_cache_bytes
              else "the local engine keeps no prompts for reuse"))
     print("\n".join(["levels measured again:", *notes] if notes else ["no level was measured again"]))
-    gflop_of = lambda reused: request_gflop(lm, n_prompt, args.tokens, reused)  # noqa: E731
     for name in runners:
         print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
               f"highest concurrency holding the target: {highest[name]} (one per round); "
@@ -306,8 +307,11 @@ def main() -> None:
     unknown = set(args.peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peer(s) {', '.join(sorted(unknown))}: choose from {', '.join(PEERS)}")
-    if not 0 <= args.prefix_cache_mb < 2**20:
-        parser.error("--prefix-cache-mb is a number of MiB from 0 (without only) below a tebibyte")
+    try:  # the engine's own check of a MiB count; 0: the local engine without kept prompts only
+        args.prefix_cache_bytes = (budget_bytes(args.prefix_cache_mb, "--prefix-cache-mb") if args.prefix_cache_mb
+                                   else None)
+    except BatchError as exc:
+        parser.error(str(exc))
     batches = [int(b) for b in args.batches.split(",")]
     base = load_model()
     variants = {lv: base if lv == "fp32" else quantize(base, lv) for lv in args.levels.split(",")}
