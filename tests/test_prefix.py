@@ -55,6 +55,36 @@ def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_
     assert engine.prefixes.bytes == n * engine.shape.kv_bytes_per_token
 
 
+@pytest.mark.parametrize("level", ["int8-dyn", "fp32"])
+def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forward(tiny_lm, int8_dyn, level,
+                                                                                  calibration, monkeypatch):
+    lm = int8_dyn if level == "int8-dyn" else tiny_lm
+    engine = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    first = one_by_one(engine, [sampled(OPENING)])[0]
+    running = engine.submit(sampled("Name three rivers in Europe", seed=3))
+    engine.step()  # its prefill
+    forwards = []
+    for name in ("decode_batch", "prefill_batch", "forward"):
+        real = getattr(type(lm.model), name)
+        monkeypatch.setattr(type(lm.model), name, lambda self, *a, real=real, name=name, **k: (
+            forwards.append(name), real(self, *a, **k))[1])
+    again = engine.submit(sampled(OPENING))
+    engine.step()
+    assert forwards == ["decode_batch"]  # its last prompt token and the running sequence's next, in one forward
+    monkeypatch.undo()
+    engine.run()
+    n = len(again.prompt_ids)
+    assert again.steps[0]["kind"] == "prefill" and again.steps[0]["n_input"] == 1 and again.steps[0]["batch"] == 2
+    assert again.steps[0]["context_len"] == n and again.steps[0]["kv_write_bytes"] == engine.shape.kv_bytes_per_token
+    assert running.steps[1]["batch"] == 2
+    alone = one_by_one(BatchEngine(lm, max_batch=2, calibration=calibration),
+                       [sampled("Name three rivers in Europe", seed=3)])[0]
+    assert again.token_ids == first.token_ids and running.token_ids == alone.token_ids
+    for seq in (again, running):
+        total = seq.result["total_ms"]
+        assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)
+
+
 def test_a_prompt_that_shares_an_opening_reuses_it_block_by_block_then_token_by_token(int8_dyn, calibration):
     engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
     other = OPENING + "Then tell me another about a baker."
@@ -102,7 +132,7 @@ def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(defau
     prompt = "Explain in two sentences why the sky is blue."
     engine = BatchEngine(lm, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB)
     first = one_by_one(engine, [sampled(prompt, tokens=16)])[0]
-    # three at once find it kept: their last prompt tokens prefill side by side, then decode together
+    # three at once find it kept: their last prompt tokens go through one decode forward, then decode together
     three = [engine.submit(sampled(prompt, seed=7, tokens=16)) for _ in range(3)]
     engine.run()
     assert all(s.reused == len(s.prompt_ids) - 1 and s.token_ids == first.token_ids for s in three)

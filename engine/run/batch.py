@@ -274,7 +274,8 @@ class BatchEngine:
         return self.finished
 
     def step(self) -> bool:
-        """Admit, prefill up to prefill_chunk prompt tokens, one batched decode. False when nothing was left to do."""
+        """Admit, prefill up to prefill_chunk prompt tokens, one batched decode (which a prefill down to its last
+        prompt token joins). False when nothing was left to do."""
         for seq in [s for s in self.queued + self.running if s.cancel_requested]:
             self._end(seq, "cancelled", "cancelled")
         if not self._make_room():
@@ -283,9 +284,13 @@ class BatchEngine:
             return False
         try:
             decoding = [s for s in self.running if s.phase == "decode"]
-            self._prefill([s for s in self.running if s.phase == "prefill"])
-            if decoding:
-                self._decode(decoding)
+            prefilling = [s for s in self.running if s.phase == "prefill"]
+            # a prefill left with its last token (the rest found kept, or prefilled before) is a decode step:
+            # it joins the decode's forward, which reads the weights once for both
+            joining = [s for s in prefilling if self.kv_dtype is None and 0 < s.filled == len(s.fill_ids) - 1]
+            self._prefill([s for s in prefilling if s not in joining])
+            if decoding or joining:
+                self._decode(decoding, joining)
         except Exception as exc:  # the step failed for every sequence in it: each run ends with the error
             for seq in self.running + self.queued:
                 seq.error = f"{type(exc).__name__}: {exc}"
@@ -391,44 +396,62 @@ class BatchEngine:
             seq.filled += len(chunk)
             if seq.filled == len(seq.fill_ids):
                 ended.append((seq, select_token(row.float().cpu(), seq.cfg, seq.generator)))
-                if self.prefixes is not None and not seq.token_ids:
-                    room = None if self.kv_budget_bytes is None else self.kv_budget_bytes - self.reserved_bytes
-                    self.prefixes.keep(seq.prompt_ids, seq.cache, room)
+                self._keep_prompt(seq)
         t_host = time.perf_counter_ns()
         for seq, token in ended:
-            # the prefill's forwards as one phase, which ended at t_sync; everything else since the request or its
-            # previous step (waiting to be admitted or readmitted, the other sequences' steps between the chunks)
-            # is the host phase: serial waiting. The weights its last forward read were read for every sequence in
-            # it, so it carries its share of them.
-            began = t_sync - seq.prefill_forward_ns
-            seq.past = len(seq.fill_ids)
-            seq.phase = seq.status = "decode"
-            self._emit(seq, Outcome(n_input=seq.past - seq.reused, past=seq.reused, drafted=0, accepted=0,
-                                    emitted=[token], marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
-                                    kv_bytes=kv_bytes, batch=len(parts)),
-                       kind="recompute" if seq.preemptions and seq.step else None)
+            self._prefill_ended(seq, token, t_sync, t_host, kv_bytes, len(parts))
+
+    def _keep_prompt(self, seq: Sequence) -> None:
+        """A fresh prompt's cache, prefilled, kept for the prompts that open as it does."""
+        if self.prefixes is not None and not seq.token_ids:
+            room = None if self.kv_budget_bytes is None else self.kv_budget_bytes - self.reserved_bytes
+            self.prefixes.keep(seq.prompt_ids, seq.cache, room)
+
+    def _prefill_ended(self, seq: Sequence, token: int, t_sync: int, t_host: int, kv_bytes, batch: int) -> None:
+        """The prefill's row and first token (after a preemption, the next). Its forwards are one phase, which
+        ended at t_sync; everything else since the request or its previous step (waiting to be admitted or
+        readmitted, the other sequences' steps between the chunks) is the host phase: serial waiting. The weights
+        its last forward read were read for every sequence in it, so it carries its share of them."""
+        began = t_sync - seq.prefill_forward_ns
+        seq.past = len(seq.fill_ids)
+        seq.phase = seq.status = "decode"
+        self._emit(seq, Outcome(n_input=seq.past - seq.reused, past=seq.reused, drafted=0, accepted=0,
+                                emitted=[token], marks=(seq.t_last, began, began, began, t_sync, t_sync, t_host),
+                                kv_bytes=kv_bytes, batch=batch),
+                   kind="recompute" if seq.preemptions and seq.step else None)
 
     @torch.inference_mode()
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, seqs: list[Sequence], joining: list[Sequence] = ()) -> None:
+        """One forward of the decoding sequences' last tokens and the joining prefills' last prompt tokens."""
+        rows = seqs + list(joining)
+        positions = [s.past for s in seqs] + [s.filled for s in joining]
         t_forward = time.perf_counter_ns()
-        out = self.lm.model.decode_batch([s.token_ids[-1] for s in seqs], [s.past for s in seqs],
-                                         [s.cache for s in seqs], self.kv_dtype)
+        out = self.lm.model.decode_batch([s.token_ids[-1] for s in seqs] + [s.fill_ids[-1] for s in joining],
+                                         positions, [s.cache for s in rows], self.kv_dtype)
         hardware.sync(self.lm.device)
         t_sync = time.perf_counter_ns()
         logits = out.logits if out.logits.dtype == torch.float32 and out.logits.is_cpu else out.logits.float().cpu()
-        tokens = select_tokens(logits, [s.cfg for s in seqs], [s.generator for s in seqs])
-        t_host = time.perf_counter_ns()
-        self.batch_sizes.append(len(seqs))
-        work = batch_decode_work(self.shape, [s.past for s in seqs])
-        whole = (work.bytes_moved, self.attribution.roofline.time_ms(work), (t_sync - t_forward) / 1e6)
+        tokens = select_tokens(logits, [s.cfg for s in rows], [s.generator for s in rows])
         per_token = self.shape.kv_bytes_per_token
+        joined_bytes = []  # a prefill of earlier chunks too: the estimate counts them all
+        for seq, position in zip(joining, positions[len(seqs):]):
+            seq.prefill_forward_ns += t_sync - t_forward
+            joined_bytes.append((per_token * (position + 1), per_token) if seq.filled == seq.reused else None)
+            seq.filled += 1
+            self._keep_prompt(seq)
+        t_host = time.perf_counter_ns()
+        self.batch_sizes.append(len(rows))
+        work = batch_decode_work(self.shape, positions)
+        whole = (work.bytes_moved, self.attribution.roofline.time_ms(work), (t_sync - t_forward) / 1e6)
         for seq, token in zip(seqs, tokens):
             outcome = Outcome(n_input=1, past=seq.past, drafted=0, accepted=0, emitted=[token],
                               marks=(seq.t_last, t_forward, t_forward, t_forward, t_sync, t_sync, t_host),
-                              kv_bytes=(per_token * (seq.past + 1), per_token), batch=len(seqs))
+                              kv_bytes=(per_token * (seq.past + 1), per_token), batch=len(rows))
             seq.past += 1
             seq.forwards.append(whole)
             self._emit(seq, outcome)
+        for seq, token, kv_bytes in zip(joining, tokens[len(seqs):], joined_bytes):
+            self._prefill_ended(seq, token, t_sync, t_host, kv_bytes, len(rows))
 
     def _piece(self, token: int) -> str:
         """The token's text on its own, decoded once per engine: a step of many sequences asks for many."""
