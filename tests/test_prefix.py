@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from engine.model.cpu_kernels import optional_kernel
 from engine.model.lean import CACHE_ROOM
 from engine.run.batch import BatchEngine
 from engine.run.prefix import BLOCK
@@ -47,7 +48,7 @@ def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_
     assert (first.reused, again.reused) == (0, n - 1)
     assert again.steps[0]["kind"] == "prefill" and again.steps[0]["n_input"] == 1
     assert again.steps[0]["context_len"] == n and again.result["prefix_reused_tokens"] == n - 1
-    # its one token went through the fused decode, which grew the copy in place: one position written
+    # its one token was a decode step's row: one position written
     assert again.steps[0]["kv_write_bytes"] == engine.shape.kv_bytes_per_token
     # the reused positions hold what the request computes alone: its sampled tokens are the same
     assert again.token_ids == first.token_ids == plain.token_ids
@@ -58,10 +59,13 @@ def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_
 @pytest.mark.parametrize("level", ["int8-dyn", "fp32"])
 def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forward(tiny_lm, int8_dyn, level,
                                                                                   calibration, monkeypatch):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
     lm = int8_dyn if level == "int8-dyn" else tiny_lm
+    other = sampled("Name three rivers in Europe", seed=3)
     engine = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
     first = one_by_one(engine, [sampled(OPENING)])[0]
-    running = engine.submit(sampled("Name three rivers in Europe", seed=3))
+    running = engine.submit(other)
     engine.step()  # its prefill
     forwards = []
     for name in ("decode_batch", "prefill_batch", "forward"):
@@ -77,12 +81,31 @@ def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forwar
     assert again.steps[0]["kind"] == "prefill" and again.steps[0]["n_input"] == 1 and again.steps[0]["batch"] == 2
     assert again.steps[0]["context_len"] == n and again.steps[0]["kv_write_bytes"] == engine.shape.kv_bytes_per_token
     assert running.steps[1]["batch"] == 2
-    alone = one_by_one(BatchEngine(lm, max_batch=2, calibration=calibration),
-                       [sampled("Name three rivers in Europe", seed=3)])[0]
+    # the other prompt found the chat template's opening kept as well: alone, it finds the same
+    reference = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    alone = one_by_one(reference, [sampled(OPENING), other])[1]
+    assert running.reused == alone.reused > 0
     assert again.token_ids == first.token_ids and running.token_ids == alone.token_ids
     for seq in (again, running):
         total = seq.result["total_ms"]
         assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)
+
+
+def test_a_prompt_whose_chunks_leave_its_last_token_finishes_its_prefill_in_a_decode_forward(int8_dyn, calibration):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    cfg = sampled(OPENING)
+    n = len(BatchEngine(int8_dyn, calibration=calibration).check(cfg))
+    alone = one_by_one(BatchEngine(int8_dyn, max_batch=2, calibration=calibration), [cfg])[0]
+    engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefill_chunk=n - 1)
+    seq = one_by_one(engine, [cfg])[0]
+    first = seq.steps[0]
+    # its row counts the whole prompt, both forwards' time and the bytes the estimate gives for both
+    assert (first["kind"], first["n_input"], first["context_len"], first["batch"]) == ("prefill", n, n, 1)
+    assert first["kv_write_bytes"] == n * engine.shape.kv_bytes_per_token
+    assert len(engine.batch_sizes) == len(seq.token_ids)  # every token came out of a decode forward, the first too
+    assert seq.token_ids == alone.token_ids
+    assert sum(seq.result["distances_ms"].values()) == pytest.approx(seq.result["total_ms"], rel=1e-6, abs=1e-3)
 
 
 def test_a_prompt_that_shares_an_opening_reuses_it_block_by_block_then_token_by_token(int8_dyn, calibration):
@@ -128,6 +151,8 @@ def test_kept_prompts_make_way_for_running_sequences_under_a_kv_budget(int8_dyn,
 
 
 def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(default_lm, calibration):
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
     lm = quantize(default_lm, "int8-dyn")
     prompt = "Explain in two sentences why the sky is blue."
     engine = BatchEngine(lm, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB)

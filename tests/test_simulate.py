@@ -141,6 +141,19 @@ def test_an_engine_with_separate_prefills_runs_each_prefill_then_the_decodes_one
     assert [r["ttft_ms"] for r in fused] == pytest.approx([forward_ms(s, [p, p], [0, 0])] * 2, rel=1e-12)
 
 
+def test_a_prompt_whose_chunks_leave_its_last_token_runs_it_in_the_decode_forward_of_separate_prefills():
+    """Prompts one token past the budget: a first chunk a forward of its own, then the last token a row of the
+    step's decode forward, spending none of the budget, as the local engine runs it."""
+    s, p = setup(), 64
+    work = sim.Workload(requests=2, rate=1e9, prompt_tokens=p + 1, new_tokens=3)
+    first, second = sim.simulate(s, work, sim.Scheduler(max_batched_tokens=p, separate_prefills=True))["requests"]
+    chunk, last = forward_ms(s, [p], [0]), forward_ms(s, [1], [p])
+    # step 2: the second's first chunk (the whole budget), then the first's last token
+    assert first["ttft_ms"] == pytest.approx(chunk + chunk + last, rel=1e-6)
+    # step 3: the second's last token beside the first's decode, in one forward
+    assert second["ttft_ms"] == pytest.approx(2 * chunk + last + forward_ms(s, [1, 1], [p + 1, p]), rel=1e-6)
+
+
 def test_separate_prefills_spend_the_token_budget_on_prefill_tokens_only():
     """A request decoding while another arrives: the newcomer's whole prompt (the budget exactly) still prefills in
     the next step, beside the decode, as the local engine's prefill chunk does."""

@@ -5,7 +5,8 @@ Each iteration: the running sequences first (a decode token each, or their next 
 newest running sequence by recomputation when the KV blocks run out; then waiting requests while the token budget,
 the sequence limit and the blocks allow. A request's first token comes at the end of the step that completes its
 prefill. An engine whose forwards are not fused (the local engine, `separate_prefills`) runs each prefill chunk as a
-forward of its own and then one batched decode, one after another in the step. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
+forward of its own (but a prompt's last token alone, which rides the decode) and then one batched decode, one after
+another in the step. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
 takes the rest (waiting in the queue, steps it sat out)."""
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class Scheduler:
     and how it claims KV blocks: as a sequence grows, preempting when they run out (vLLM), or `reserve_full`, its whole
     prompt and output at admission so nothing is ever evicted (TensorRT-LLM's default GUARANTEED_NO_EVICT).
     `separate_prefills`: a step runs each sequence's prefill chunk as a forward of its own, then one forward of every
-    decoding sequence (engine/run/batch.py); the token budget counts prefill tokens only. `admission_ms`: the time
+    decoding sequence, which a prompt's last token joins where its chunks computed the rest (engine/run/batch.py);
+    the token budget counts the other prefill tokens only. `admission_ms`: the time
     from a request's sending to its entry into the queue (an API server's parsing and tokenizing, the request's trip),
     apart from every step: it counts in the request's TTFT and, as waiting, in its time distance."""
     max_num_seqs: int = 256
@@ -226,8 +228,10 @@ def simulate(setup: Setup, workload: Workload, scheduler: Scheduler = Scheduler(
 
 
 def is_decode(r, n: int) -> bool:
-    """Whether (request, new tokens) is one decode token: a request with its cache up to its last token."""
-    return n == 1 and r.emitted > 0 and r.pending() == 1
+    """Whether (request, new tokens) is one row of a decode: a request with its cache up to its last token (a
+    decode token, or the last of a prompt whose chunks computed the rest, which the local engine runs as a decode
+    row)."""
+    return n == 1 and r.computed > 0 and r.pending() == 1
 
 
 def step_buckets(setup: Setup, batch: list[tuple], scheduler: Scheduler) -> np.ndarray:

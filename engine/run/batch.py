@@ -10,7 +10,10 @@ its cache and putting it back at the front of the queue, to be recomputed (one p
 it has so far, which gives its next token) when memory allows. Then, unless it preempted, it admits the arrivals
 that a free slot and the budget allow, runs up to prefill_chunk prompt tokens of the admitted ones (oldest first, a
 long prompt in chunks over several steps; in one forward where no product depends on the rows beside it,
-LeanLlama.prefill_batch, else one forward a sequence), and one batched decode of every sequence past its prefill.
+LeanLlama.prefill_batch, else one forward a sequence), and one batched decode of every sequence past its prefill. A
+prompt whose cache holds all but its last token (the rest found among the kept prompts, or its earlier chunks) runs
+that token as one more row of the decode, where the KV cache keeps the model's own precision: a decode step in all
+but its row's kind, which no prefill budget counts.
 Sequences join and leave between steps; a cancelled one frees its slot and its cache at the next step. A request too
 long for the budget even alone is refused before it is queued.
 
@@ -285,8 +288,9 @@ class BatchEngine:
         try:
             decoding = [s for s in self.running if s.phase == "decode"]
             prefilling = [s for s in self.running if s.phase == "prefill"]
-            # a prefill left with its last token (the rest found kept, or prefilled before) is a decode step:
-            # it joins the decode's forward, which reads the weights once for both
+            # a prefill left with its last token (the rest found kept, or prefilled before) is a decode step: it
+            # joins the decode's forward, which reads the weights once for both (a cache in another precision goes
+            # through the modules, whose products take the decode's rows together: the prefill stays alone)
             joining = [s for s in prefilling if self.kv_dtype is None and 0 < s.filled == len(s.fill_ids) - 1]
             self._prefill([s for s in prefilling if s not in joining])
             if decoding or joining:
@@ -438,7 +442,6 @@ class BatchEngine:
             seq.prefill_forward_ns += t_sync - t_forward
             joined_bytes.append((per_token * (position + 1), per_token) if seq.filled == seq.reused else None)
             seq.filled += 1
-            self._keep_prompt(seq)
         t_host = time.perf_counter_ns()
         self.batch_sizes.append(len(rows))
         work = batch_decode_work(self.shape, positions)
@@ -451,6 +454,7 @@ class BatchEngine:
             seq.forwards.append(whole)
             self._emit(seq, outcome)
         for seq, token, kv_bytes in zip(joining, tokens[len(seqs):], joined_bytes):
+            self._keep_prompt(seq)  # in its own row's time, not the decoding sequences'
             self._prefill_ended(seq, token, t_sync, t_host, kv_bytes, len(rows))
 
     def _piece(self, token: int) -> str:
