@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from engine.errors import UserError
 from engine.model.cpu_kernels import optional_kernel
-from engine.model.lean import CACHE_ROOM, room_for
+from engine.model.lean import CACHE_ROOM, cache_layer_kinds, new_cache, room_for
+from engine.model.loader import tiny_model
 from engine.run.batch import BatchEngine, BatchError
 from engine.run.generate import Generation
 from engine.run.local import LocalEngine
@@ -658,3 +659,23 @@ def test_a_kill_mid_batch_keeps_every_sequences_tokens(long_tiny_folder, tmp_pat
         assert run["status"] == "interrupted" and run["n_new_tokens"] >= 10
         assert run["n_new_tokens"] == len(store.tokens(run["run_id"]))
         assert set(store.steps(run["run_id"])["batch"]) >= {3}
+
+
+@torch.inference_mode()
+def test_a_rotary_embedding_that_follows_the_length_takes_each_sequence_s_own_in_a_batched_decode():
+    """Dynamic NTK scaling changes the frequencies past the positions the model was made for: a batched decode of a
+    short and a long sequence gives each the logits it gets decoded alone, not the longest one's frequencies."""
+    lm = tiny_model(positions=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    prompts = [[5, 6, 7], list(range(100, 124))]  # the second runs past the 16 positions
+    kinds = cache_layer_kinds(lm.config)
+
+    def prefilled(ids):
+        cache = new_cache(kinds)
+        lm.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        return cache
+
+    alone = [lm.model(input_ids=torch.tensor([[9]]), cache=prefilled(ids), use_cache=True).logits[0, -1]
+             for ids in prompts]
+    together = lm.model.decode_batch([9, 9], [len(ids) for ids in prompts], [prefilled(ids) for ids in prompts])
+    for row, own in zip(together.logits, alone):
+        torch.testing.assert_close(row, own, rtol=1e-4, atol=1e-5)

@@ -412,7 +412,9 @@ class LeanLlama(nn.Module):
         if self._rope_varies():
             if position_ids is None:
                 position_ids = torch.arange(past, past + length, device=x.device)[None]
-            return self.model.rotary_emb(x, position_ids)
+            # each row's own length: the embedding takes a batch's longest for all its rows
+            rows = [self.model.rotary_emb(x, row[None]) for row in position_ids]
+            return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
         table = self._rope_table(x, past + length if position_ids is None else int(position_ids.max()) + 1)
         if position_ids is None:
             return table[0][:, past:past + length], table[1][:, past:past + length]
@@ -470,9 +472,12 @@ class LeanLlama(nn.Module):
         each weight is read once for all of them, and each sequence attends over its own cache, grown
         in place (room for 128 positions at a time). Through the kernels' decode_layers where it applies,
         whose rows are the same to the bit as each sequence decoded alone; else through the modules, the
-        products batched, attention per sequence (another KV precision, a part the call does not read)."""
+        products batched, attention and a rotary embedding that changes with the length per sequence (another
+        KV precision, a part the call does not read, such an embedding)."""
         ids = torch.tensor(token_ids, device=self.model.embed_tokens.weight.device)
-        kernel = optional_kernel() if FUSED_DECODE and ids.is_cpu and kv_dtype is None else None
+        # a rotary embedding that changes with the length takes one table per sequence: through the modules
+        kernel = (optional_kernel() if FUSED_DECODE and ids.is_cpu and kv_dtype is None and not self._rope_varies()
+                  else None)
         plan = self._decode_plan(kernel) if kernel is not None else None
         if (plan is not None and plan.forms is not None and not any(plan.hooks)
                 and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks):

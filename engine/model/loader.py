@@ -214,9 +214,9 @@ def load_model(model_id: str | None = None, device: str | None = None, dtype: st
 
 
 def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward: bool = True,
-               positions: int = 512) -> LoadedModel:
+               positions: int = 512, rope_scaling: dict | None = None) -> LoadedModel:
     """A randomly initialised Llama with the default model's tokenizer and room for `positions`
-    tokens, for fast tests."""
+    tokens (its rotary embedding scaled as rope_scaling says, where given), for fast tests."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
@@ -224,6 +224,7 @@ def tiny_model(seed: int = 0, layers: int = 2, device: str = "cpu", lean_forward
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=positions,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device).eval()
