@@ -100,7 +100,7 @@ def _stream_gbps() -> float:
 def recorded(name: str):
     """Print as usual, and write everything printed to bench/results/<name>.md when the block ends."""
     buffer = io.StringIO()
-    start_gbps = _stream_gbps()
+    start_gbps, commit = _stream_gbps(), _commit()  # the code that runs is the one there as it starts
     with contextlib.redirect_stdout(_Tee(sys.stdout, buffer)):
         yield
     cpu = cpu_facts()
@@ -113,7 +113,7 @@ def recorded(name: str):
              f"- memory: a streaming read of 1 GiB ran at {start_gbps:.1f} GB/s at the start and {_stream_gbps():.1f} "
              "at the end (the load average does not show other machines on the host drawing on the same memory)",
              f"- command: `python {' '.join(sys.argv)}`",
-             f"- commit: {_commit()}", "", "```"]
+             f"- commit: {commit}", "", "```"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text("\n".join(stamp) + "\n" + buffer.getvalue().rstrip() + "\n```\n")
 
