@@ -2,6 +2,7 @@
 from a copy of its cache, prefills only the rest, and gets the tokens it gets alone; the kept prompts stay within
 their bytes and make way for a KV budget; load --local takes the switch and refuses it where it cannot apply."""
 import json
+import random
 
 import pytest
 
@@ -219,3 +220,62 @@ def test_under_a_budget_that_preempts_kept_prompts_never_crowd_it_and_every_sequ
     for seq in seqs:
         assert len([s for s in seq.steps if s["kind"] == "recompute"]) == seq.preemptions
         assert seq.status == "ok" and seq.token_ids == one_by_one(plain, [seq.cfg])[0].token_ids
+
+
+SEEDS = [3, 15, 16, 22]  # preempting, and finding kept prompts whole (their last tokens join a decode)
+WORDS = "lighthouse keeper message bottle stormy night river kettle star haiku count name three".split()
+
+
+def random_requests(rng) -> list[GenConfig]:
+    """OPENING itself, prompts that open as it does, short unrelated ones; outputs short or long, greedy or sampled."""
+    cfgs = []
+    for _ in range(12):
+        draw = rng.random()
+        if draw < 0.5:
+            prompt = OPENING
+        elif draw < 0.8:
+            prompt = OPENING + " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))
+        else:
+            prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))
+        cfgs.append(GenConfig(prompt=prompt, max_new_tokens=rng.choice([rng.randint(1, 40), rng.randint(90, 150)]),
+                              ignore_eos=True, temperature=rng.choice([0.0, 1.0]), seed=rng.randint(0, 5)))
+    return cfgs
+
+
+def mixed_run(lm, calibration, seed: int):
+    """Arrivals at random steps with the prefix cache, a KV budget, prompts in chunks and cancellations; the kept and
+    reserved bytes checked against the budget after every step. (engine, sequences, cancelled ones)."""
+    rng = random.Random(seed)
+    per_position = BatchEngine(lm, calibration=calibration).shape.kv_bytes_per_token
+    budget = rng.choice([3, 4]) * CACHE_ROOM * per_position
+    engine = BatchEngine(lm, max_batch=rng.choice([2, 3, 4]), calibration=calibration, kv_budget_bytes=budget,
+                         prefix_cache_bytes=rng.choice([1, 64]) * MIB, prefill_chunk=rng.choice([7, 16, 33, 256]))
+    waiting, seqs, cancelled = random_requests(rng), [], []
+    while True:
+        if waiting and rng.random() < 0.3:
+            seqs.append(engine.submit(waiting.pop()))
+        if seqs and rng.random() < 0.01:
+            cancelled.append(rng.choice(seqs))
+            cancelled[-1].cancel()
+        stepped = engine.step()
+        assert engine.reserved_bytes + engine.prefixes.bytes <= budget
+        if not stepped and not waiting:
+            return engine, seqs, cancelled
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_arrivals_under_every_switch_at_once_decode_each_sequence_as_alone(int8_dyn, calibration, seed):
+    """Under the prefix cache, a KV budget, prompts in chunks and cancellations at once (these seeds preempt, and
+    find kept prompts whole), every sequence that finishes samples the tokens it samples alone and its buckets sum to
+    its time."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    engine, seqs, cancelled = mixed_run(int8_dyn, calibration, seed)
+    assert engine.preemptions > 0 and any(s.steps and s.steps[0]["n_input"] == 1 for s in seqs)
+    alone = BatchEngine(int8_dyn, max_batch=1, calibration=calibration)
+    for seq in seqs:
+        if seq in cancelled and seq.status == "cancelled":
+            continue
+        assert seq.status == "ok" and seq.token_ids == one_by_one(alone, [seq.cfg])[0].token_ids
+        total = seq.result["total_ms"]
+        assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)
