@@ -6,8 +6,8 @@ newest running sequence by recomputation when the KV blocks run out; then waitin
 the sequence limit and the blocks allow. A request's first token comes at the end of the step that completes its
 prefill. An engine whose forwards are not fused (the local engine, `separate_prefills`) runs each prefill chunk as a
 forward of its own (but a prompt's last token alone, which rides the decode) and then one batched decode, one after
-another in the step. A token's time at this load is split into the buckets of the steps its request was in, and the time distance
-takes the rest (waiting in the queue, steps it sat out)."""
+another in the step. A token's time at this load is split into the buckets of the steps its request was in, and the
+time distance takes the rest (waiting in the queue, steps it sat out)."""
 from __future__ import annotations
 
 import math

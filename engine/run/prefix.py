@@ -1,9 +1,10 @@
 """Prompt openings kept for reuse: the keys and values of prompts the batch engine prefilled, so that a later request
 that opens with the same tokens starts from a copy of them and prefills only the rest, as vLLM's automatic prefix
 caching and SGLang's radix cache do. A request that repeats a kept prompt whole computes only its last prompt token,
-whose logits give its first output token, as one more row of the running decode (engine.run.batch). The entries are copies (a sequence's own cache grows and is freed
-as it runs), kept least recently used first out, within a number of bytes; an opening that a later entry shared and
-took in the index is found again only through that entry while it is kept.
+whose logits give its first output token, as one more row of the running decode (engine.run.batch). The entries are
+copies (a sequence's own cache grows and is freed as it runs), kept least recently used first out, within a number
+of bytes; an opening that a later entry shared and took in the index is found again only through that entry while
+it is kept.
 
 Each position's keys and values are those of the tokens before it, whichever sequence computed them, so a reused
 opening is the one the request would compute alone, to the bit where the products do not depend on the rows beside
