@@ -3,6 +3,7 @@ steps, wait for the KV budget or are preempted and recomputed when it runs out, 
 whose buckets sum to its own time."""
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,11 +93,25 @@ def test_every_sequence_in_a_batch_gets_the_logits_it_gets_alone_to_the_bit(leve
     assert max(s["batch"] for seq in seqs for s in seq.steps) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("level,kv_dtype", [("int4-wo", None), ("fp32", torch.bfloat16)])
-def test_where_the_summation_order_differs_batched_logits_stay_within_a_tolerance(levels, level, kv_dtype):
-    """PyTorch's int4 kernel (int4-wo) and a bf16 cache take another path whose sums may depend on the batch:
-    logits within 1e-2 of the sequence's own, and the first step whose greedy token differs is reported."""
-    worst, diverged = _lockstep_logits(levels[level], PROMPTS, 8, kv_dtype)
+@pytest.mark.parametrize("level,kv_dtype", [("fp32", torch.bfloat16), ("int8-dyn", torch.float16),
+                                            ("int4-dyn", torch.bfloat16)])
+def test_a_half_precision_cache_gives_every_sequence_in_a_batch_its_own_logits_to_the_bit(levels, level, kv_dtype,
+                                                                                         calibration):
+    """The kernels keep the cache in half precision and attend over it in float32, in a batch as alone."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    worst, diverged = _lockstep_logits(levels[level], PROMPTS, 6, kv_dtype)
+    assert worst == 0.0, f"logits differ by up to {worst:g}; greedy tokens first differ at step {diverged}"
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[kv_dtype]
+    cfgs = [replace(sampled(p, 10 + 3 * i, i), kv_dtype=name) for i, p in enumerate(PROMPTS)]
+    for cfg, seq in zip(cfgs, batched(levels[level], cfgs, calibration, kv_dtype=name)):
+        assert seq.status == "ok" and seq.token_ids == alone(levels[level], cfg, calibration), cfg.prompt
+
+
+def test_where_the_summation_order_differs_batched_logits_stay_within_a_tolerance(levels):
+    """PyTorch's int4 kernel (int4-wo) takes rows in blocks whose sums may depend on the batch: logits within 1e-2
+    of the sequence's own, and the first step whose greedy token differs is reported."""
+    worst, diverged = _lockstep_logits(levels["int4-wo"], PROMPTS, 8)
     assert worst < 1e-2, f"logits differ by up to {worst:g}; greedy tokens first differ at step {diverged}"
 
 
@@ -106,12 +121,14 @@ def test_the_default_model_decodes_the_same_tokens_in_a_batch_as_alone(default_l
     if optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
     # int8-dyn's products take AMX tiles for several rows where the CPU has them, its one row the vector path
-    for lm in (default_lm, quantize(default_lm, "int4-dyn"), quantize(default_lm, "int8-dyn")):
-        worst, diverged = _lockstep_logits(lm, PROMPTS, 4)
-        assert worst == 0.0, f"{lm.weights}: logits differ by up to {worst:g}, tokens first at step {diverged}"
-        cfgs = [greedy(p, tokens=16) for p in PROMPTS]
-        for cfg, seq in zip(cfgs, batched(lm, cfgs, calibration, prefill_chunk=4096)):  # all four prompts at once
-            assert seq.token_ids == alone(lm, cfg, calibration), (lm.weights, cfg.prompt)
+    int8 = quantize(default_lm, "int8-dyn")
+    for lm, kv in ((default_lm, "auto"), (quantize(default_lm, "int4-dyn"), "auto"), (int8, "auto"), (int8, "bf16")):
+        worst, diverged = _lockstep_logits(lm, PROMPTS, 4, None if kv == "auto" else torch.bfloat16)
+        assert worst == 0.0, f"{lm.weights}, {kv}: logits differ by up to {worst:g}, tokens first at step {diverged}"
+        cfgs = [greedy(p, tokens=16, kv_dtype=kv) for p in PROMPTS]
+        # all four prompts at once
+        for cfg, seq in zip(cfgs, batched(lm, cfgs, calibration, prefill_chunk=4096, kv_dtype=kv)):
+            assert seq.token_ids == alone(lm, cfg, calibration), (lm.weights, kv, cfg.prompt)
 
 
 @torch.inference_mode()

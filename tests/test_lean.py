@@ -184,6 +184,28 @@ def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch,
     torch.testing.assert_close(out, plain.transpose(1, 2).reshape(batch, 1, heads * dim), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_over_a_half_precision_cache_is_attention_over_its_values_in_float32(dtype):
+    """The kernels widen each cached value as they read it: the same bits as over a float32 copy of the cache, for
+    a decode step and for prompts side by side; keys and values of two types, or of another type, are refused."""
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    g = torch.Generator().manual_seed(1)
+    for batch, length, dim in [(2, 37, 64), (1, 5, 64), (3, 70, 40)]:
+        q = torch.randn(batch, 9, 1, dim, generator=g)
+        k, v = (torch.randn(batch, 3, length, dim, generator=g).to(dtype) for _ in range(2))
+        assert torch.equal(kernel.decode_attention(q, k, v, 0.125),
+                           kernel.decode_attention(q, k.float(), v.float(), 0.125))
+    q = torch.randn(1, 9, 30, 64, generator=g)
+    k, v = (torch.randn(1, 3, 30, 64, generator=g).to(dtype) for _ in range(2))
+    assert torch.equal(kernel.prompt_attention(q, k, v, [12, 18], 0.125),
+                       kernel.prompt_attention(q, k.float(), v.float(), [12, 18], 0.125))
+    for keys, values in ((k, v.float()), (k.to(torch.int8), v.to(torch.int8))):
+        with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+            kernel.prompt_attention(q, keys, values, [30], 0.125)
+
+
 class _CountingKernel:
     """The real extension, counting its decode_layers calls."""
 
@@ -199,15 +221,18 @@ class _CountingKernel:
 
 
 @torch.inference_mode()
-def _prefill_and_steps(model) -> tuple[torch.Tensor, DynamicCache]:
+def _prefill_and_steps(model, kv_dtype=None) -> tuple[torch.Tensor, DynamicCache]:
     cache = DynamicCache(config=model.config)
-    rows = [model(input_ids=IDS[:, :6], cache=cache, use_cache=True).logits[:, -1]]
-    rows += [model(input_ids=IDS[:, i:i + 1], cache=cache, use_cache=True).logits[:, -1] for i in range(6, 10)]
+    rows = [model(input_ids=IDS[:, :6], cache=cache, use_cache=True, kv_dtype=kv_dtype).logits[:, -1]]
+    rows += [model(input_ids=IDS[:, i:i + 1], cache=cache, use_cache=True, kv_dtype=kv_dtype).logits[:, -1]
+             for i in range(6, 10)]
     return torch.cat(rows), cache
 
 
-@pytest.mark.parametrize("level", ["fp32", "int8-wo", "int8-dyn", "int4-wo", "int4-dyn"])
-def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypatch):
+@pytest.mark.parametrize("level,kv_dtype", [("fp32", None), ("int8-wo", None), ("int8-dyn", None), ("int4-wo", None),
+                                            ("int4-dyn", None), ("fp32", torch.bfloat16), ("int8-dyn", torch.float16)])
+def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, kv_dtype, monkeypatch):
+    """A cache in half precision too: the new positions rounded as the modules round them."""
     from engine.switches.quant import quantize
 
     real = optional_kernel()
@@ -216,14 +241,15 @@ def test_a_decode_step_in_one_call_equals_the_modules_to_the_bit(level, monkeypa
     tiny = tiny_model(seed=5, layers=3)
     model = tiny.model if level == "fp32" else quantize(tiny, level).model
     monkeypatch.setattr(lean, "FUSED_DECODE", False)
-    modules, modules_cache = _prefill_and_steps(model)
+    modules, modules_cache = _prefill_and_steps(model, kv_dtype)
     counting = _CountingKernel(real)
     monkeypatch.setattr(lean, "optional_kernel", lambda: counting)
     monkeypatch.setattr(lean, "FUSED_DECODE", True)
-    fused, fused_cache = _prefill_and_steps(model)
+    fused, fused_cache = _prefill_and_steps(model, kv_dtype)
     assert counting.calls == 4  # every decode step; the prefill never
     assert torch.equal(fused, modules)
     for a, b in zip(fused_cache.layers, modules_cache.layers):
+        assert a.keys.dtype == (kv_dtype or torch.float32)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -318,19 +344,19 @@ def test_the_fused_decode_grows_its_cache_in_place_and_a_crop_keeps_it_right(mon
     assert fused_cache.get_seq_length() == 8
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_step_s_cache_bytes_are_what_its_real_caches_moved(fused, calibration, monkeypatch):
+@pytest.mark.parametrize("fused,kv", [(False, "auto"), (True, "auto"), (True, "bf16")])
+def test_a_step_s_cache_bytes_are_what_its_real_caches_moved(fused, kv, calibration, monkeypatch):
     """Attention reads the grown cache; a step writes its new positions, and a cache that moved to new
     storage was also read and written whole: transformers' cache moves on every step, the one-call
-    decode's when its room runs out."""
+    decode's when its room runs out (in float32 or in half precision alike)."""
     if fused and optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
     from engine.measure.accounting import cache_nbytes
     from engine.run.generate import Generation, GenConfig
 
     monkeypatch.setattr(lean, "FUSED_DECODE", fused)
-    gen = Generation(tiny_model(seed=2), GenConfig("A short prompt", raw=True, max_new_tokens=150, ignore_eos=True),
-                     calibration=calibration, telemetry=False)
+    gen = Generation(tiny_model(seed=2), GenConfig("A short prompt", raw=True, max_new_tokens=150, ignore_eos=True,
+                                                   kv_dtype=kv), calibration=calibration, telemetry=False)
     before, storage, moves = 0, None, 0
     for event in gen:
         after, now = cache_nbytes(gen.cache), gen.cache.layers[0].keys.untyped_storage().data_ptr()

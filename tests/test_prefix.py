@@ -20,8 +20,9 @@ MIB = 2**20
 OPENING = "Tell me a story about a lighthouse keeper who finds a message in a bottle on a stormy night " * 2
 
 
-def sampled(prompt: str, seed: int = 7, tokens: int = 10) -> GenConfig:
-    return GenConfig(prompt=prompt, max_new_tokens=tokens, ignore_eos=True, temperature=1.0, seed=seed)
+def sampled(prompt: str, seed: int = 7, tokens: int = 10, kv_dtype: str = "auto") -> GenConfig:
+    return GenConfig(prompt=prompt, max_new_tokens=tokens, ignore_eos=True, temperature=1.0, seed=seed,
+                     kv_dtype=kv_dtype)
 
 
 def one_by_one(engine: BatchEngine, cfgs: list[GenConfig]) -> list:
@@ -57,15 +58,16 @@ def test_a_repeated_prompt_prefills_its_last_token_alone_and_gets_the_tokens_it_
     assert engine.prefixes.bytes == n * engine.shape.kv_bytes_per_token
 
 
-@pytest.mark.parametrize("level", ["int8-dyn", "fp32"])
-def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forward(tiny_lm, int8_dyn, level,
+@pytest.mark.parametrize("level,kv", [("int8-dyn", "auto"), ("fp32", "auto"), ("int8-dyn", "bf16"), ("fp32", "fp16")])
+def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forward(tiny_lm, int8_dyn, level, kv,
                                                                                   calibration, monkeypatch):
+    """In a cache of float32 or of half precision alike (the kernels widen it as they read it)."""
     if optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
     lm = int8_dyn if level == "int8-dyn" else tiny_lm
-    other = sampled("Name three rivers in Europe", seed=3)
-    engine = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
-    first = one_by_one(engine, [sampled(OPENING)])[0]
+    other = sampled("Name three rivers in Europe", seed=3, kv_dtype=kv)
+    engine = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB, kv_dtype=kv)
+    first = one_by_one(engine, [sampled(OPENING, kv_dtype=kv)])[0]
     running = engine.submit(other)
     engine.step()  # its prefill
     forwards = []
@@ -73,7 +75,7 @@ def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forwar
         real = getattr(type(lm.model), name)
         monkeypatch.setattr(type(lm.model), name, lambda self, *a, real=real, name=name, **k: (
             forwards.append(name), real(self, *a, **k))[1])
-    again = engine.submit(sampled(OPENING))
+    again = engine.submit(sampled(OPENING, kv_dtype=kv))
     engine.step()
     assert forwards == ["decode_batch"]  # its last prompt token and the running sequence's next, in one forward
     monkeypatch.undo()
@@ -83,10 +85,11 @@ def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forwar
     assert again.steps[0]["context_len"] == n and again.steps[0]["kv_write_bytes"] == engine.shape.kv_bytes_per_token
     assert running.steps[1]["batch"] == 2
     # the other prompt found the chat template's opening kept as well: alone, it finds the same
-    reference = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB)
-    alone = one_by_one(reference, [sampled(OPENING), other])[1]
+    reference = BatchEngine(lm, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB, kv_dtype=kv)
+    alone = one_by_one(reference, [sampled(OPENING, kv_dtype=kv), other])[1]
     assert running.reused == alone.reused > 0
     assert again.token_ids == first.token_ids and running.token_ids == alone.token_ids
+    assert first.result["kv_dtype"] == ("fp32" if kv == "auto" else kv)
     for seq in (again, running):
         total = seq.result["total_ms"]
         assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)

@@ -135,6 +135,27 @@ def rotate_heads(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, 
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+# Cache precisions the kernels attend over, widening each value to float32 as they read it
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_reads(kv_dtype: torch.dtype | None) -> bool:
+    """Whether the kernels' attention and fused decode read a cache kept in kv_dtype (None: the weights'
+    float32)."""
+    return kv_dtype is None or kv_dtype in KERNEL_CACHE_DTYPES
+
+
+def in_cache_precision(q, k, v, kv_dtype):
+    """q, k and v for a cache kept in kv_dtype (None: as they are): the keys and values rounded to it; the query
+    too, so that attention runs in it, except where the kernels attend (a float32 query on the CPU), which compute
+    in float32 over the rounded values."""
+    if kv_dtype is None:
+        return q, k, v
+    if cpu_kernel(q) is None:
+        q = q.to(kv_dtype)
+    return q, k.to(kv_dtype), v.to(kv_dtype)
+
+
 class LeanAttention(nn.Module):
     def __init__(self, hf_attention, config, layer_idx: int):
         super().__init__()
@@ -154,8 +175,7 @@ class LeanAttention(nn.Module):
             [self.heads, self.kv_heads], dim=1)
         v = qkv[..., (self.heads + self.kv_heads) * self.head_dim:].view(
             batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        if kv_dtype is not None:  # the cache is kept, and attention runs, in this precision
-            q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+        q, k, v = in_cache_precision(q, k, v, kv_dtype)
         if isinstance(cache, Packed):  # several sequences' tokens side by side, each attending over its own cache
             return self.o_proj(self.attend_packed(q, k, v, cache, x.dtype))
         return self.o_proj(self.attend(q, k, v, cache, mask, x.dtype))
@@ -219,6 +239,7 @@ class LeanAttention(nn.Module):
         if kernel is not None and batch == 1 and k.shape[2] == length:  # a prompt with nothing cached before it
             return kernel.prompt_attention(q, k, v, [length], self.scaling).to(dtype)
         causal = mask is None and length > 1
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a cache the kernels widen as they read it, widened here
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
                                              enable_gqa=self.kv_heads != self.heads)
         return out.transpose(1, 2).reshape(batch, length, -1).to(dtype)
@@ -361,7 +382,8 @@ class LeanLlama(nn.Module):
     boolean (new tokens x new tokens) matrix saying which new tokens see which (True = visible),
     and `position_ids` their positions; the cached tokens are visible to all. Speculative
     methods that verify a tree of guesses in one forward use these two. `kv_dtype` keeps keys and
-    values (and runs attention) in another precision than the weights, e.g. bf16 beside fp32."""
+    values in another precision than the weights, e.g. bf16 beside fp32 (attention runs in it, or on the
+    CPU's kernels in float32 over the rounded values)."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -389,8 +411,8 @@ class LeanLlama(nn.Module):
         cache = cache if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
-        if length == 1 and attention_mask is None and position_ids is None and kv_dtype is None and cache is not None:
-            out = self.decode_in_one_call(input_ids, past, cache)
+        if length == 1 and attention_mask is None and position_ids is None and cache is not None:
+            out = self.decode_in_one_call(input_ids, past, cache, kv_dtype)
             if out is not None:
                 return out
         x = self.model.embed_tokens(input_ids)
@@ -440,14 +462,15 @@ class LeanLlama(nn.Module):
         cos, sin = self._rope_table(x, past + 1)
         return cos, sin, past
 
-    def decode_in_one_call(self, input_ids, past: int, cache) -> LeanOutput | None:
+    def decode_in_one_call(self, input_ids, past: int, cache, kv_dtype=None) -> LeanOutput | None:
         """The logits of one new token through the kernels' decode_layers, which computes what the
         modules compute (the embedding, every layer, the last norm, the head), to the bit, in one call
         instead of a dozen per layer, with the bytes its cache moved (it grows each cache in place,
         where transformers' cache concatenates); None where it does not apply: no built extension, a
         part it does not read, an empty or non-float32 cache, a hook on a module or on every module
-        (it would not run)."""
-        kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu else None
+        (it would not run), a cache in a precision other than kv_dtype's (float32 where None) or one the kernels
+        do not read."""
+        kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu and kernel_reads(kv_dtype) else None
         if kernel is None:
             return None
         plan = self._decode_plan(kernel)
@@ -455,7 +478,8 @@ class LeanLlama(nn.Module):
                 or torch_module._global_forward_pre_hooks):
             return None
         caches = [cache.layers[i] for i in plan.layers]
-        if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != torch.float32 for c in caches):
+        if any(type(c) is not DynamicLayer or not c.is_initialized or c.keys.dtype != (kv_dtype or torch.float32)
+               for c in caches):
             return None
         cos, sin, row = self._rope_row(plan.embedding, past)
         logits, copied, read, written = kernel.decode_layers(
@@ -472,17 +496,17 @@ class LeanLlama(nn.Module):
         each weight is read once for all of them, and each sequence attends over its own cache, grown
         in place (room for 128 positions at a time). Through the kernels' decode_layers where it applies,
         whose rows are the same to the bit as each sequence decoded alone; else through the modules, the
-        products batched, attention and a rotary embedding that changes with the length per sequence (another
-        KV precision, a part the call does not read, such an embedding)."""
+        products batched, attention and a rotary embedding that changes with the length per sequence (a KV
+        precision the kernels do not read, a part the call does not read, such an embedding)."""
         ids = torch.tensor(token_ids, device=self.model.embed_tokens.weight.device)
         # a rotary embedding that changes with the length takes one table per sequence: through the modules
-        kernel = (optional_kernel() if FUSED_DECODE and ids.is_cpu and kv_dtype is None and not self._rope_varies()
-                  else None)
+        fused = FUSED_DECODE and ids.is_cpu and kernel_reads(kv_dtype) and not self._rope_varies()
+        kernel = optional_kernel() if fused else None
         plan = self._decode_plan(kernel) if kernel is not None else None
         if (plan is not None and plan.forms is not None and not any(plan.hooks)
                 and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks):
             layers = [[cache.layers[i] for i in plan.layers] for cache in caches]
-            if all(type(c) is DynamicLayer and c.is_initialized and c.keys.dtype == torch.float32
+            if all(type(c) is DynamicLayer and c.is_initialized and c.keys.dtype == (kv_dtype or torch.float32)
                    for per_sequence in layers for c in per_sequence):
                 cos, sin, _ = self._rope_row(plan.embedding, max(positions))
                 flat = [c for per_sequence in layers for c in per_sequence]
@@ -539,13 +563,13 @@ class LeanLlama(nn.Module):
                 [attn.heads, attn.kv_heads], dim=1)
             v = qkv[..., (attn.heads + attn.kv_heads) * attn.head_dim:].view(
                 len(positions), 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
-            if kv_dtype is not None:
-                q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+            q, k, v = in_cache_precision(q, k, v, kv_dtype)
             outs = []
             for b, cache in enumerate(caches):
                 keys, values = append_in_place(cache.layers[layer.layer_idx], k[b:b + 1], v[b:b + 1])
                 read += keys.nbytes + values.nbytes
                 written += 2 * k[b].nbytes
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
                 outs.append(F.scaled_dot_product_attention(q[b:b + 1], keys, values, scale=attn.scaling,
                                                            enable_gqa=attn.kv_heads != attn.heads))
             out = torch.cat(outs).transpose(1, 2).reshape(len(positions), 1, -1).to(x.dtype)

@@ -723,8 +723,9 @@ def local_device(calibration: dict, memory_bytes: float = 2**40, cache_gbps: flo
 def one_call_decode(calibration: dict, weights: str, kv_dtype: str | None = None) -> bool:
     """Whether this machine's decode steps run every layer in one call to the C++ kernels: a float32
     model (the quantized levels among them: their runs compute in float32) or an integer level, with its KV
-    cache in float32, where the calibration timed the kernels' small-rows product (so they were built)."""
-    return (weights in ("fp32", *INTEGER_LEVELS) and kv_dtype in (None, "fp32")
+    cache in float32 or half precision (which the kernels widen as they read it), where the calibration timed
+    the kernels' small-rows product (so they were built)."""
+    return (weights in ("fp32", *INTEGER_LEVELS) and kv_dtype in (None, "fp32", "bf16", "fp16")
             and "small_rows_kernel" in (calibration.get("memory_methods_gbps") or {}))
 
 

@@ -289,9 +289,8 @@ class BatchEngine:
             decoding = [s for s in self.running if s.phase == "decode"]
             prefilling = [s for s in self.running if s.phase == "prefill"]
             # a prefill left with its last token (the rest found kept, or prefilled before) is a decode step: it
-            # joins the decode's forward, which reads the weights once for both (a cache in another precision goes
-            # through the modules, whose products take the decode's rows together: the prefill stays alone)
-            joining = [s for s in prefilling if self.kv_dtype is None and 0 < s.filled == len(s.fill_ids) - 1]
+            # joins the decode's forward, which reads the weights once for both
+            joining = [s for s in prefilling if 0 < s.filled == len(s.fill_ids) - 1]
             self._prefill([s for s in prefilling if s not in joining])
             if decoding or joining:
                 self._decode(decoding, joining)

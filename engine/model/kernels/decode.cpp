@@ -104,29 +104,46 @@ static bool has_room(const at::Tensor& cache, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), head = cache.stride(1);
   return cache.stride(3) == 1 && cache.stride(2) == D && head >= (T + 1) * D && head % D == 0 &&
          cache.stride(0) == KV * head && cache.storage_offset() == 0 &&
-         cache.storage().nbytes() >= static_cast<size_t>(KV * head) * sizeof(float);
+         cache.storage().nbytes() >= static_cast<size_t>(KV * head * cache.element_size());
 }
 
 // cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions after its last.
 static at::Tensor with_room(const at::Tensor& cache, int64_t KV, int64_t D) {
   const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
+  const int64_t size = cache.element_size();
   auto out = cache.new_empty({1, KV, capacity, D}).narrow(2, 0, T);
+  char* to = static_cast<char*>(out.data_ptr());
+  const char* from = static_cast<const char*>(cache.data_ptr());
   for (int64_t g = 0; g < KV; ++g)
     for (int64_t t = 0; t < T; ++t)
-      std::memcpy(out.data_ptr<float>() + g * out.stride(1) + t * D,
-                  cache.data_ptr<float>() + g * cache.stride(1) + t * cache.stride(2), sizeof(float) * D);
+      std::memcpy(to + (g * out.stride(1) + t * D) * size, from + (g * cache.stride(1) + t * cache.stride(2)) * size,
+                  static_cast<size_t>(size * D));
   return out;
 }
 
-// Head g's new row, from row + g * D, written at position T of the cache whose heads start stride apart.
-static void write_position(float* cache, int64_t stride, int64_t T, const float* row, int64_t KV, int64_t D) {
-  for (int64_t g = 0; g < KV; ++g) std::memcpy(cache + g * stride + T * D, row + g * D, sizeof(float) * D);
+// Head g's new row, from row + g * D, written at position T of the cache of E whose heads start stride apart,
+// rounded to nearest even where E is narrower (as a tensor's conversion rounds).
+template <typename E>
+static void write_position(E* cache, int64_t stride, int64_t T, const float* row, int64_t KV, int64_t D) {
+  for (int64_t g = 0; g < KV; ++g)
+    for (int64_t d = 0; d < D; ++d) cache[g * stride + T * D + d] = static_cast<E>(row[g * D + d]);
+}
+
+static void write_position(void* cache, at::ScalarType type, int64_t stride, int64_t T, const float* row, int64_t KV,
+                           int64_t D) {
+  switch (type) {
+    case at::kFloat: return write_position(static_cast<float*>(cache), stride, T, row, KV, D);
+    case at::kBFloat16: return write_position(static_cast<at::BFloat16*>(cache), stride, T, row, KV, D);
+    case at::kHalf: return write_position(static_cast<at::Half*>(cache), stride, T, row, KV, D);
+    default: TORCH_CHECK(false, "a cache of float32, bfloat16 or float16, not ", type);
+  }
 }
 
 // A decode step of B sequences in one call from Python: each one's new token's embedding (ids [B]),
 // every Llama decoder layer, then the last norm and the output head; sequence b's cos and sin are row
 // rows[b] of the rotary tables [1, rows, head_dim], and its caches are keys and values [b * layers + i]
-// (each [1, kv_heads, T_b, head_dim], the lengths free to differ). Every product takes the B rows at
+// (each [1, kv_heads, T_b, head_dim], the lengths free to differ; all float32, or all bfloat16 or float16, which
+// attention widens to float32 as it reads them and the new positions are rounded to). Every product takes the B rows at
 // once, so each weight is read once for all of them; attention runs per sequence over its own caches.
 // The same row functions, in the same order, as the lean forward's modules run one by one, and a row's
 // result does not depend on the rows beside it, so each sequence's logits are the same to the bit as
@@ -168,14 +185,17 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
   // layer: a step that fails part-way leaves every cache as it was, and the layers write each sequence's new
   // position from plain pointers (reading 2 x B tensors' sizes and strides between the products of every layer
   // missed the cache for each). The caches grow by a position all together after the last layer.
-  const int64_t position_bytes = KV * D * static_cast<int64_t>(sizeof(float));
+  const at::ScalarType cache_type = keys.empty() ? at::kFloat : keys[0].scalar_type();
+  TORCH_CHECK(attends_over(cache_type), "the caches keep float32, bfloat16 or float16, not ", cache_type);
+  const int64_t position_bytes = KV * D * static_cast<int64_t>(c10::elementSize(cache_type));
   int64_t cache_read = 0, cache_written = 0;
   std::vector<CacheView> caches(keys.size());
   std::vector<char> moved(keys.size());  // the pair was copied into new storage
   for (size_t c = 0; c < keys.size(); ++c) {
     TORCH_CHECK(keys[c].dim() == 4 && keys[c].size(1) == KV && keys[c].size(3) == D &&
-                    values[c].sizes() == keys[c].sizes() && keys[c].scalar_type() == at::kFloat &&
-                    values[c].scalar_type() == at::kFloat, "a cache is not float32 [1, kv_heads, T, head_dim]");
+                    values[c].sizes() == keys[c].sizes() && keys[c].scalar_type() == cache_type &&
+                    values[c].scalar_type() == cache_type,
+                "a cache is not [1, kv_heads, T, head_dim] of the first one's type");
     const int64_t T = keys[c].size(2);
     for (at::Tensor* cache : {&keys[c], &values[c]}) {
       cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
@@ -186,7 +206,7 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       *cache = with_room(*cache, KV, D);
       moved[c] = 1;
     }
-    caches[c] = {keys[c].data_ptr<float>(), values[c].data_ptr<float>(), T, keys[c].stride(1), values[c].stride(1)};
+    caches[c] = {keys[c].data_ptr(), values[c].data_ptr(), T, keys[c].stride(1), values[c].stride(1)};
   }
   std::vector<CacheView> views(static_cast<size_t>(B));  // each sequence's caches of the layer, attended all together
   // The work row by row between the products, shared by the threads where there are rows enough: with fewer,
@@ -226,11 +246,13 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       float* rot = rotated.data() + b * rotated_heads * D;
       const float* row = fused.data() + b * width;
       rotary_row(row, cos + rows[b] * D, sin + rows[b] * D, rotated_heads, D, rot, D);
-      write_position(const_cast<float*>(cache.keys), cache.k_stride, cache.T, rot + heads * D, KV, D);
-      write_position(const_cast<float*>(cache.values), cache.v_stride, cache.T, row + rotated_heads * D, KV, D);
+      write_position(const_cast<void*>(cache.keys), cache_type, cache.k_stride, cache.T, rot + heads * D, KV, D);
+      write_position(const_cast<void*>(cache.values), cache_type, cache.v_stride, cache.T, row + rotated_heads * D, KV,
+                     D);
       views[b] = {cache.keys, cache.values, cache.T + 1, cache.k_stride, cache.v_stride};
     });
-    attend(rotated.data(), rotated_heads * D, D, views, heads, KV, D, static_cast<float>(scaling), attended.data());
+    attend(rotated.data(), rotated_heads * D, D, views, heads, KV, D, static_cast<float>(scaling), attended.data(),
+           cache_type);
     apply_linear(o, attended.data(), B, heads * D, delta.data());
     each_row([&](int64_t b) { added_and_normed(b, true, norm2, eps, up); });
     const int64_t inner = linear_outputs(up) / 2;

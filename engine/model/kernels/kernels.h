@@ -469,15 +469,19 @@ void int4_dyn_rows(const BlockActivations& a, const uint8_t* wp, const at::Half*
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t H, float* op);
 void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out, int64_t stride);
 void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op, int64_t op_stride = 0);
-// One sequence's cache: key head g's T positions at keys + g * k_stride (values + g * v_stride), D floats each.
+// One sequence's cache: key head g's T positions at keys + g * k_stride (values + g * v_stride), D values each, of
+// the type attend is given.
 struct CacheView {
-  const float* keys;
-  const float* values;
+  const void* keys;
+  const void* values;
   int64_t T, k_stride, v_stride;
 };
-// Query head h of sequence b at qp + b * q_stride + h * head_stride.
+// Query head h of sequence b at qp + b * q_stride + h * head_stride; the caches hold float32, bfloat16 or float16
+// (cache_type), widened to float32 as they are read.
 void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches, int64_t H,
-            int64_t KV, int64_t D, float s, float* op);
+            int64_t KV, int64_t D, float s, float* op, at::ScalarType cache_type = at::kFloat);
+// Whether attend reads caches of this type.
+bool attends_over(at::ScalarType cache_type);
 
 // What bindings.cpp gives Python, each defined in the source named.
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp

@@ -1,5 +1,5 @@
 // The pieces of a Llama layer around its products, float32: rms_norm, rotary, silu_mul, decode_attention
-// (one query row over a KV cache), and argmax over a step's logits.
+// (one query row over a KV cache, which may keep bfloat16 or float16), and argmax over a step's logits.
 #include "kernels.h"
 
 namespace tokenpath {
@@ -193,29 +193,73 @@ at::Tensor silu_mul(at::Tensor x) {
   return out;
 }
 
+// A cached value as float32: a cache keeps float32, bfloat16 or float16, and attention computes in float32 over it
+// (the conversions are exact).
+static inline float widen(float x) { return x; }
+static inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+static inline float widen(at::Half x) { return static_cast<float>(x); }
+// A cached row of n values as float32: the row itself where it holds float32, else widened into `buffer`.
+template <typename E>
+static inline const float* as_floats(const E* row, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<E, float>) return row;
+  for (int64_t i = 0; i < n; ++i) buffer[i] = widen(row[i]);
+  return buffer;
+}
+#if defined(__AVX512F__)
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 widen16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+#if defined(__AVX512F__)
+// sums[j] += weight * the 16 values from v + 16 * j, for j < 4 (a slice of 64).
+template <typename E>
+static inline void add_weighted_slice(__m512* sums, float weight, const E* v) {
+  const __m512 w = _mm512_set1_ps(weight);
+  for (int j = 0; j < 4; ++j) sums[j] = _mm512_fmadd_ps(w, widen16(v + 16 * j), sums[j]);
+}
+#endif
+
 // o[d] = the sum over t of p[t] * v[t * D + d]: in each slice of 64 outputs, the even positions' sum and the odd
 // positions' sum, each added in the order of t, then added together; outputs past the last full slice in one sum
 // in the order of t. A slice keeps its sums in registers over all positions, two sets of chains side by side: each
 // add waits for the one before in its chain, so one set waited on that alone, and summed in o itself each
 // position's add waited for the store of the one before.
-static void weighted_values(const float* p, const float* v, int64_t T, int64_t D, float* o) {
+template <typename E>
+static void weighted_values(const float* p, const E* v, int64_t T, int64_t D, float* o) {
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
-    float even[kSlice] = {}, odd[kSlice] = {};
     int64_t t = 0;
+#if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
+    __m512 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
+    for (; t + 2 <= T; t += 2) {
+      add_weighted_slice(even, p[t], v + t * D + d0);
+      add_weighted_slice(odd, p[t + 1], v + (t + 1) * D + d0);
+    }
+    if (t < T) add_weighted_slice(even, p[t], v + t * D + d0);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + d0 + 16 * j, _mm512_add_ps(even[j], odd[j]));
+#else
+    float even[kSlice] = {}, odd[kSlice] = {};
     for (; t + 2 <= T; t += 2)
       for (int64_t j = 0; j < kSlice; ++j) {
-        even[j] += p[t] * v[t * D + d0 + j];
-        odd[j] += p[t + 1] * v[(t + 1) * D + d0 + j];
+        even[j] += p[t] * widen(v[t * D + d0 + j]);
+        odd[j] += p[t + 1] * widen(v[(t + 1) * D + d0 + j]);
       }
     if (t < T)
-      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * v[t * D + d0 + j];
+      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * widen(v[t * D + d0 + j]);
     for (int64_t j = 0; j < kSlice; ++j) o[d0 + j] = even[j] + odd[j];
+#endif
   }
   std::fill(o + d0, o + D, 0.f);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * v[t * D + d];
+    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v[t * D + d]);
 }
 
 // The sum of w[0..T) in 16 lanes, added in a fixed order: one running sum waited for each add.
@@ -237,7 +281,8 @@ static float lanes_sum(const float* w, int64_t T) {
 // keys' registers added together in the order _mm512_reduce_add_ps adds one register's lanes (lane i and
 // i + 8, then i and i + 4, i and i + 2, i and i + 1), each shuffle and add serving 2 to 16 keys, where
 // reducing each key's register on its own takes 8 shuffles and adds for one number.
-static __m512 scores16(const float* q, const float* keys, int64_t D, float s, float* w) {
+template <typename E>
+static __m512 scores16(const float* q, const E* keys, int64_t D, float s, float* w) {
   __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
 #pragma GCC unroll 2  // keeps v in registers
   for (int g = 0; g < 16; g += 8) {
@@ -247,13 +292,13 @@ static __m512 scores16(const float* q, const float* keys, int64_t D, float s, fl
     for (; d + 32 <= D; d += 32) {
       const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + d + 16);
       for (int j = 0; j < 8; ++j) {
-        acc0[j] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(keys + (g + j) * D + d), acc0[j]);
-        acc1[j] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(keys + (g + j) * D + d + 16), acc1[j]);
+        acc0[j] = _mm512_fmadd_ps(q0, widen16(keys + (g + j) * D + d), acc0[j]);
+        acc1[j] = _mm512_fmadd_ps(q1, widen16(keys + (g + j) * D + d + 16), acc1[j]);
       }
     }
     if (d + 16 <= D)
       for (int j = 0; j < 8; ++j)
-        acc0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + (g + j) * D + d), acc0[j]);
+        acc0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(keys + (g + j) * D + d), acc0[j]);
     for (int j = 0; j < 8; ++j) v[4 * ((g + j) % 4) + (g + j) / 4] = _mm512_add_ps(acc0[j], acc1[j]);
   }
   for (int i = 0; i < 8; ++i)  // 256-bit halves: 2 keys a register, 8 lanes each
@@ -275,7 +320,7 @@ static __m512 scores16(const float* q, const float* keys, int64_t D, float s, fl
   float sum[16];  // then the last few products one by one, as dot() adds them
   _mm512_storeu_ps(sum, sums);
   for (int j = 0; j < 16; ++j) {
-    for (int64_t d = D - D % 16; d < D; ++d) sum[j] += q[d] * keys[j * D + d];
+    for (int64_t d = D - D % 16; d < D; ++d) sum[j] += q[d] * widen(keys[j * D + d]);
     w[j] = sum[j] * s;
   }
   return _mm512_loadu_ps(w);
@@ -283,23 +328,24 @@ static __m512 scores16(const float* q, const float* keys, int64_t D, float s, fl
 #endif
 
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
-// cache, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
+// cache of E, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
 // for the threads as many times); each head's arithmetic is the same whatever runs beside it.
-void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches, int64_t H,
-            int64_t KV, int64_t D, float s, float* op) {
+template <typename E>
+static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches,
+                        int64_t H, int64_t KV, int64_t D, float s, float* op) {
   const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
   int64_t longest = 1;
   for (const auto& c : caches) longest = std::max(longest, c.T);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(static_cast<size_t>(longest));
+    std::vector<float> w(static_cast<size_t>(longest)), key(static_cast<size_t>(D));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const CacheView& c = caches[b];
       const int64_t T = c.T;
       const float* qh = qp + b * q_stride + h * head_stride;
-      const float* kh = c.keys + h / group * c.k_stride;
-      const float* vh = c.values + h / group * c.v_stride;
+      const E* kh = static_cast<const E*>(c.keys) + h / group * c.k_stride;
+      const E* vh = static_cast<const E*>(c.values) + h / group * c.v_stride;
       float top = -INFINITY;
       int64_t t = 0;
 #if defined(__AVX512F__)
@@ -310,7 +356,7 @@ void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::v
       top = _mm512_reduce_max_ps(tops);
 #endif
       for (; t < T; ++t) {
-        w[t] = dot(qh, kh + t * D, D) * s;
+        w[t] = dot(qh, as_floats(kh + t * D, D, key.data()), D) * s;
         top = std::max(top, w[t]);
       }
       exp_shifted(w.data(), T, top);
@@ -321,15 +367,34 @@ void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::v
   });
 }
 
+bool attends_over(at::ScalarType cache_type) {
+  return cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf;
+}
+
+void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches, int64_t H,
+            int64_t KV, int64_t D, float s, float* op, at::ScalarType cache_type) {
+  switch (cache_type) {
+    case at::kFloat: return attend_over<float>(qp, q_stride, head_stride, caches, H, KV, D, s, op);
+    case at::kBFloat16: return attend_over<at::BFloat16>(qp, q_stride, head_stride, caches, H, KV, D, s, op);
+    case at::kHalf: return attend_over<at::Half>(qp, q_stride, head_stride, caches, H, KV, D, s, op);
+    default: TORCH_CHECK(false, "attention reads caches of float32, bfloat16 or float16, not ", cache_type);
+  }
+}
+
+// Where value i of a contiguous tensor lies, whatever its type.
+static const void* at_value(const at::Tensor& t, int64_t i) {
+  return static_cast<const char*>(t.data_ptr()) + i * t.element_size();
+}
+
 // Attention of one new token per sequence over all cached positions (a decode step: every key is
-// visible): q [B, H, 1, D], k and v [B, KV, T, D] with H a multiple of KV (grouped-query heads share
-// a key/value head), float32. Returns [B, 1, H * D], the heads side by side as the output projection
-// takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every call, which
-// for one query row costs far more than the arithmetic; this is one plain pass per head, split over
-// threads only when there is enough work to pay for them.
+// visible): q [B, H, 1, D] float32, k and v [B, KV, T, D] float32, bfloat16 or float16, with H a multiple
+// of KV (grouped-query heads share a key/value head). Returns [B, 1, H * D], the heads side by side as the
+// output projection takes them. PyTorch's CPU flash-attention kernel sets up blocks and threads for every
+// call, which for one query row costs far more than the arithmetic; this is one plain pass per head, split
+// over threads only when there is enough work to pay for them.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-              v.scalar_type() == at::kFloat, "decode_attention takes float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && attends_over(k.scalar_type()) && v.scalar_type() == k.scalar_type(),
+              "decode_attention takes a float32 query over float32, bfloat16 or float16 keys and values");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == 1,
               "decode_attention: q [B, H, 1, D], k and v [B, KV, T, D]");
   q = q.contiguous();
@@ -340,8 +405,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
   auto out = q.new_empty({B, 1, H * D});
   std::vector<CacheView> caches;
   for (int64_t b = 0; b < B; ++b)
-    caches.push_back({k.data_ptr<float>() + b * KV * T * D, v.data_ptr<float>() + b * KV * T * D, T, T * D, T * D});
-  attend(q.data_ptr<float>(), H * D, D, caches, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+    caches.push_back({at_value(k, b * KV * T * D), at_value(v, b * KV * T * D), T, T * D, T * D});
+  attend(q.data_ptr<float>(), H * D, D, caches, H, KV, D, static_cast<float>(scale), out.data_ptr<float>(),
+         k.scalar_type());
   return out;
 }
 
@@ -351,10 +417,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sca
 // over that prompt's positions up to t, as attend computes a decode step's row over its cache: each row's result is
 // the one it gets alone, whatever prompts are beside it, and the prompt's last row the one its next decode step
 // computes the same way. PyTorch's flash attention takes such prompts one call each, or padded (other sums), where
-// their lengths differ. Returns [1, P, H * D].
+// their lengths differ. q is float32, k and v of a type decode_attention takes. Returns [1, P, H * D].
 at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "prompt_attention takes float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && attends_over(k.scalar_type()) && v.scalar_type() == k.scalar_type(),
+              "prompt_attention takes a float32 query over float32, bfloat16 or float16 keys and values");
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.dim() == 4 && k.size(0) == 1 && v.sizes() == k.sizes() &&
                   q.size(2) == k.size(2) && q.size(3) == k.size(3),
               "prompt_attention: q [1, H, P, D], k and v [1, KV, P, D]");
@@ -374,12 +440,12 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
   int64_t start = 0;
   for (const int64_t length : lengths) {
     for (int64_t t = 0; t < length; ++t)
-      views.push_back({k.data_ptr<float>() + start * D, v.data_ptr<float>() + start * D, t + 1, P * D, P * D});
+      views.push_back({at_value(k, start * D), at_value(v, start * D), t + 1, P * D, P * D});
     start += length;
   }
   auto out = q.new_empty({1, P, H * D});
   attend(q.data_ptr<float>(), q.stride(2), q.stride(1), views, H, KV, D, static_cast<float>(scale),
-         out.data_ptr<float>());
+         out.data_ptr<float>(), k.scalar_type());
   return out;
 }
 
