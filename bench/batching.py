@@ -16,13 +16,13 @@ Under load, the same identical request (the prompt, --tokens new tokens, greedy)
 --load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
 engine in process at each level of --levels (its batch cap --load's largest level, at most the engine's largest
 batch, beyond which requests wait in its queue), with --prefix-cache-mb also keeping prompts for reuse as vLLM does
-by default, and, with --peers, to vLLM's CPU build
-(started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python, `make peers`) on the same
-model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time per output token
-within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the last level before
-the first that fails, where a level that fails is measured once more at once and counts as failing only when it
-fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search early);
-the levels beyond it are not measured.
+by default and --kv-dtype keeping its caches in another precision (bf16, as vLLM's CPU build keeps its own), and,
+with --peers, to vLLM's CPU build (started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python,
+`make peers`) on the same model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time
+per output token within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the
+last level before the first that fails, where a level that fails is measured once more at once and counts as failing
+only when it fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search
+early); the levels beyond it are not measured.
 Beside it, the most requests a second each finished at a level measured, as the FLOP rate of the model's forwards
 that is, against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof
 each engine runs near the most load it holds, which bounds how far apart the concurrencies they hold can be.
@@ -30,7 +30,7 @@ Writes bench/results/batching.md.
 
     .venv/bin/python bench/batching.py [--tokens 48] [--rounds 3] [--batches 1,2,4,8] [--levels fp32,int4-dyn]
         [--load 1,2,4,8,16] [--load-requests 16] [--load-rounds 1] [--peers vllm,llamacpp | --no-peers] [--threads 2]
-        [--prefix-cache-mb 256]
+        [--prefix-cache-mb 256] [--kv-dtype bf16]
 """
 import argparse
 import contextlib
@@ -42,6 +42,7 @@ from pathlib import Path
 
 from common import (PROMPT, highest_holding, idle_cpu_share, in_turn, llama_cpp_server,  # first: the engine sets
                     local_target, ratio, recorded)  # OpenMP's wait policy before torch loads
+from engine.dtypes import KV_CHOICES
 from engine.cli.serving import level_table
 from engine.measure import hardware
 from engine.measure.accounting import forward_work, model_shape
@@ -239,9 +240,10 @@ def under_load(args, lm, calibration: dict) -> None:
         for weights in args.levels.split(","):
             for prefix_cache in prefix_caches:
                 local = local_target(load_config(args, None), store, max_batch=min(max(args.load), MAX_BATCH),
-                                     weights=weights, prefix_cache_bytes=prefix_cache)
+                                     weights=weights, prefix_cache_bytes=prefix_cache, kv_dtype=args.kv_dtype)
                 stack.callback(local.close)
-                name = f"Tokenpath {weights}" + (", prefix cache" if prefix_cache else "")
+                name = (f"Tokenpath {weights}" + (f", {args.kv_dtype} KV cache" if args.kv_dtype != "auto" else "")
+                        + (", prefix cache" if prefix_cache else ""))
                 runners[name] = (None, local)
                 arithmetic[name] = "float32" if weights == "fp32" else weights
         ours = list(runners)
@@ -266,7 +268,9 @@ def under_load(args, lm, calibration: dict) -> None:
              "repeating one prefills only its last token; vLLM's CPU build keeps prompts by default too, in whole "
              "blocks of 128 tokens (none of this prompt's), and is measured with blocks of 32 as well; llama.cpp's "
              "server reuses what a prompt shares with its slot's last" if args.prefix_cache_bytes
-             else "the local engine keeps no prompts for reuse"))
+             else "the local engine keeps no prompts for reuse")
+          + (f"; the local engine keeps every KV cache in {args.kv_dtype} (vLLM's CPU build keeps its own in its "
+             "model's bf16)" if args.kv_dtype != "auto" else ""))
     print("\n".join(["levels measured again:", *notes] if notes else ["no level was measured again"]))
     for name in runners:
         print(f"\n{name} (last round):\n{level_table(tables[name])}\n"
@@ -296,6 +300,9 @@ def main() -> None:
                         help=f"measured under load beside Tokenpath: {', '.join(PEERS)}")
     parser.add_argument("--no-peers", action="store_true", help="the local engine alone under load")
     parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM and llama.cpp")
+    parser.add_argument("--kv-dtype", choices=KV_CHOICES, default="auto",
+                        help="under load, the precision the local engine keeps every KV cache in (auto: the weights' "
+                             "float32)")
     parser.add_argument("--prefix-cache-mb", type=float, default=256,
                         help="under load, each level also with the local engine keeping prompts for reuse, in this "
                              "many MiB (0: without only)")

@@ -118,13 +118,15 @@ def recorded(name: str):
     (RESULTS / f"{name}.md").write_text("\n".join(stamp) + "\n" + buffer.getvalue().rstrip() + "\n```\n")
 
 
-def local_target(cfg, store, max_batch: int = 8, weights: str = "fp32", prefix_cache_bytes: int | None = None):
-    """The local continuous-batching engine (the default model at `weights`, keeping prompts for reuse in
-    prefix_cache_bytes where given) as a load sweep's target, as `python -m engine load --local` makes it: every
-    request a recorded run in `store`."""
+def local_target(cfg, store, max_batch: int = 8, weights: str = "fp32", prefix_cache_bytes: int | None = None,
+                 kv_dtype: str = "auto"):
+    """The local continuous-batching engine (the default model at `weights`, its caches in `kv_dtype`, keeping
+    prompts for reuse in prefix_cache_bytes where given) as a load sweep's target, as `python -m engine load
+    --local` makes it: every request a recorded run in `store`."""
     from engine.run.load_target import LocalTarget
 
-    return LocalTarget.load(cfg, store, weights=weights, max_batch=max_batch, prefix_cache_bytes=prefix_cache_bytes)
+    return LocalTarget.load(cfg, store, weights=weights, max_batch=max_batch, prefix_cache_bytes=prefix_cache_bytes,
+                            kv_dtype=kv_dtype)
 
 
 def highest_holding(levels: list, holds, again) -> object | None:

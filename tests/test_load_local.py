@@ -68,24 +68,26 @@ def test_a_concurrency_sweep_on_the_local_engine_shares_steps_between_its_reques
     assert code == 0 and [lv["concurrency"] for lv in again["levels"]] == [1, 3]
     assert json.loads(served_store.sweeps(Store(db)).set_index("sweep_id").loc[again["sweep_id"], "server"]) == {
         "kind": "local", "model": again["server_model"], "weights": "fp32", "max_batch": 4, "kv_budget_bytes": None,
-        "prefix_cache_bytes": None}
+        "prefix_cache_bytes": None, "kv_dtype": "auto"}
 
 
-def test_a_local_sweep_runs_every_request_at_its_weight_level_and_is_made_again_at_it(
+def test_a_local_sweep_runs_every_request_at_its_weight_level_and_kv_precision_and_is_made_again_at_them(
         tiny_folder, calibration, tmp_path, capsys):
     db = tmp_path / "runs.duckdb"
     # int4-wo names itself with its group size ("int4-wo g32"); the command that makes it again names the level
     code, out = run_json(capsys, "load", "--local", "--model", str(tiny_folder), "--weights", "int4-wo",
-                         "--max-batch", "4", "--concurrency", "2", "--requests", "4", *LENGTHS, "--db", str(db),
-                         "--json")
+                         "--kv-dtype", "bf16", "--max-batch", "4", "--concurrency", "2", "--requests", "4", *LENGTHS,
+                         "--db", str(db), "--json")
     assert code == 0 and out["requests_ok"] == 4
     code, again = run_json(capsys, "load", "--from-sweep", str(out["sweep_id"]), "--db", str(db), "--json")
     assert code == 0 and again["requests_ok"] == 4
     store = Store(db)
-    configs = [json.loads(c) for c in store.query("SELECT config FROM runs")["config"]]
+    runs = store.query("SELECT config, metrics FROM runs")
+    configs = [json.loads(c) for c in runs["config"]]
     assert len(configs) == 8 and {c["weights"] for c in configs} == {"int4-wo g32"}
+    assert {json.loads(m)["kv_dtype"] for m in runs["metrics"]} == {"bf16"}
     servers = [json.loads(s) for s in served_store.sweeps(store)["server"]]
-    assert [s["weights"] for s in servers] == ["int4-wo g32", "int4-wo g32"]
+    assert [(s["weights"], s["kv_dtype"]) for s in servers] == [("int4-wo g32", "bf16")] * 2
 
 
 def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_run(
@@ -111,6 +113,7 @@ def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_r
     (["--local", "--weights", "int3"], "Unknown quantization level 'int3'"),
     (["--endpoint", "http://127.0.0.1:9", "--weights", "int4-dyn"], "--weights"),
     (["--endpoint", "http://127.0.0.1:9", "--weights", "fp32"], "--weights"),
+    (["--endpoint", "http://127.0.0.1:9", "--kv-dtype", "bf16"], "--kv-dtype"),
 ])
 def test_bad_local_load_input_is_one_sentence_exit_2_and_nothing_stored(args, words, tiny_folder, tmp_path, capsys):
     db = tmp_path / "x.duckdb"

@@ -102,6 +102,10 @@ def _start(args, make_levels, on_progress):
         print("error: --weights sets the local engine's weight level, and a server runs the weights it loaded: leave "
               "it out, or use --local.", file=sys.stderr)
         return USER_ERROR
+    if args.endpoint and args.kv_dtype is not None:
+        print("error: --kv-dtype sets the local engine's KV-cache precision, and a server keeps the cache it chose "
+              "(vLLM's --kv-cache-dtype): leave it out, or use --local.", file=sys.stderr)
+        return USER_ERROR
     if args.endpoint and args.prefix_cache_mb is not None:
         print("error: --prefix-cache-mb sets the local engine's prefix cache, and a server keeps its own (vLLM's "
               "--enable-prefix-caching): leave it out, or use --local.", file=sys.stderr)
@@ -143,7 +147,7 @@ def _local_target(args, cfg):
     level(weights)
     cfg.check()
     return LocalTarget.load(cfg, Store(args.db), model=args.model, weights=weights, max_batch=args.max_batch,
-                            kv_budget_bytes=budget, prefix_cache_bytes=prefixes)
+                            kv_budget_bytes=budget, prefix_cache_bytes=prefixes, kv_dtype=args.kv_dtype or "auto")
 
 
 def _swept(sweep, run) -> dict:
@@ -294,6 +298,8 @@ def cmd_serve_vllm(args) -> int:
 def _sweep_options(p, duration: float | None = None, slo_required: bool = False) -> None:
     """The options load and capacity share: the server or the local engine, the requests' lengths, arrivals,
     SLO, store."""
+    from engine.dtypes import KV_CHOICES
+
     p.add_argument("--endpoint", help="the server, e.g. http://127.0.0.1:8000 (or --local)")
     p.add_argument("--local", action="store_true", help="send the requests straight into this machine's "
                                                         "continuous-batching engine, each one a recorded run")
@@ -301,6 +307,8 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--weights", help="with --local: the weight level the whole batch runs at (default fp32; "
                                      "int8-dyn, int4-dyn, ...: `generate --help` lists them)")
     p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-128)")
+    p.add_argument("--kv-dtype", choices=KV_CHOICES, help="with --local: the precision every sequence's KV cache is "
+                   "kept in (default auto: the weights' compute precision); bf16 or fp16 halve its bytes")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "
                                                       "arrivals beyond it wait")
     p.add_argument("--prefix-cache-mb", type=float, help="with --local: keep prefilled prompts' KV cache, up to this "

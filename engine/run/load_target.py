@@ -50,13 +50,15 @@ class LocalTarget:
     kind = "local"
 
     def __init__(self, cfg: SweepConfig, lm, store, max_batch: int = 8, kv_budget_bytes: int | None = None,
-                 model: str = "default", weights: str = "fp32", prefix_cache_bytes: int | None = None):
+                 model: str = "default", weights: str = "fp32", prefix_cache_bytes: int | None = None,
+                 kv_dtype: str = "auto"):
         self.cfg, self.store = cfg, store
         self.engine = LocalEngine(lm, store=store, max_batch=max_batch, kv_budget_bytes=kv_budget_bytes,
-                                  prefix_cache_bytes=prefix_cache_bytes)
+                                  prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype)
         self.model, self.tokenizer = lm.name, lm.tokenizer
         self.settings = {"kind": self.kind, "model": lm.name, "weights": lm.weights, "max_batch": max_batch,
-                         "kv_budget_bytes": kv_budget_bytes, "prefix_cache_bytes": prefix_cache_bytes}
+                         "kv_budget_bytes": kv_budget_bytes, "prefix_cache_bytes": prefix_cache_bytes,
+                         "kv_dtype": kv_dtype}
         # as they were given (--model, --weights), so that --from-sweep loads the same model at the same level
         self.model_option, self.weights_option = model, weights
         self._handles: set[Handle] = set()
@@ -64,13 +66,14 @@ class LocalTarget:
 
     @classmethod
     def load(cls, cfg: SweepConfig, store, model: str = "default", weights: str = "fp32", max_batch: int = 8,
-             kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None) -> LocalTarget:
+             kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None,
+             kv_dtype: str = "auto") -> LocalTarget:
         """The model loaded per `model` ('default', a Hugging Face id or a local folder) at the weight level
-        `weights` and the engine over it, as `python -m engine load --local` makes it: every request a recorded
-        run in `store`."""
-        return cls(cfg, prepare(RunSpec(GenConfig(""), model=model, weights=weights), store), store,
+        `weights` and the engine over it, keeping every cache in `kv_dtype`, as `python -m engine load --local`
+        makes it: every request a recorded run in `store`."""
+        return cls(cfg, prepare(RunSpec(GenConfig("", kv_dtype=kv_dtype), model=model, weights=weights), store), store,
                    max_batch=max_batch, kv_budget_bytes=kv_budget_bytes, model=model, weights=weights,
-                   prefix_cache_bytes=prefix_cache_bytes)
+                   prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype)
 
     def rtt_ms(self) -> None:
         return None  # no network between the sweep and the engine
@@ -84,7 +87,7 @@ class LocalTarget:
                for key in ("kv_budget", "prefix_cache")}
         return {"local": True, "model": self.model_option, "weights": self.weights_option,
                 "max_batch": self.settings["max_batch"], "kv_budget_mb": mib["kv_budget"],
-                "prefix_cache_mb": mib["prefix_cache"]}
+                "prefix_cache_mb": mib["prefix_cache"], "kv_dtype": self.settings["kv_dtype"]}
 
     def snapshot(self) -> dict | None:
         """The prompt tokens the kept prompts were asked for and supplied so far (counted as vLLM's prefix cache

@@ -11,9 +11,10 @@ from engine.errors import UserError
 # this to the command line's parser, which lives above this wing)
 LOAD_OPTIONS = frozenset({
     "--api-key-env", "--burstiness", "--concurrency", "--deadline", "--duration", "--endpoint", "--input-tokens",
-    "--kv-budget-mb", "--length-spread", "--local", "--max-batch", "--max-concurrency", "--max-new-tokens", "--model",
-    "--output-tokens", "--prefix-cache-mb", "--prompts", "--rate", "--requests", "--seed", "--served-model",
-    "--shared-prefix-tokens", "--slo", "--temperature", "--timeout", "--warmup", "--weights"})
+    "--kv-budget-mb", "--kv-dtype", "--length-spread", "--local", "--max-batch", "--max-concurrency",
+    "--max-new-tokens", "--model", "--output-tokens", "--prefix-cache-mb", "--prompts", "--rate", "--requests",
+    "--seed", "--served-model", "--shared-prefix-tokens", "--slo", "--temperature", "--timeout", "--warmup",
+    "--weights"})
 SWEEP_RENAMED = {"rates": "--rate"}  # a load sweep's config keys whose option is not their own name
 
 
