@@ -53,6 +53,32 @@ static inline void scale_block(const int32_t* sums, float xs, const float* sp, i
 // Blocks [begin, end) of packed weights against quantized rows xq [M, Kp], kSideBlocks blocks read side by side
 // (a block's sums wait on each multiply-add before the next; several blocks' chains run at once).
 constexpr int64_t kSideBlocks = 4;
+
+#if defined(__AVX512VNNI__)
+// sums += the dot products of a's unsigned and w's signed bytes, four to a lane, in place: GCC's intrinsic left
+// chains of sums to be copied between registers, or to the stack and back, on every step.
+static inline void add_dot_bytes(__m512i& sums, __m512i a, __m512i w) {
+  __asm__("vpdpbusd %[w], %[a], %[sums]" : [sums] "+v"(sums) : [a] "v"(a), [w] "vm"(w));
+}
+
+// Row x's sums against C blocks of packed weights from b0, less the 128 times each output's weight sum that the
+// unsigned activations (q + 128) add, into sums[j].
+template <int C>
+static inline void side_block_sums(const int8_t* x, int64_t Kp, const int8_t* wp, const int32_t* cp, int64_t N,
+                                   int64_t b0, int32_t (*sums)[kOutBlock]) {
+  __m512i acc[C];
+  for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp / 4; ++k) {
+    const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(four_bytes(x + 4 * k)), _mm512_set1_epi8(-128));
+    for (int j = 0; j < C; ++j) add_dot_bytes(acc[j], a, _mm512_loadu_si512(packed_row(wp, Kp, b0 + j, k)));
+  }
+  for (int j = 0; j < C; ++j) {
+    const int64_t n0 = (b0 + j) * kOutBlock;
+    const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(outputs_below(n0, N), cp + n0), 7);
+    _mm512_store_si512(sums[j], _mm512_sub_epi32(acc[j], offsets));
+  }
+}
+#endif
 static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp,
                           const float* sp, const int32_t* cp, int64_t N, int64_t begin, int64_t end, float* yp) {
   alignas(64) int32_t sums[kSideBlocks][kOutBlock];
@@ -61,18 +87,11 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* x = xq + m * Kp;
 #if defined(__AVX512VNNI__)
-      // unsigned activations q + 128; the 128 * (the output's weight sum) this adds is taken back out
-      __m512i acc[kSideBlocks];
-      for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_setzero_si512();
-      for (int64_t k = 0; k < Kp / 4; ++k) {
-        const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(four_bytes(x + 4 * k)), _mm512_set1_epi8(-128));
-        for (int64_t j = 0; j < count; ++j)
-          acc[j] = _mm512_dpbusd_epi32(acc[j], a, _mm512_loadu_si512(packed_row(wp, Kp, b0 + j, k)));
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t n0 = (b0 + j) * kOutBlock;
-        const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(outputs_below(n0, N), cp + n0), 7);
-        _mm512_store_si512(sums[j], _mm512_sub_epi32(acc[j], offsets));
+      switch (count) {  // the count fixed at compile time keeps the sums in registers
+        case 4: side_block_sums<4>(x, Kp, wp, cp, N, b0, sums); break;
+        case 3: side_block_sums<3>(x, Kp, wp, cp, N, b0, sums); break;
+        case 2: side_block_sums<2>(x, Kp, wp, cp, N, b0, sums); break;
+        default: side_block_sums<1>(x, Kp, wp, cp, N, b0, sums);
       }
 #elif defined(__AVX2__)
       // |w| times q with w's sign, so that no pair's sum saturates 16 bits; eight outputs a register
@@ -143,26 +162,29 @@ void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t
 // where it is below `blocks`): each 64-byte weight row is loaded once for the R rows, whose 2R chains of sums run
 // side by side. The sums, less the 128 times each output's weight sum that the unsigned bytes add, go to
 // sums[block][row][output] as write_rows reads them.
-template <int R>
+template <int R, bool Two>
 static void vnni_pair_sums(const uint8_t* xu, int64_t Kp, const int8_t* wp, const int32_t* cp, int64_t N,
-                           int64_t b, int64_t next, int64_t blocks, int32_t* sums) {
-  const bool two = next < blocks;
-  __m512i acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
+                           int64_t b, int64_t next, int32_t* sums) {
+  __m512i first_sums[R], second_sums[R];
+  for (int r = 0; r < R; ++r) first_sums[r] = second_sums[r] = _mm512_setzero_si512();
+  const int8_t* first_row = packed_row(wp, Kp, b, 0);
+  const int8_t* second_row = packed_row(wp, Kp, Two ? next : b, 0);
   for (int64_t k = 0; k < Kp / 4; ++k) {
-    const __m512i first = _mm512_loadu_si512(packed_row(wp, Kp, b, k));
-    const __m512i second = two ? _mm512_loadu_si512(packed_row(wp, Kp, next, k)) : first;
+    const __m512i first = _mm512_loadu_si512(first_row + k * 4 * kOutBlock);
+    const __m512i second = Two ? _mm512_loadu_si512(second_row + k * 4 * kOutBlock) : first;
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(four_bytes(reinterpret_cast<const int8_t*>(xu + r * Kp + 4 * k)));
-      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], a, first);
-      acc[1][r] = _mm512_dpbusd_epi32(acc[1][r], a, second);
+      add_dot_bytes(first_sums[r], a, first);
+      if constexpr (Two) add_dot_bytes(second_sums[r], a, second);
     }
   }
-  for (int h = 0; h < (two ? 2 : 1); ++h) {
+  for (int h = 0; h < (Two ? 2 : 1); ++h) {
     const int64_t n0 = (h == 0 ? b : next) * kOutBlock;
     const __m512i offsets = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(outputs_below(n0, N), cp + n0), 7);
     for (int r = 0; r < R; ++r)
-      _mm512_store_si512(sums + (h * kSumRows + r) * kOutBlock, _mm512_sub_epi32(acc[h][r], offsets));
+      _mm512_store_si512(sums + (h * kSumRows + r) * kOutBlock,
+                         _mm512_sub_epi32(h == 0 ? first_sums[r] : second_sums[r], offsets));
   }
 }
 
@@ -183,7 +205,10 @@ static void vnni_rows(int8_t* xq, const float* xs, int64_t M, int64_t Kp, const 
       const int64_t b = gated ? p : 2 * p, next = gated ? p + half : b + 1;
       in_row_groups<8>(M, [&](auto rows, int64_t m) {
         constexpr int R = decltype(rows)::value;
-        vnni_pair_sums<R>(xu + m * Kp, Kp, wp, cp, N, b, next, blocks, sums);
+        if (next < blocks)
+          vnni_pair_sums<R, true>(xu + m * Kp, Kp, wp, cp, N, b, next, sums);
+        else
+          vnni_pair_sums<R, false>(xu + m * Kp, Kp, wp, cp, N, b, next, sums);
         write_rows(sums, m, R, b, next, gated, xs, sp, N, yp);
       });
     }
