@@ -672,6 +672,22 @@ def start_with_room(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tenso
     start_layer(layer, *(with_room(t, t.shape[2], t.dtype) for t in (keys, values)))
 
 
+def start_layers_with_room(layers: list[DynamicLayer], pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                           length: int) -> None:
+    """Empty DynamicLayers, each started as start_with_room starts one with the first `length` positions of its
+    (keys, values): in one call to the kernels where they are built, as a kept prompt starts a new cache (a copy
+    each from Python cost several times the copy)."""
+    tensors = [t for pair in pairs for t in pair]
+    kernel = optional_kernel() if tensors and tensors[0].is_cpu else None
+    if kernel is None:
+        for layer, (keys, values) in zip(layers, pairs):
+            start_with_room(layer, keys[:, :, :length], values[:, :, :length])
+        return
+    copies = kernel.openings_with_room(tensors, length, room_for(length))
+    for i, layer in enumerate(layers):
+        start_layer(layer, copies[2 * i], copies[2 * i + 1])
+
+
 def start_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """An empty DynamicLayer holding keys and values that already have their room (with_room's views)."""
     layer.device = keys.device

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 from transformers.cache_utils import DynamicLayer
 
-from engine.model.lean import start_with_room
+from engine.model.lean import start_layers_with_room
 
 # openings are looked up a block of tokens at a time, then extended token by token: a kept prompt shorter than a
 # block is found only when a request repeats it whole
@@ -70,8 +70,7 @@ class Prefixes:
         if shared <= 0:
             return 0
         self.entries.move_to_end(entry)
-        for layer, (keys, values) in zip(cache.layers, self.entries[entry]):
-            start_with_room(layer, keys[:, :, :shared], values[:, :, :shared])
+        start_layers_with_room(cache.layers, self.entries[entry], shared)
         self.hits += 1
         self.reused_tokens += shared
         return shared

@@ -503,6 +503,7 @@ at::Tensor silu_mul(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
 at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale);
 std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms);
+std::vector<at::Tensor> openings_with_room(std::vector<at::Tensor> ts, int64_t length, int64_t room);
 int64_t argmax(at::Tensor x);
 void release_threads();  // decode.cpp
 std::vector<int64_t> argmax_rows(at::Tensor x);

@@ -449,29 +449,49 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
   return out;
 }
 
+// t's positions [start, start + length) (t [1, KV, P, D], rows contiguous) copied into new storage with room for
+// `room` positions: a [1, KV, length, D] view at the start of a [1, KV, room, D] tensor, a cache's keys or values as
+// a decode grows them in place.
+static at::Tensor copied_with_room(const at::Tensor& t, int64_t start, int64_t length, int64_t room) {
+  const int64_t KV = t.size(1), D = t.size(3), bytes = D * t.element_size();
+  const char* base = static_cast<const char*>(t.data_ptr());
+  auto store = t.new_empty({1, KV, room, D});
+  char* to = static_cast<char*>(store.data_ptr());
+  for (int64_t h = 0; h < KV; ++h)
+    for (int64_t p = 0; p < length; ++p)
+      std::memcpy(to + (h * room + p) * bytes, base + (h * t.stride(1) + (start + p) * t.stride(2)) *
+                  t.element_size(), static_cast<size_t>(bytes));
+  return store.narrow(2, 0, length);
+}
+
 // The prompts side by side in t [1, KV, P, D] (lengths of them, one after another), each copied into storage of its
-// own with room for rooms[i] positions: [1, KV, lengths[i], D] views at the start of [1, KV, rooms[i], D] tensors, a
-// fresh cache's keys or values as a decode grows them in place. One call for a layer's prompts, where making each
-// view and copying into it from Python cost several times the copy.
+// own with room for rooms[i] positions (copied_with_room): a fresh cache's keys or values. One call for a layer's
+// prompts, where making each view and copying into it from Python cost several times the copy.
 std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms) {
   TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1, "with_rooms: t [1, KV, P, D], rows contiguous");
   TORCH_CHECK(lengths.size() == rooms.size(), "with_rooms: a room for each prompt");
-  const int64_t KV = t.size(1), D = t.size(3), bytes = D * t.element_size();
-  const char* base = static_cast<const char*>(t.data_ptr());
   std::vector<at::Tensor> out;
   int64_t start = 0;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    const int64_t length = lengths[i];
-    TORCH_CHECK(length > 0 && rooms[i] >= length && start + length <= t.size(2),
+    TORCH_CHECK(lengths[i] > 0 && rooms[i] >= lengths[i] && start + lengths[i] <= t.size(2),
                 "with_rooms: lengths past the positions, or rooms shorter than them");
-    auto store = t.new_empty({1, KV, rooms[i], D});
-    char* to = static_cast<char*>(store.data_ptr());
-    for (int64_t h = 0; h < KV; ++h)
-      for (int64_t p = 0; p < length; ++p)
-        std::memcpy(to + (h * rooms[i] + p) * bytes, base + (h * t.stride(1) + (start + p) * t.stride(2)) *
-                    t.element_size(), static_cast<size_t>(bytes));
-    out.push_back(store.narrow(2, 0, length));
-    start += length;
+    out.push_back(copied_with_room(t, start, lengths[i], rooms[i]));
+    start += lengths[i];
+  }
+  return out;
+}
+
+// The first `length` positions of each of ts (each [1, KV, P, D], rows contiguous) copied into storage of its own
+// with room for `room` positions (copied_with_room): a kept prompt's keys and values of every layer starting a new
+// cache, in one call where a copy each from Python cost several times the copy.
+std::vector<at::Tensor> openings_with_room(std::vector<at::Tensor> ts, int64_t length, int64_t room) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1, "openings_with_room: [1, KV, P, D] tensors, "
+                "rows contiguous");
+    TORCH_CHECK(length > 0 && length <= t.size(2) && room >= length,
+                "openings_with_room: a length past the positions, or a room shorter than it");
+    out.push_back(copied_with_room(t, 0, length, room));
   }
   return out;
 }
