@@ -417,6 +417,30 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
         assert store.runs(20).set_index("run_id").loc[handle.result["run_id"], "status"] == "ok"
 
 
+def test_by_the_end_of_each_step_every_row_is_in_its_journal_and_every_token_in_its_stream(tiny_lm, calibration,
+                                                                                           store):
+    """A step hands its rows to the journals and its events to the streams together (before the next forward lets
+    go of the GIL, or at its end): after step() returns nothing is held back, and a stream ends after its last
+    token."""
+    import queue
+
+    engine = BatchEngine(tiny_lm, store=store, max_batch=3, calibration=calibration)
+    sinks = [queue.SimpleQueue() for _ in range(3)]
+    seqs = [engine.submit(sampled(p, 4 + 3 * i, i), sink=sink) for i, (p, sink) in enumerate(zip(PROMPTS, sinks))]
+    streamed = [[] for _ in seqs]
+    while engine.step():
+        for seq, sink, got in zip(seqs, sinks, streamed):
+            while not sink.empty():
+                got.append(sink.get())
+            assert [e.token_id for e in got if e is not None] == seq.token_ids
+            assert (got[-1:] == [None]) == (seq.phase == "done")  # the end comes after the last token
+            if seq.phase != "done":
+                rows = journal.read(journal.journal_path(store.path, seq.run_id))
+                assert [t["token_id"] for t in rows["tokens"]] == seq.token_ids
+    engine.write()
+    assert all(got[-1] is None and len(got) == len(seq.token_ids) + 1 for seq, got in zip(seqs, streamed))
+
+
 def test_a_repeated_prompt_is_tokenized_once_and_the_machine_described_once(tiny_lm, store, monkeypatch):
     import engine.run.batch as batch
 
@@ -461,9 +485,7 @@ def test_release_threads_frees_the_calling_thread_s_openmp_threads():
 
     if optional_kernel() is None or not Path("/proc/self/task").is_dir():
         pytest.skip("needs the C++ kernels and Linux's /proc")
-    counts = []
-
-    def in_a_thread():
+    def in_a_thread(counts: list):
         outside = torch.get_num_threads()
         torch.set_num_threads(2)  # this thread's own setting (a test worker runs with one)
         try:
@@ -476,11 +498,17 @@ def test_release_threads_frees_the_calling_thread_s_openmp_threads():
         finally:
             torch.set_num_threads(outside)
 
-    worker = threading.Thread(target=in_a_thread)
-    worker.start()
-    worker.join()
-    started, released, again = counts
-    assert released == started - 1 and again == started
+    # the process's threads are counted: an earlier test's thread that ends meanwhile spoils one try, not three
+    tries = []
+    for _ in range(3):
+        tries.append([])
+        worker = threading.Thread(target=in_a_thread, args=(tries[-1],))
+        worker.start()
+        worker.join()
+        started, released, again = tries[-1]
+        if released == started - 1 and again == started:
+            return
+    pytest.fail(f"threads of the process (started, released, again), each try: {tries}")
 
 
 def test_a_kernel_lets_other_python_threads_run_while_it_works():

@@ -187,6 +187,9 @@ class BatchEngine:
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
+        # what the step's rows owe the journals and the streams, handed over at its end (deliver)
+        self.unflushed: dict = {}  # recorders given rows, in the order they were
+        self.undelivered: list = []  # (sink, event or None for the end) in order
         self.prompts: dict[tuple[str, bool], tuple[int, ...]] = {}  # each prompt's ids: a load repeats its prompts
         self.prompts_lock = threading.Lock()
         # every run's row carries the machine's description; asked once, as the engine starts
@@ -279,6 +282,12 @@ class BatchEngine:
     def step(self) -> bool:
         """Admit, prefill up to prefill_chunk prompt tokens, one batched decode (which a prefill down to its last
         prompt token joins). False when nothing was left to do."""
+        try:
+            return self._step()
+        finally:
+            self.deliver()
+
+    def _step(self) -> bool:
         for seq in [s for s in self.queued + self.running if s.cancel_requested]:
             self._end(seq, "cancelled", "cancelled")
         if not self._make_room():
@@ -308,8 +317,25 @@ class BatchEngine:
 
     def end_all(self, status: str = "cancelled") -> None:
         """End every sequence still queued or running."""
-        for seq in self.running + self.queued:
-            self._end(seq, status, status)
+        try:
+            for seq in self.running + self.queued:
+                self._end(seq, status, status)
+        finally:
+            self.deliver()
+
+    def deliver(self) -> None:
+        """Hand the rows added since the last call to the operating system, a flush a journal, then each stream its
+        events. A step does this just before its forward, which lets go of the GIL while the streams' readers wake
+        and take their events, and at its end for what remains: a flush lets go of the GIL, and an event wakes its
+        stream's reader, each of which would otherwise take the GIL from the step's bookkeeping row after row."""
+        try:
+            for recorder in self.unflushed:
+                recorder.flush()
+        finally:
+            self.unflushed.clear()
+            events, self.undelivered = self.undelivered, []
+            for sink, event in events:
+                sink.put(event)
 
     def write(self) -> None:
         """Write the rows of every run that started or ended so far, now (they are otherwise written together,
@@ -379,6 +405,7 @@ class BatchEngine:
     def _prefill_forward(self, parts: list[tuple[Sequence, list[int]]]) -> None:
         """The sequences' chunks through the model in one forward; a sequence whose prefill it ends takes its
         first token (after a preemption, its next)."""
+        self.deliver()  # the last step's rows and events, as the forward lets go of the GIL for them
         t_forward = time.perf_counter_ns()
         kv_bytes = None  # (read, written), where the forward counted them (one token through the fused decode)
         if len(parts) == 1:
@@ -428,6 +455,7 @@ class BatchEngine:
         """One forward of the decoding sequences' last tokens and the joining prefills' last prompt tokens."""
         rows = seqs + list(joining)
         positions = [s.past for s in seqs] + [s.filled for s in joining]
+        self.deliver()  # the last step's rows and events, as the forward lets go of the GIL for them
         t_forward = time.perf_counter_ns()
         out = self.lm.model.decode_batch([s.token_ids[-1] for s in seqs] + [s.fill_ids[-1] for s in joining],
                                          positions, [s.cache for s in rows], self.kv_dtype)
@@ -474,12 +502,13 @@ class BatchEngine:
         seq.steps.append(columns(row))
         seq.tokens.extend(columns(r) for r in token_rows)
         if seq.recorder is not None:
-            seq.recorder.add(row, token_rows, text)
+            seq.recorder.add(row, token_rows, text, flush=False)
+            self.unflushed[seq.recorder] = None
         if seq.sink is not None:
             buckets = {b: getattr(token_rows[0], f"{b}_ms") for b in BUCKETS} if token_rows else {}
-            for r, (token, piece) in zip(token_rows, events):
-                seq.sink.put(TokenEvent(index=r.idx, token_id=token, piece=piece, step=seq.step, t_ms=r.t_ms,
-                                        gap_ms=r.gap_ms, buckets=buckets))
+            self.undelivered.extend((seq.sink, TokenEvent(index=r.idx, token_id=token, piece=piece, step=seq.step,
+                                                          t_ms=r.t_ms, gap_ms=r.gap_ms, buckets=buckets))
+                                    for r, (token, piece) in zip(token_rows, events))
         seq.step += 1
         seq.t_last = t_end
         if done:
@@ -491,6 +520,7 @@ class BatchEngine:
             if seq in pool:
                 pool.remove(seq)
         seq.phase, seq.status, seq.stop_reason, seq.cache = "done", status, reason, None
+        self.unflushed.pop(seq.recorder, None)  # its finish flushes its rows before its ending
         metrics = self._summary(seq)
         seq.result = {"run_id": seq.run_id, "status": status, "error": seq.error, "text": seq.text,
                       "token_ids": list(seq.token_ids), **metrics}
@@ -502,7 +532,7 @@ class BatchEngine:
                                     steps=seq.steps, tokens=seq.tokens, telemetry=[])
         finally:
             if seq.sink is not None:
-                seq.sink.put(None)
+                self.undelivered.append((seq.sink, None))
 
     def _summary(self, seq: Sequence) -> dict:
         metrics = run_metrics([t["t_ms"] for t in seq.tokens], len(seq.prompt_ids))

@@ -70,11 +70,17 @@ class Recorder:
             self.journal.flush()
         return run_id
 
-    def add(self, step_row, token_rows, text: str) -> None:
-        """One step's rows and the text it added, handed to the operating system at once."""
+    def add(self, step_row, token_rows, text: str, flush: bool = True) -> None:
+        """One step's rows and the text it added, handed to the operating system at once (flush=False: at the
+        caller's flush())."""
         self.journal.write("step", {**columns(step_row), "text": text})
         for row in token_rows:
             self.journal.write("token", columns(row))
+        if flush:
+            self.journal.flush()
+
+    def flush(self) -> None:
+        """Hand the rows added so far to the operating system."""
         self.journal.flush()
 
     def finish(self, *, status: str, output: str, token_ids: list[int], metrics: dict, error: str | None,
