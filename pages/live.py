@@ -97,7 +97,8 @@ with st.form("live"):
         max_new = setting_input(c[2], "Max new tokens", "max_new_tokens")
         kv_dtype = c[3].selectbox("KV-cache precision", list(KV_CHOICES),
                                   help="auto: the weights' compute dtype. bf16/fp16 halve the cache's bytes beside "
-                                       "fp32 weights; attention then runs in that precision.")
+                                       "fp32 weights; on the CPU's kernels attention runs in float32 over the "
+                                       "rounded values, elsewhere in that precision.")
         c = st.columns(4)
         group = c[0].selectbox("int4 group size", INT4_GROUPS)
         mode = c[1].selectbox("Sparsity mode", ALL_MODES, help="mask: zero small inputs, dense matmul; "

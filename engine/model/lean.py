@@ -467,9 +467,8 @@ class LeanLlama(nn.Module):
         modules compute (the embedding, every layer, the last norm, the head), to the bit, in one call
         instead of a dozen per layer, with the bytes its cache moved (it grows each cache in place,
         where transformers' cache concatenates); None where it does not apply: no built extension, a
-        part it does not read, an empty or non-float32 cache, a hook on a module or on every module
-        (it would not run), a cache in a precision other than kv_dtype's (float32 where None) or one the kernels
-        do not read."""
+        part it does not read, an empty cache, a hook on a module or on every module (it would not run), a
+        cache in a precision other than kv_dtype's (float32 where None) or one the kernels do not read."""
         kernel = optional_kernel() if FUSED_DECODE and input_ids.is_cpu and kernel_reads(kv_dtype) else None
         if kernel is None:
             return None
@@ -684,8 +683,8 @@ def start_layers_with_room(layers: list[DynamicLayer], pairs: list[tuple[torch.T
             start_with_room(layer, keys[:, :, :length], values[:, :, :length])
         return
     copies = kernel.openings_with_room(tensors, length, room_for(length))
-    for i, layer in enumerate(layers):
-        start_layer(layer, copies[2 * i], copies[2 * i + 1])
+    for layer, keys, values in zip(layers, copies[0::2], copies[1::2]):
+        start_layer(layer, keys, values)
 
 
 def start_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

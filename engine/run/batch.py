@@ -328,14 +328,18 @@ class BatchEngine:
         events. A step does this just before its forward, which lets go of the GIL while the streams' readers wake
         and take their events, and at its end for what remains: a flush lets go of the GIL, and an event wakes its
         stream's reader, each of which would otherwise take the GIL from the step's bookkeeping row after row."""
-        try:
-            for recorder in self.unflushed:
+        unflushed, self.unflushed = self.unflushed, {}
+        events, self.undelivered = self.undelivered, []
+        failed = None
+        for recorder in unflushed:
+            try:
                 recorder.flush()
-        finally:
-            self.unflushed.clear()
-            events, self.undelivered = self.undelivered, []
-            for sink, event in events:
-                sink.put(event)
+            except OSError as exc:  # the others' rows still go out; the step fails with the first error
+                failed = failed or exc
+        for sink, event in events:
+            sink.put(event)
+        if failed is not None:
+            raise failed
 
     def write(self) -> None:
         """Write the rows of every run that started or ended so far, now (they are otherwise written together,
@@ -520,13 +524,13 @@ class BatchEngine:
             if seq in pool:
                 pool.remove(seq)
         seq.phase, seq.status, seq.stop_reason, seq.cache = "done", status, reason, None
-        self.unflushed.pop(seq.recorder, None)  # its finish flushes its rows before its ending
         metrics = self._summary(seq)
         seq.result = {"run_id": seq.run_id, "status": status, "error": seq.error, "text": seq.text,
                       "token_ids": list(seq.token_ids), **metrics}
         self.finished.append(seq)
         try:
             if seq.recorder is not None:
+                self.unflushed.pop(seq.recorder, None)  # its finish flushes its rows before its ending
                 seq.recorder.finish(status=status, output=seq.text, token_ids=seq.token_ids,
                                     metrics={k: v for k, v in metrics.items() if k != "itl_ms"}, error=seq.error,
                                     steps=seq.steps, tokens=seq.tokens, telemetry=[])

@@ -50,8 +50,7 @@ static inline void scale_block(const int32_t* sums, float xs, const float* sp, i
   for (int64_t i = 0; i < std::min(kOutBlock, N - n0); ++i) y[n0 + i] = static_cast<float>(sums[i]) * xs * sp[n0 + i];
 }
 
-// Blocks [begin, end) of packed weights against quantized rows xq [M, Kp], kSideBlocks blocks read side by side
-// (a block's sums wait on each multiply-add before the next; several blocks' chains run at once).
+// Blocks read side by side by packed_blocks.
 constexpr int64_t kSideBlocks = 4;
 
 #if defined(__AVX512VNNI__)
@@ -79,6 +78,9 @@ static inline void side_block_sums(const int8_t* x, int64_t Kp, const int8_t* wp
   }
 }
 #endif
+
+// Blocks [begin, end) of packed weights against quantized rows xq [M, Kp], kSideBlocks blocks read side by side
+// (a block's sums wait on each multiply-add before the next; several blocks' chains run at once).
 static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* wp,
                           const float* sp, const int32_t* cp, int64_t N, int64_t begin, int64_t end, float* yp) {
   alignas(64) int32_t sums[kSideBlocks][kOutBlock];
@@ -87,6 +89,7 @@ static void packed_blocks(const int8_t* xq, const float* xs, int64_t M, int64_t 
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* x = xq + m * Kp;
 #if defined(__AVX512VNNI__)
+      static_assert(kSideBlocks == 4, "a case for each count of blocks");
       switch (count) {  // the count fixed at compile time keeps the sums in registers
         case 4: side_block_sums<4>(x, Kp, wp, cp, N, b0, sums); break;
         case 3: side_block_sums<3>(x, Kp, wp, cp, N, b0, sums); break;
@@ -159,7 +162,7 @@ void write_rows(const int32_t* sums, int64_t m, int64_t rows, int64_t b, int64_t
 
 #if defined(__AVX512VNNI__)
 // R activation rows (unsigned bytes q + 128, Kp apart) against blocks b and next of the packed weights (next only
-// where it is below `blocks`): each 64-byte weight row is loaded once for the R rows, whose 2R chains of sums run
+// where Two): each 64-byte weight row is loaded once for the R rows, whose 2R chains of sums run
 // side by side. The sums, less the 128 times each output's weight sum that the unsigned bytes add, go to
 // sums[block][row][output] as write_rows reads them.
 template <int R, bool Two>
