@@ -707,20 +707,27 @@ def test_a_kill_mid_batch_keeps_every_sequences_tokens(long_tiny_folder, tmp_pat
 
 
 @torch.inference_mode()
-def test_a_rotary_embedding_that_follows_the_length_takes_each_sequence_s_own_in_a_batched_decode():
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+@torch.inference_mode()
+def test_a_rotary_embedding_that_follows_the_length_takes_each_sequence_s_own_in_a_batched_decode(kv_dtype):
     """Dynamic NTK scaling changes the frequencies past the positions the model was made for: a batched decode of a
-    short and a long sequence gives each the logits it gets decoded alone, not the longest one's frequencies."""
+    short and a long sequence (through the modules) gives each the logits it gets decoded alone, not the longest
+    one's frequencies; to the bit where the kernels attend, as they do alone, over a float32 or a bf16 cache."""
     lm = tiny_model(positions=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     prompts = [[5, 6, 7], list(range(100, 124))]  # the second runs past the 16 positions
     kinds = cache_layer_kinds(lm.config)
 
     def prefilled(ids):
         cache = new_cache(kinds)
-        lm.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        lm.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, kv_dtype=kv_dtype)
         return cache
 
-    alone = [lm.model(input_ids=torch.tensor([[9]]), cache=prefilled(ids), use_cache=True).logits[0, -1]
-             for ids in prompts]
-    together = lm.model.decode_batch([9, 9], [len(ids) for ids in prompts], [prefilled(ids) for ids in prompts])
+    alone = [lm.model(input_ids=torch.tensor([[9]]), cache=prefilled(ids), use_cache=True, kv_dtype=kv_dtype)
+             .logits[0, -1] for ids in prompts]
+    together = lm.model.decode_batch([9, 9], [len(ids) for ids in prompts], [prefilled(ids) for ids in prompts],
+                                     kv_dtype)
     for row, own in zip(together.logits, alone):
-        torch.testing.assert_close(row, own, rtol=1e-4, atol=1e-5)
+        if optional_kernel() is not None:
+            assert torch.equal(row, own)
+        else:
+            torch.testing.assert_close(row, own, rtol=1e-4, atol=1e-5 if kv_dtype is None else 1e-2)

@@ -563,15 +563,19 @@ class LeanLlama(nn.Module):
             v = qkv[..., (attn.heads + attn.kv_heads) * attn.head_dim:].view(
                 len(positions), 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
             q, k, v = in_cache_precision(q, k, v, kv_dtype)
-            outs = []
+            kernel, outs = cpu_kernel(q), []
             for b, cache in enumerate(caches):
                 keys, values = append_in_place(cache.layers[layer.layer_idx], k[b:b + 1], v[b:b + 1])
                 read += keys.nbytes + values.nbytes
                 written += 2 * k[b].nbytes
+                if kernel is not None:  # as a decode step alone attends, a half-precision cache read as it is
+                    outs.append(kernel.decode_attention(q[b:b + 1], keys, values, attn.scaling))
+                    continue
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-                outs.append(F.scaled_dot_product_attention(q[b:b + 1], keys, values, scale=attn.scaling,
-                                                           enable_gqa=attn.kv_heads != attn.heads))
-            out = torch.cat(outs).transpose(1, 2).reshape(len(positions), 1, -1).to(x.dtype)
+                out = F.scaled_dot_product_attention(q[b:b + 1], keys, values, scale=attn.scaling,
+                                                     enable_gqa=attn.kv_heads != attn.heads)
+                outs.append(out.transpose(1, 2).reshape(1, 1, -1))
+            out = torch.cat(outs).to(x.dtype)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return LeanOutput(logits=self.lm_head(self.model.norm(x))[:, 0], kv_bytes=(read, written))
