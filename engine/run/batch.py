@@ -12,8 +12,7 @@ that a free slot and the budget allow, runs up to prefill_chunk prompt tokens of
 long prompt in chunks over several steps; in one forward where no product depends on the rows beside it,
 LeanLlama.prefill_batch, else one forward a sequence), and one batched decode of every sequence past its prefill. A
 prompt whose cache holds all but its last token (the rest found among the kept prompts, or its earlier chunks) runs
-that token as one more row of the decode, where the KV cache keeps the model's own precision: a decode step in all
-but its row's kind, which no prefill budget counts.
+that token as one more row of the decode: a decode step in all but its row's kind, which no prefill budget counts.
 Sequences join and leave between steps; a cancelled one frees its slot and its cache at the next step. A request too
 long for the budget even alone is refused before it is queued.
 
@@ -187,7 +186,7 @@ class BatchEngine:
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
-        # what the step's rows owe the journals and the streams, handed over at its end (deliver)
+        # what the step's rows owe the journals and the streams, handed over together (deliver)
         self.unflushed: dict = {}  # recorders given rows, in the order they were
         self.undelivered: list = []  # (sink, event or None for the end) in order
         self.prompts: dict[tuple[str, bool], tuple[int, ...]] = {}  # each prompt's ids: a load repeats its prompts

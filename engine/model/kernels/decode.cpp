@@ -107,20 +107,6 @@ static bool has_room(const at::Tensor& cache, int64_t KV, int64_t D) {
          cache.storage().nbytes() >= static_cast<size_t>(KV * head * cache.element_size());
 }
 
-// cache [1, KV, T, D] copied into new storage with room for kCacheRoom more positions after its last.
-static at::Tensor with_room(const at::Tensor& cache, int64_t KV, int64_t D) {
-  const int64_t T = cache.size(2), capacity = (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom;
-  const int64_t size = cache.element_size();
-  auto out = cache.new_empty({1, KV, capacity, D}).narrow(2, 0, T);
-  char* to = static_cast<char*>(out.data_ptr());
-  const char* from = static_cast<const char*>(cache.data_ptr());
-  for (int64_t g = 0; g < KV; ++g)
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(to + (g * out.stride(1) + t * D) * size, from + (g * cache.stride(1) + t * cache.stride(2)) * size,
-                  static_cast<size_t>(size * D));
-  return out;
-}
-
 // Head g's new row, from row + g * D, written at position T of the cache of E whose heads start stride apart,
 // rounded to nearest even where E is narrower (as a tensor's conversion rounds).
 template <typename E>
@@ -203,7 +189,8 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       if (has_room(*cache, KV, D)) continue;
       cache_read += T * position_bytes;  // and a cache without room is copied first
       cache_written += T * position_bytes;
-      *cache = with_room(*cache, KV, D);
+      // copied into new storage with room for kCacheRoom more positions after its last
+      *cache = copied_with_room(*cache, 0, T, (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom);
       moved[c] = 1;
     }
     caches[c] = {keys[c].data_ptr(), values[c].data_ptr(), T, keys[c].stride(1), values[c].stride(1)};

@@ -482,6 +482,9 @@ void attend(const float* qp, int64_t q_stride, int64_t head_stride, const std::v
             int64_t KV, int64_t D, float s, float* op, at::ScalarType cache_type = at::kFloat);
 // Whether attend reads caches of this type.
 bool attends_over(at::ScalarType cache_type);
+// t's positions [start, start + length) (t [1, KV, P, D], rows contiguous) copied into new storage with room for
+// `room` positions: a [1, KV, length, D] view at the start of a [1, KV, room, D] tensor.
+at::Tensor copied_with_room(const at::Tensor& t, int64_t start, int64_t length, int64_t room);
 
 // What bindings.cpp gives Python, each defined in the source named.
 at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // small_rows.cpp

@@ -452,7 +452,7 @@ at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vecto
 // t's positions [start, start + length) (t [1, KV, P, D], rows contiguous) copied into new storage with room for
 // `room` positions: a [1, KV, length, D] view at the start of a [1, KV, room, D] tensor, a cache's keys or values as
 // a decode grows them in place.
-static at::Tensor copied_with_room(const at::Tensor& t, int64_t start, int64_t length, int64_t room) {
+at::Tensor copied_with_room(const at::Tensor& t, int64_t start, int64_t length, int64_t room) {
   const int64_t KV = t.size(1), D = t.size(3), bytes = D * t.element_size();
   const char* base = static_cast<const char*>(t.data_ptr());
   auto store = t.new_empty({1, KV, room, D});
