@@ -216,50 +216,68 @@ static inline __m512 widen16(const at::Half* p) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// sums[j] += weight * the 16 values from v + 16 * j, for j < 4 (a slice of 64).
-template <typename E>
-static inline void add_weighted_slice(__m512* sums, float weight, const E* v) {
-  const __m512 w = _mm512_set1_ps(weight);
-  for (int j = 0; j < 4; ++j) sums[j] = _mm512_fmadd_ps(w, widen16(v + 16 * j), sums[j]);
-}
-#endif
-
-// o[d] = the sum over t of p[t] * v[t * D + d]: in each slice of 64 outputs, the even positions' sum and the odd
-// positions' sum, each added in the order of t, then added together; outputs past the last full slice in one sum
-// in the order of t. A slice keeps its sums in registers over all positions, two sets of chains side by side: each
-// add waits for the one before in its chain, so one set waited on that alone, and summed in o itself each
-// position's add waited for the store of the one before.
-template <typename E>
-static void weighted_values(const float* p, const E* v, int64_t T, int64_t D, float* o) {
+// o_i[d] = the sum over t of p_i[t] * v[t * D + d] for HC heads over the same values (head i's weights at
+// p + i * p_step, its outputs at o + i * D): in each slice of 64 outputs, the even positions' sum and the odd
+// positions' sum, each added in the order of t, then added together; outputs past the last full slice in one sum in
+// the order of t. Each value is widened once for the HC heads, and a slice is taken in halves of 32 so that every
+// head's sums stay in registers, two sets of chains side by side: each add waits for the one before in its chain.
+// A head's sums are the same whichever heads are taken with it.
+template <int HC, typename E>
+static void weighted_values(const float* p, int64_t p_step, const E* v, int64_t T, int64_t D, float* o) {
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
-    int64_t t = 0;
 #if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
-    __m512 even[4], odd[4];
-    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
-    for (; t + 2 <= T; t += 2) {
-      add_weighted_slice(even, p[t], v + t * D + d0);
-      add_weighted_slice(odd, p[t + 1], v + (t + 1) * D + d0);
-    }
-    if (t < T) add_weighted_slice(even, p[t], v + t * D + d0);
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + d0 + 16 * j, _mm512_add_ps(even[j], odd[j]));
-#else
-    float even[kSlice] = {}, odd[kSlice] = {};
-    for (; t + 2 <= T; t += 2)
-      for (int64_t j = 0; j < kSlice; ++j) {
-        even[j] += p[t] * widen(v[t * D + d0 + j]);
-        odd[j] += p[t + 1] * widen(v[(t + 1) * D + d0 + j]);
+    for (int64_t half = d0; half < d0 + kSlice; half += 32) {
+      __m512 even[HC][2], odd[HC][2];
+      for (int i = 0; i < HC; ++i) even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) {
+        const E* a = v + t * D + half;
+        const __m512 a0 = widen16(a), a1 = widen16(a + 16), b0 = widen16(a + D), b1 = widen16(a + D + 16);
+        for (int i = 0; i < HC; ++i) {
+          const __m512 we = _mm512_set1_ps(p[i * p_step + t]), wo = _mm512_set1_ps(p[i * p_step + t + 1]);
+          even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
+          even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
+          odd[i][0] = _mm512_fmadd_ps(wo, b0, odd[i][0]);
+          odd[i][1] = _mm512_fmadd_ps(wo, b1, odd[i][1]);
+        }
       }
-    if (t < T)
-      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * widen(v[t * D + d0 + j]);
-    for (int64_t j = 0; j < kSlice; ++j) o[d0 + j] = even[j] + odd[j];
+      if (t < T) {
+        const __m512 a0 = widen16(v + t * D + half), a1 = widen16(v + t * D + half + 16);
+        for (int i = 0; i < HC; ++i) {
+          const __m512 we = _mm512_set1_ps(p[i * p_step + t]);
+          even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
+          even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
+        }
+      }
+      for (int i = 0; i < HC; ++i) {
+        _mm512_storeu_ps(o + i * D + half, _mm512_add_ps(even[i][0], odd[i][0]));
+        _mm512_storeu_ps(o + i * D + half + 16, _mm512_add_ps(even[i][1], odd[i][1]));
+      }
+    }
+#else
+    for (int i = 0; i < HC; ++i) {
+      const float* w = p + i * p_step;
+      float even[kSlice] = {}, odd[kSlice] = {};
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2)
+        for (int64_t j = 0; j < kSlice; ++j) {
+          even[j] += w[t] * widen(v[t * D + d0 + j]);
+          odd[j] += w[t + 1] * widen(v[(t + 1) * D + d0 + j]);
+        }
+      if (t < T)
+        for (int64_t j = 0; j < kSlice; ++j) even[j] += w[t] * widen(v[t * D + d0 + j]);
+      for (int64_t j = 0; j < kSlice; ++j) o[i * D + d0 + j] = even[j] + odd[j];
+    }
 #endif
   }
-  std::fill(o + d0, o + D, 0.f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v[t * D + d]);
+  for (int i = 0; i < HC; ++i) {
+    float* out = o + i * D;
+    std::fill(out + d0, out + D, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = d0; d < D; ++d) out[d] += p[i * p_step + t] * widen(v[t * D + d]);
+  }
 }
 
 // The sum of w[0..T) in 16 lanes, added in a fixed order: one running sum waited for each add.
@@ -276,31 +294,11 @@ static float lanes_sum(const float* w, int64_t T) {
 }
 
 #if defined(__AVX512F__)
-// w[j] = dot(q, keys + j * D, D) * s for 16 keys, bit for bit, returned as well: each key's two registers
-// of lanes summed as dot() sums them (8 keys side by side, each load of q serving the 8), then the 16
-// keys' registers added together in the order _mm512_reduce_add_ps adds one register's lanes (lane i and
-// i + 8, then i and i + 4, i and i + 2, i and i + 1), each shuffle and add serving 2 to 16 keys, where
-// reducing each key's register on its own takes 8 shuffles and adds for one number.
-template <typename E>
-static __m512 scores16(const float* q, const E* keys, int64_t D, float s, float* w) {
-  __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
-#pragma GCC unroll 2  // keeps v in registers
-  for (int g = 0; g < 16; g += 8) {
-    __m512 acc0[8], acc1[8];
-    for (int j = 0; j < 8; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-      const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + d + 16);
-      for (int j = 0; j < 8; ++j) {
-        acc0[j] = _mm512_fmadd_ps(q0, widen16(keys + (g + j) * D + d), acc0[j]);
-        acc1[j] = _mm512_fmadd_ps(q1, widen16(keys + (g + j) * D + d + 16), acc1[j]);
-      }
-    }
-    if (d + 16 <= D)
-      for (int j = 0; j < 8; ++j)
-        acc0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(keys + (g + j) * D + d), acc0[j]);
-    for (int j = 0; j < 8; ++j) v[4 * ((g + j) % 4) + (g + j) / 4] = _mm512_add_ps(acc0[j], acc1[j]);
-  }
+// One register whose lane j is the sum of key j's register of lanes, for 16 keys (key j's in v[4 * (j % 4) + j / 4]),
+// added in the order _mm512_reduce_add_ps adds one register's lanes (lane i and i + 8, then i and i + 4, i and
+// i + 2, i and i + 1): each shuffle and add serves 2 to 16 keys, where reducing each key's register on its own takes
+// 8 shuffles and adds for one number. v is overwritten.
+static inline __m512 sums_of_16(__m512* v) {
   for (int i = 0; i < 8; ++i)  // 256-bit halves: 2 keys a register, 8 lanes each
     v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -310,59 +308,122 @@ static __m512 scores16(const float* q, const E* keys, int64_t D, float s, float*
   for (int i = 0; i < 2; ++i)  // lanes 2 apart: 8 keys a register, 2 lanes each
     v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  if (D % 16 == 0) {
-    const __m512 scores = _mm512_mul_ps(sums, _mm512_set1_ps(s));
-    _mm512_storeu_ps(w, scores);
-    return scores;
-  }
-  float sum[16];  // then the last few products one by one, as dot() adds them
-  _mm512_storeu_ps(sum, sums);
+  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// For HC query heads over the same 16 keys (head i's query at q + i * q_step), w_i[j] = dot(q_i, keys + j * D, D) * s
+// bit for bit (head i's scores at w + i * w_step), and tops[i] their lane-wise maximum with what it held. Each key is
+// widened once for the HC heads; a head's key sums are dot()'s two registers of lanes (the slices of 16 taken in
+// turn) added together, then reduced by sums_of_16. D is a multiple of 16.
+template <int HC, typename E>
+static inline void scores16(const float* q, int64_t q_step, const E* keys, int64_t D, float s, float* w,
+                            int64_t w_step, __m512* tops) {
+  __m512 v[HC][16];
   for (int j = 0; j < 16; ++j) {
-    for (int64_t d = D - D % 16; d < D; ++d) sum[j] += q[d] * widen(keys[j * D + d]);
-    w[j] = sum[j] * s;
+    const E* key = keys + j * D;
+    __m512 acc0[HC], acc1[HC];
+    for (int i = 0; i < HC; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      const __m512 k0 = widen16(key + d), k1 = widen16(key + d + 16);
+      for (int i = 0; i < HC; ++i) {
+        acc0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * q_step + d), k0, acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * q_step + d + 16), k1, acc1[i]);
+      }
+    }
+    if (d < D) {
+      const __m512 k0 = widen16(key + d);
+      for (int i = 0; i < HC; ++i) acc0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * q_step + d), k0, acc0[i]);
+    }
+    for (int i = 0; i < HC; ++i) v[i][4 * (j % 4) + j / 4] = _mm512_add_ps(acc0[i], acc1[i]);
   }
-  return _mm512_loadu_ps(w);
+  for (int i = 0; i < HC; ++i) {
+    const __m512 scores = _mm512_mul_ps(sums_of_16(v[i]), _mm512_set1_ps(s));
+    _mm512_storeu_ps(w + i * w_step, scores);
+    tops[i] = _mm512_max_ps(tops[i], scores);
+  }
 }
 #endif
 
+// HC query heads of one grouped-query group (head i's query at q + i * q_step, its output at o + i * D) over the
+// group's T cached keys and values: scores, softmax and the weighted values, each head's arithmetic the same
+// whichever heads are taken with it. w holds HC rows of at least T floats, w_step apart; key D floats.
+template <int HC, typename E>
+static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* vh, int64_t T, int64_t D, float s,
+                         float* w, int64_t w_step, float* key, float* o) {
+  float top[HC];
+  std::fill(top, top + HC, -INFINITY);
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
+    // which give every output the same bits either way
+    __m512 tops[HC];
+    for (int i = 0; i < HC; ++i) tops[i] = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= T; t += 16) scores16<HC>(q, q_step, kh + t * D, D, s, w + t, w_step, tops);
+    for (int i = 0; i < HC; ++i) top[i] = _mm512_reduce_max_ps(tops[i]);
+  }
+#endif
+  for (int i = 0; i < HC; ++i) {
+    float* wi = w + i * w_step;
+    for (int64_t u = t; u < T; ++u) {
+      wi[u] = dot(q + i * q_step, as_floats(kh + u * D, D, key), D) * s;
+      top[i] = std::max(top[i], wi[u]);
+    }
+    exp_shifted(wi, T, top[i]);
+    const float total = lanes_sum(wi, T);
+    for (int64_t u = 0; u < T; ++u) wi[u] /= total;
+  }
+  weighted_values<HC>(w, w_step, vh, T, D, o);
+}
+
+// Asks for bytes from p to be brought into the core's second-level cache.
+static inline void fetch_ahead(const void* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset, 0, 2);
+}
+
+// The most query heads attend_heads takes at once: their sums fill the registers.
+constexpr int64_t kGroupHeads = 4;
+
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
 // cache of E, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
-// for the threads as many times); each head's arithmetic is the same whatever runs beside it.
+// for the threads as many times); each head's arithmetic is the same whatever runs beside it. A group's heads are
+// taken together (up to kGroupHeads), each key and value read once for them, where the sequences' groups are enough
+// to share among the threads; one at a time otherwise.
 template <typename E>
 static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches,
                         int64_t H, int64_t KV, int64_t D, float s, float* op) {
   const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
   int64_t longest = 1;
   for (const auto& c : caches) longest = std::max(longest, c.T);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D));
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(static_cast<size_t>(longest)), key(static_cast<size_t>(D));
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const CacheView& c = caches[b];
-      const int64_t T = c.T;
-      const float* qh = qp + b * q_stride + h * head_stride;
-      const E* kh = static_cast<const E*>(c.keys) + h / group * c.k_stride;
-      const E* vh = static_cast<const E*>(c.values) + h / group * c.v_stride;
-      float top = -INFINITY;
-      int64_t t = 0;
-#if defined(__AVX512F__)
-      // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
-      // which give every output the same bits either way
-      __m512 tops = _mm512_set1_ps(-INFINITY);
-      for (; t + 16 <= T; t += 16) tops = _mm512_max_ps(tops, scores16(qh, kh + t * D, D, s, w.data() + t));
-      top = _mm512_reduce_max_ps(tops);
-#endif
-      for (; t < T; ++t) {
-        w[t] = dot(qh, as_floats(kh + t * D, D, key.data()), D) * s;
-        top = std::max(top, w[t]);
+  const int64_t heads = B * KV >= 4 * at::get_num_threads() ? std::min(group, kGroupHeads) : 1;
+  const int64_t chunks = (group + heads - 1) / heads;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D * heads));
+  const auto keys_of = [&](int64_t item) {  // the item's sequence, its group and the group's keys and values
+    const int64_t b = item / (KV * chunks), g = item / chunks % KV;
+    const CacheView& c = caches[b];
+    return std::make_tuple(b, g, static_cast<const E*>(c.keys) + g * c.k_stride,
+                           static_cast<const E*>(c.values) + g * c.v_stride, c.T);
+  };
+  at::parallel_for(0, B * KV * chunks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(static_cast<size_t>(heads * longest)), key(static_cast<size_t>(D));
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [b, g, kh, vh, T] = keys_of(item);
+      if (item + 1 < end) {  // a few kilobytes a group: fetched beside this one's arithmetic, not waited for after it
+        const auto [next_b, next_g, nk, nv, nT] = keys_of(item + 1);
+        fetch_ahead(nk, nT * D * sizeof(E));
+        fetch_ahead(nv, nT * D * sizeof(E));
       }
-      exp_shifted(w.data(), T, top);
-      const float total = lanes_sum(w.data(), T);
-      for (int64_t t = 0; t < T; ++t) w[t] /= total;
-      weighted_values(w.data(), vh, T, D, op + bh * D);
+      const int64_t h = g * group + item % chunks * heads;
+      const float* q = qp + b * q_stride + h * head_stride;
+      float* o = op + (b * H + h) * D;
+      switch (std::min(heads, (g + 1) * group - h)) {
+        case 1: attend_heads<1>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
+        case 2: attend_heads<2>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
+        case 3: attend_heads<3>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
+        default: attend_heads<4>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
+      }
     }
   });
 }
