@@ -403,6 +403,10 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
         handles = [engine.submit(p, max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=i)
                    for i, p in enumerate(PROMPTS)]
         streams = [list(h) for h in handles]
+        quiet = engine.submit(PROMPTS[1], max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=1, stream=False)
+        assert list(quiet) == [] and quiet.result["status"] == "ok"  # only its end, then its rows
+        assert [row["token_id"] for row in quiet.sequence.tokens] == [e.token_id for e in streams[1]]
+        assert quiet.result["ttft_ms"] == quiet.sequence.tokens[0]["t_ms"]
         cancelled = engine.submit(PROMPTS[0], max_new_tokens=400, ignore_eos=True)
         cancelled.cancel()
         assert cancelled.wait()["status"] == "cancelled"

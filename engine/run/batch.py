@@ -106,8 +106,8 @@ class Sequence:
     LocalEngine reads its tokens as they come; here they also collect in `tokens` (the token rows)."""
 
     def __init__(self, engine: BatchEngine, cfg: GenConfig, ids: list[int], tag: str | None, t_request: int,
-                 sink: queue.SimpleQueue | None):
-        self.cfg, self.prompt_ids, self.tag, self.sink = cfg, ids, tag, sink
+                 sink: queue.SimpleQueue | None, stream: bool = True):
+        self.cfg, self.prompt_ids, self.tag, self.sink, self.stream = cfg, ids, tag, sink, stream
         self.output = Output(engine.lm, cfg.max_new_tokens, cfg.stop, cfg.ignore_eos)
         self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         self.phase = "queued"  # queued, prefill, decode, done
@@ -255,11 +255,11 @@ class BatchEngine:
             self.writer.ready()
 
     def submit(self, cfg: GenConfig, tag: str | None = None, t_request: int | None = None,
-               sink: queue.SimpleQueue | None = None, batch: dict | None = None) -> Sequence:
+               sink: queue.SimpleQueue | None = None, batch: dict | None = None, stream: bool = True) -> Sequence:
         """Queue a request and start its recorded run. Its clock starts at t_request (perf_counter_ns, default
-        now); sink, when given, receives its TokenEvents as they come, then None when it ends. batch, when given,
-        is stored in the run's config (what makes the batch again: engine.run.reproduce)."""
-        seq = Sequence(self, cfg, self.check(cfg), tag, t_request or time.perf_counter_ns(), sink)
+        now); sink, when given, receives its TokenEvents as they come (stream), then None when it ends. batch, when
+        given, is stored in the run's config (what makes the batch again: engine.run.reproduce)."""
+        seq = Sequence(self, cfg, self.check(cfg), tag, t_request or time.perf_counter_ns(), sink, stream)
         if self.store is not None:
             seq.recorder = Recorder(self.store, self.writer)
             seq.run_id = seq.recorder.start(
@@ -507,7 +507,7 @@ class BatchEngine:
         if seq.recorder is not None:
             seq.recorder.add(row, token_rows, text, flush=False)
             self.unflushed[seq.recorder] = None
-        if seq.sink is not None:
+        if seq.sink is not None and seq.stream:
             buckets = {b: getattr(token_rows[0], f"{b}_ms") for b in BUCKETS} if token_rows else {}
             self.undelivered.extend((seq.sink, TokenEvent(index=r.idx, token_id=token, piece=piece, step=seq.step,
                                                           t_ms=r.t_ms, gap_ms=r.gap_ms, buckets=buckets))

@@ -31,9 +31,12 @@ from engine.spec import GenConfig, RunSpec
 
 
 class Handle:
-    """One submitted request: iterate it for its TokenEvents (it ends when the request does)."""
+    """One submitted request: iterate it for its TokenEvents (it ends when the request does). A handle submitted
+    with stream=False yields none and wakes its reader once, at the end: the token rows are then in
+    handle.sequence.tokens, each with the time it was decoded."""
 
-    def __init__(self):
+    def __init__(self, stream: bool = True):
+        self.stream = stream
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.sequence: Sequence | None = None
         self._cancel = False
@@ -82,11 +85,12 @@ class LocalEngine:
         self.engine.check(cfg)
         return cfg
 
-    def submit(self, prompt: str, max_new_tokens: int = 64, tag: str | None = None, **settings) -> Handle:
+    def submit(self, prompt: str, max_new_tokens: int = 64, tag: str | None = None, stream: bool = True,
+               **settings) -> Handle:
         """Queue a request; settings are GenConfig fields (temperature, stop, ignore_eos, ...); tag is stored
-        with its run."""
+        with its run; stream=False: the handle yields no events, only ends (see Handle)."""
         cfg = self.check(prompt, max_new_tokens, **settings)  # refused here, in the caller's thread, unrecorded
-        handle = Handle()
+        handle = Handle(stream)
         with self._wake:
             if self._closing:
                 raise RuntimeError("This LocalEngine is closed.")
@@ -109,7 +113,7 @@ class LocalEngine:
                 arrivals, self._inbox = self._inbox, []
                 closing = self._closing
             for cfg, handle, t_request, tag in arrivals:
-                seq = self.engine.submit(cfg, tag=tag, t_request=t_request, sink=handle.events)
+                seq = self.engine.submit(cfg, tag=tag, t_request=t_request, sink=handle.events, stream=handle.stream)
                 handle.sequence = seq
                 if handle._cancel:
                     seq.cancel()
