@@ -22,7 +22,7 @@ import duckdb
 
 from engine.store.db import Store, StoreError
 from engine.store.record import RecordDeferred
-from engine.store.sql import complete_run, insert_batches
+from engine.store.sql import complete_runs, insert_batches
 
 
 def flush_s() -> float:
@@ -69,7 +69,7 @@ class Writer:
         self._queue(self._rows, row)
 
     def end(self, recorder, batches: dict[str, list[dict]], ending: dict) -> None:
-        """A run's rows ({table: rows}) and ending (engine.store.sql.complete_run's) to write at the next write;
+        """A run's rows ({table: rows}) and ending (engine.store.sql.complete_run's arguments) to write at the next write;
         once it is committed, recorder.stored() removes the run's journal."""
         self._queue(self._ends, (recorder, batches, ending))
 
@@ -134,8 +134,7 @@ class Writer:
                 insert_batches(con, {"runs": rows})
                 insert_batches(con, {table: [row for _, batches, _ in ends for row in batches.get(table, [])]
                                      for table in {t for _, batches, _ in ends for t in batches}})
-                for recorder, _, ending in ends:
-                    complete_run(con, recorder.run_id, **ending)
+                complete_runs(con, [(recorder.run_id, ending) for recorder, _, ending in ends])
                 ids = self.store.reserve_run_ids(short, con) if short else []
                 con.execute("COMMIT")
         except BaseException:
