@@ -378,11 +378,6 @@ static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* v
   weighted_values<HC>(w, w_step, vh, T, D, o);
 }
 
-// Asks for bytes from p to be brought into the core's second-level cache.
-static inline void fetch_ahead(const void* p, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset, 0, 2);
-}
-
 // The most query heads attend_heads takes at once: their sums fill the registers.
 constexpr int64_t kGroupHeads = 4;
 
@@ -400,29 +395,21 @@ static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, 
   const int64_t heads = B * KV >= 4 * at::get_num_threads() ? std::min(group, kGroupHeads) : 1;
   const int64_t chunks = (group + heads - 1) / heads;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D * heads));
-  const auto keys_of = [&](int64_t item) {  // the item's sequence, its group and the group's keys and values
-    const int64_t b = item / (KV * chunks), g = item / chunks % KV;
-    const CacheView& c = caches[b];
-    return std::make_tuple(b, g, static_cast<const E*>(c.keys) + g * c.k_stride,
-                           static_cast<const E*>(c.values) + g * c.v_stride, c.T);
-  };
   at::parallel_for(0, B * KV * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(static_cast<size_t>(heads * longest)), key(static_cast<size_t>(D));
     for (int64_t item = begin; item < end; ++item) {
-      const auto [b, g, kh, vh, T] = keys_of(item);
-      if (item + 1 < end) {  // a few kilobytes a group: fetched beside this one's arithmetic, not waited for after it
-        const auto [next_b, next_g, nk, nv, nT] = keys_of(item + 1);
-        fetch_ahead(nk, nT * D * sizeof(E));
-        fetch_ahead(nv, nT * D * sizeof(E));
-      }
+      const int64_t b = item / (KV * chunks), g = item / chunks % KV;
+      const CacheView& c = caches[b];
+      const E* kh = static_cast<const E*>(c.keys) + g * c.k_stride;
+      const E* vh = static_cast<const E*>(c.values) + g * c.v_stride;
       const int64_t h = g * group + item % chunks * heads;
       const float* q = qp + b * q_stride + h * head_stride;
       float* o = op + (b * H + h) * D;
       switch (std::min(heads, (g + 1) * group - h)) {
-        case 1: attend_heads<1>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
-        case 2: attend_heads<2>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
-        case 3: attend_heads<3>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
-        default: attend_heads<4>(q, head_stride, kh, vh, T, D, s, w.data(), longest, key.data(), o); break;
+        case 1: attend_heads<1>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
+        case 2: attend_heads<2>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
+        case 3: attend_heads<3>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
+        default: attend_heads<4>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
       }
     }
   });
