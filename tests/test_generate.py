@@ -141,6 +141,23 @@ def test_text_stream_never_splits_a_character(tiny_lm):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_the_tokenizers_decode_stream_gives_the_pieces_of_decoding_twice(tiny_lm):
+    """A fast tokenizer's DecodeStream makes each piece in one call; decoding the pending tokens twice, the way for
+    other tokenizers, makes the same pieces: on text with multi-byte characters and on random ids (lone bytes of a
+    character, special tokens)."""
+    import random
+
+    tokenizer, rng = tiny_lm.tokenizer, random.Random(0)
+    runs = [tokenizer("naïve 東京 🙂 done\n\n  x\t.")["input_ids"]]
+    runs += [[rng.randrange(tokenizer.vocab_size) for _ in range(120)] for _ in range(10)]
+    runs += [[rng.randrange(300) for _ in range(120)] for _ in range(10)]
+    for ids in runs:
+        fast, twice = TextStream(tokenizer), TextStream(tokenizer)
+        twice.fast = None
+        assert fast.fast is not None
+        assert [fast.push(i) for i in ids] == [twice.push(i) for i in ids]
+
+
 def test_a_bf16_kv_cache_beside_fp32_weights_halves_the_cache_and_its_accounting(tiny_lm, calibration):
     runs = {}
     for kv in ("auto", "bf16"):

@@ -2,6 +2,8 @@
 the output a run builds, with its budget and stop conditions."""
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from engine.model.loader import LoadedModel
 
 
@@ -31,15 +33,23 @@ def eos_ids(lm: LoadedModel) -> set[int]:
 
 class TextStream:
     """Turns token ids into text pieces without re-decoding the whole output each step and
-    without emitting half of a multi-byte character."""
+    without emitting half of a multi-byte character: a piece is the text the tokens since the last one
+    add, once it ends in a whole character. A fast tokenizer's own DecodeStream does this in one call a
+    token (the same pieces); others decode the pending tokens twice, as it does."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        # decode() cleans up spaces around punctuation afterwards where a tokenizer asks it to; DecodeStream never
+        self.fast = DecodeStream(skip_special_tokens=True) if backend is not None and \
+            not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
 
     def push(self, token_id: int) -> str:
+        if self.fast is not None:
+            return self.fast.step(self.tokenizer.backend_tokenizer, token_id) or ""
         self.ids.append(token_id)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         before = decode(self.ids[self.prefix:self.read])

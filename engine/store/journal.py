@@ -14,6 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+# one encoder for every line: json.dumps makes one a call where it is given `default`
+_encode = json.JSONEncoder(default=str).encode
+
+
 def journal_dir(db_path: Path) -> Path:
     return db_path.with_name(db_path.name + ".journal")
 
@@ -51,7 +55,7 @@ class Journal:
             raise
 
     def write(self, kind: str, row: dict) -> None:
-        self._file.write(json.dumps({"record": kind, **row}, default=str) + "\n")
+        self._file.write(_encode({"record": kind, **row}) + "\n")
 
     def flush(self) -> None:
         self._file.flush()
