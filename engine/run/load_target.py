@@ -44,7 +44,7 @@ def planned_setup(calibration: dict, prompt_tokens: int, new_tokens: int, max_ba
 
 class LocalTarget:
     """The local engine as a sweep's target: each request is a recorded run, tagged with the request's
-    sweep, level and index (engine.serve.load.request_tag); its tokens stream as the engine decodes them."""
+    sweep, level and index (engine.serve.load.request_tag); each of its tokens is timed as the engine decodes it."""
 
     root = "local"
     kind = "local"
