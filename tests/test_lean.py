@@ -184,6 +184,29 @@ def test_decode_attention_computes_what_scaled_dot_product_attention_does(batch,
     torch.testing.assert_close(out, plain.transpose(1, 2).reshape(batch, 1, heads * dim), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim", [40, 48, 64, 80])
+def test_a_group_s_heads_attended_together_get_the_bits_each_gets_alone(dim):
+    """Where the sequences' grouped-query groups are enough for the threads, up to four heads of a group are
+    attended together, each key and value widened once for them; alone, a sequence's heads go one at a time. Each
+    head's output is the same to the bit either way, at groups of 4 and 7 heads (4 + 3 together) and at widths
+    whose last slice of 16 or 64 is partial."""
+    kernel = optional_kernel()
+    if kernel is None:
+        pytest.skip("the C++ extension cannot be built here")
+    g, threads = torch.Generator().manual_seed(dim), torch.get_num_threads()
+    torch.set_num_threads(2)  # alone, a sequence's 2 or 4 groups are too few for two threads: one head at a time
+    try:
+        for heads, kv_heads in [(16, 4), (14, 2)]:
+            q = torch.randn(8, heads, 1, dim, generator=g)
+            k, v = (torch.randn(8, kv_heads, 45, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+            together = kernel.decode_attention(q, k, v, dim ** -0.5)
+            for b in range(8):
+                alone = kernel.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], dim ** -0.5)
+                assert torch.equal(together[b:b + 1], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_over_a_half_precision_cache_is_attention_over_its_values_in_float32(dtype):
     """The kernels widen each cached value as they read it: the same bits as over a float32 copy of the cache, for

@@ -378,21 +378,144 @@ static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* v
   weighted_values<HC>(w, w_step, vh, T, D, o);
 }
 
-// The most query heads attend_heads takes at once: their sums fill the registers.
+#if defined(__AVX512F__)
+// sums[j] += weight * the 16 values from v + 16 * j, for j < 4 (a slice of 64).
+template <typename E>
+static inline void add_weighted_slice(__m512* sums, float weight, const E* v) {
+  const __m512 w = _mm512_set1_ps(weight);
+  for (int j = 0; j < 4; ++j) sums[j] = _mm512_fmadd_ps(w, widen16(v + 16 * j), sums[j]);
+}
+#endif
+
+// weighted_values for one head, a whole slice of 64 at a time: o[d] = the sum over t of p[t] * v[t * D + d], the
+// same sums in the same order.
+template <typename E>
+static void one_head_values(const float* p, const E* v, int64_t T, int64_t D, float* o) {
+  constexpr int64_t kSlice = 64;
+  int64_t d0 = 0;
+  for (; d0 + kSlice <= D; d0 += kSlice) {
+    int64_t t = 0;
+#if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
+    __m512 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
+    for (; t + 2 <= T; t += 2) {
+      add_weighted_slice(even, p[t], v + t * D + d0);
+      add_weighted_slice(odd, p[t + 1], v + (t + 1) * D + d0);
+    }
+    if (t < T) add_weighted_slice(even, p[t], v + t * D + d0);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + d0 + 16 * j, _mm512_add_ps(even[j], odd[j]));
+#else
+    float even[kSlice] = {}, odd[kSlice] = {};
+    for (; t + 2 <= T; t += 2)
+      for (int64_t j = 0; j < kSlice; ++j) {
+        even[j] += p[t] * widen(v[t * D + d0 + j]);
+        odd[j] += p[t + 1] * widen(v[(t + 1) * D + d0 + j]);
+      }
+    if (t < T)
+      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * widen(v[t * D + d0 + j]);
+    for (int64_t j = 0; j < kSlice; ++j) o[d0 + j] = even[j] + odd[j];
+#endif
+  }
+  std::fill(o + d0, o + D, 0.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v[t * D + d]);
+}
+
+#if defined(__AVX512F__)
+// scores16 for one head, eight keys side by side (each load of q serving the eight): w[j] = dot(q, keys + j * D, D) * s
+// for 16 keys, bit for bit, returned as well.
+template <typename E>
+static __m512 one_head_scores16(const float* q, const E* keys, int64_t D, float s, float* w) {
+  __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
+#pragma GCC unroll 2  // keeps v in registers
+  for (int g = 0; g < 16; g += 8) {
+    __m512 acc0[8], acc1[8];
+    for (int j = 0; j < 8; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + d + 16);
+      for (int j = 0; j < 8; ++j) {
+        acc0[j] = _mm512_fmadd_ps(q0, widen16(keys + (g + j) * D + d), acc0[j]);
+        acc1[j] = _mm512_fmadd_ps(q1, widen16(keys + (g + j) * D + d + 16), acc1[j]);
+      }
+    }
+    if (d + 16 <= D)
+      for (int j = 0; j < 8; ++j)
+        acc0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(keys + (g + j) * D + d), acc0[j]);
+    for (int j = 0; j < 8; ++j) v[4 * ((g + j) % 4) + (g + j) / 4] = _mm512_add_ps(acc0[j], acc1[j]);
+  }
+  const __m512 sums = sums_of_16(v);
+  if (D % 16 == 0) {
+    const __m512 scores = _mm512_mul_ps(sums, _mm512_set1_ps(s));
+    _mm512_storeu_ps(w, scores);
+    return scores;
+  }
+  float sum[16];  // then the last few products one by one, as dot() adds them
+  _mm512_storeu_ps(sum, sums);
+  for (int j = 0; j < 16; ++j) {
+    for (int64_t d = D - D % 16; d < D; ++d) sum[j] += q[d] * widen(keys[j * D + d]);
+    w[j] = sum[j] * s;
+  }
+  return _mm512_loadu_ps(w);
+}
+#endif
+
+// attend_over a head at a time, for steps whose groups are too few to share among the threads (a sequence or two):
+// one head alone runs faster through these loops than through attend_heads<1>.
+template <typename E>
+static void attend_each_head(const float* qp, int64_t q_stride, int64_t head_stride,
+                             const std::vector<CacheView>& caches, int64_t H, int64_t KV, int64_t D, float s, float* op) {
+  const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
+  int64_t longest = 1;
+  for (const auto& c : caches) longest = std::max(longest, c.T);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D));
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(static_cast<size_t>(longest)), key(static_cast<size_t>(D));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const CacheView& c = caches[b];
+      const int64_t T = c.T;
+      const float* qh = qp + b * q_stride + h * head_stride;
+      const E* kh = static_cast<const E*>(c.keys) + h / group * c.k_stride;
+      const E* vh = static_cast<const E*>(c.values) + h / group * c.v_stride;
+      float top = -INFINITY;
+      int64_t t = 0;
+#if defined(__AVX512F__)
+      // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
+      // which give every output the same bits either way
+      __m512 tops = _mm512_set1_ps(-INFINITY);
+      for (; t + 16 <= T; t += 16) tops = _mm512_max_ps(tops, one_head_scores16(qh, kh + t * D, D, s, w.data() + t));
+      top = _mm512_reduce_max_ps(tops);
+#endif
+      for (; t < T; ++t) {
+        w[t] = dot(qh, as_floats(kh + t * D, D, key.data()), D) * s;
+        top = std::max(top, w[t]);
+      }
+      exp_shifted(w.data(), T, top);
+      const float total = lanes_sum(w.data(), T);
+      for (int64_t t = 0; t < T; ++t) w[t] /= total;
+      one_head_values(w.data(), vh, T, D, op + bh * D);
+    }
+  });
+}
+
+// The most query heads attend_heads takes at once: weighted_values keeps four sums a head in registers, 16 of the 32.
 constexpr int64_t kGroupHeads = 4;
 
 // One new token's H query heads per sequence (sequence b's at qp + b * q_stride) over that sequence's own
 // cache of E, all sequences' heads shared by the threads in one go (a region per sequence would wake and wait
 // for the threads as many times); each head's arithmetic is the same whatever runs beside it. A group's heads are
 // taken together (up to kGroupHeads), each key and value read once for them, where the sequences' groups are enough
-// to share among the threads; one at a time otherwise.
+// to share among the threads; one at a time otherwise (attend_each_head).
 template <typename E>
 static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, const std::vector<CacheView>& caches,
                         int64_t H, int64_t KV, int64_t D, float s, float* op) {
   const int64_t group = H / KV, B = static_cast<int64_t>(caches.size());
   int64_t longest = 1;
   for (const auto& c : caches) longest = std::max(longest, c.T);
-  const int64_t heads = B * KV >= 4 * at::get_num_threads() ? std::min(group, kGroupHeads) : 1;
+  if (B * KV < 4 * at::get_num_threads())
+    return attend_each_head<E>(qp, q_stride, head_stride, caches, H, KV, D, s, op);
+  const int64_t heads = std::min(group, kGroupHeads);
   const int64_t chunks = (group + heads - 1) / heads;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D * heads));
   at::parallel_for(0, B * KV * chunks, grain, [&](int64_t begin, int64_t end) {
