@@ -158,6 +158,25 @@ def test_the_tokenizers_decode_stream_gives_the_pieces_of_decoding_twice(tiny_lm
         assert [fast.push(i) for i in ids] == [twice.push(i) for i in ids]
 
 
+def test_a_byte_fallback_tokenizer_s_bytes_that_stop_making_a_character_keep_the_stream_going():
+    """Under a byte-fallback decoder a byte can turn a character already given back into replacement marks, and
+    DecodeStream then refuses the next token (its text no longer starts with what it gave): the stream goes on
+    decoding twice, with the pieces that way gives."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{f"<0x{b:02X}>": b for b in range(256)}, "a": 256, "<unk>": 257}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    ids = [0xC3, 0xA9, 0x80, 256, 256]
+    fast, twice = TextStream(tokenizer), TextStream(tokenizer)
+    twice.fast = None
+    assert fast.fast is not None
+    assert [fast.push(i) for i in ids] == [twice.push(i) for i in ids]
+    assert fast.fast is None  # it met the refusal
+
+
 def test_a_bf16_kv_cache_beside_fp32_weights_halves_the_cache_and_its_accounting(tiny_lm, calibration):
     runs = {}
     for kv in ("auto", "bf16"):

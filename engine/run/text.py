@@ -35,7 +35,7 @@ class TextStream:
     """Turns token ids into text pieces without re-decoding the whole output each step and
     without emitting half of a multi-byte character: a piece is the text the tokens since the last one
     add, once it ends in a whole character. A fast tokenizer's own DecodeStream does this in one call a
-    token (the same pieces); others decode the pending tokens twice, as it does."""
+    token; others decode the pending tokens twice, the same pieces."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -48,9 +48,16 @@ class TextStream:
         self.read = 0
 
     def push(self, token_id: int) -> str:
-        if self.fast is not None:
-            return self.fast.step(self.tokenizer.backend_tokenizer, token_id) or ""
         self.ids.append(token_id)
+        if self.fast is not None:
+            try:
+                piece = self.fast.step(self.tokenizer.backend_tokenizer, token_id)
+            except Exception:  # its text no longer starts with the text it gave (bytes that stopped making a
+                self.fast = None  # character, under a byte-fallback decoder): decoded twice from here on
+            else:
+                if piece:  # where the decoding twice below would move on too
+                    self.prefix, self.read = self.read, len(self.ids)
+                return piece or ""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         before = decode(self.ids[self.prefix:self.read])
         after = decode(self.ids[self.prefix:])
