@@ -42,7 +42,7 @@ def test_a_rate_sweep_on_the_local_engine_stores_every_request_as_a_request_and_
     joined, samples, runs = stored(db, out["sweep_id"])
     assert len(joined) == runs == 12 and joined["run_id"].notna().all() and joined["run_id"].is_unique
     assert set(joined["run_status"]) == {"ok"} and set(joined["status"]) == {"ok"}
-    # each request streamed its run's tokens one by one, and both saw the same first token
+    # each request's tokens one a chunk, timed by its run's rows: both saw the same first token
     assert (joined["n_output_tokens"] == 6).all() and (joined["n_new_tokens"] == 6).all()
     assert all(list(c) == [1] * 6 for c in joined["chunk_tokens"])
     assert (joined["ttft_ms"] - joined["run_ttft_ms"]).abs().max() < 1.0

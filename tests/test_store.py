@@ -39,11 +39,13 @@ def test_reopening_keeps_every_run(tmp_path):
 
 def test_runs_ended_together_each_keep_their_own_ending(store):
     """The writer ends many runs in one statement for those that set the same columns: each run's values, its
-    missing metrics NULL, and extra columns only where given."""
+    missing metrics NULL, and extra columns only where given (a column set before stays where an ending has none)."""
     from engine.store.sql import complete_runs
 
     ids = [store.start_run(model="m", device="cpu", dtype="float32", config={}, hardware={}, prompt=f"p{i}")
            for i in range(3)]
+    with store.connect() as con:
+        con.execute("UPDATE runs SET energy_j = 7.0 WHERE run_id = ?", [ids[0]])
     first = {"ttft_ms": 5.0, "n_new_tokens": 2, "distances_ms": {"memory": 1.5}}
     endings = [(ids[0], {"status": "ok", "output": "one", "token_ids": [1, 2], "metrics": first, "error": None}),
                (ids[1], {"status": "error", "output": "", "token_ids": [], "metrics": None, "error": "boom",
@@ -52,13 +54,13 @@ def test_runs_ended_together_each_keep_their_own_ending(store):
                          "error": None, "columns": {"energy_j": 2.5, "not_a_column": 1}})]
     with store.connect() as con:
         complete_runs(con, endings)
-    rows = store.query("SELECT * FROM runs ORDER BY run_id").set_index("run_id")
+    rows = store.query("SELECT *, ttft_ms IS NULL AS no_ttft FROM runs ORDER BY run_id").set_index("run_id")
     assert list(rows["status"]) == ["ok", "error", "ok"] and list(rows["output"]) == ["one", "", "three"]
     assert [list(t) for t in rows["token_ids"]] == [[1, 2], [], [7]]
     assert rows.loc[ids[0], "ttft_ms"] == 5.0 and rows.loc[ids[0], "memory_ms"] == 1.5
-    assert math.isnan(rows.loc[ids[1], "ttft_ms"]) and rows.loc[ids[1], "error"] == "boom"
+    assert list(rows["no_ttft"]) == [False, True, False] and rows.loc[ids[1], "error"] == "boom"
     assert str(rows.loc[ids[1], "finished_at"]) == "2026-01-02 03:04:05"
-    assert rows.loc[ids[2], "energy_j"] == 2.5 and math.isnan(rows.loc[ids[0], "energy_j"])
+    assert rows.loc[ids[0], "energy_j"] == 7.0 and rows.loc[ids[2], "energy_j"] == 2.5
     assert json.loads(rows.loc[ids[0], "metrics"])["n_new_tokens"] == 2
 
 

@@ -59,11 +59,12 @@ def ending_row(run_id: int, *, status: str, output: str, token_ids, metrics: dic
 
 def complete_runs(con, endings: list[tuple[int, dict]]) -> None:
     """complete_run for each (run_id, its keyword arguments), in one statement for the runs that set the same
-    columns: an UPDATE a run cost a busy engine's writes milliseconds of a core each, beside its decoding."""
+    columns: an UPDATE a run made the writes of a busy engine take a core from its decoding. A NaN is stored as
+    NULL, as a DataFrame's missing value."""
     groups: dict[tuple, list[dict]] = {}
     for run_id, ending in endings:
         row = ending_row(run_id, **ending)
-        groups.setdefault(tuple(row), []).append(row)
+        groups.setdefault(tuple(sorted(row)), []).append(row)
     for names, rows in groups.items():
         con.register("endings", pd.DataFrame(rows))
         try:

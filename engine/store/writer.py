@@ -69,8 +69,8 @@ class Writer:
         self._queue(self._rows, row)
 
     def end(self, recorder, batches: dict[str, list[dict]], ending: dict) -> None:
-        """A run's rows ({table: rows}) and ending (engine.store.sql.complete_run's arguments) to write at the next write;
-        once it is committed, recorder.stored() removes the run's journal."""
+        """A run's rows ({table: rows}) and ending (engine.store.sql.complete_run's arguments) to write at the next
+        write; once it is committed, recorder.stored() removes the run's journal."""
         self._queue(self._ends, (recorder, batches, ending))
 
     def write(self) -> None:
