@@ -391,11 +391,11 @@ static inline void add_weighted_slice(__m512* sums, float weight, const E* v) {
 // same sums in the same order.
 template <typename E>
 static void one_head_values(const float* p, const E* v, int64_t T, int64_t D, float* o) {
+#if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
     int64_t t = 0;
-#if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
     for (; t + 2 <= T; t += 2) {
@@ -404,21 +404,13 @@ static void one_head_values(const float* p, const E* v, int64_t T, int64_t D, fl
     }
     if (t < T) add_weighted_slice(even, p[t], v + t * D + d0);
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + d0 + 16 * j, _mm512_add_ps(even[j], odd[j]));
-#else
-    float even[kSlice] = {}, odd[kSlice] = {};
-    for (; t + 2 <= T; t += 2)
-      for (int64_t j = 0; j < kSlice; ++j) {
-        even[j] += p[t] * widen(v[t * D + d0 + j]);
-        odd[j] += p[t + 1] * widen(v[(t + 1) * D + d0 + j]);
-      }
-    if (t < T)
-      for (int64_t j = 0; j < kSlice; ++j) even[j] += p[t] * widen(v[t * D + d0 + j]);
-    for (int64_t j = 0; j < kSlice; ++j) o[d0 + j] = even[j] + odd[j];
-#endif
   }
   std::fill(o + d0, o + D, 0.f);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v[t * D + d]);
+#else
+  weighted_values<1>(p, 0, v, T, D, o);
+#endif
 }
 
 #if defined(__AVX512F__)
