@@ -293,6 +293,13 @@ static float lanes_sum(const float* w, int64_t T) {
   return total;
 }
 
+// w[0..T) = softmax of the scores w[0..T), whose largest is top.
+static void softmax_of_scores(float* w, int64_t T, float top) {
+  exp_shifted(w, T, top);
+  const float total = lanes_sum(w, T);
+  for (int64_t t = 0; t < T; ++t) w[t] /= total;
+}
+
 #if defined(__AVX512F__)
 // One register whose lane j is the sum of key j's register of lanes, for 16 keys (key j's in v[4 * (j % 4) + j / 4]),
 // added in the order _mm512_reduce_add_ps adds one register's lanes (lane i and i + 8, then i and i + 4, i and
@@ -371,9 +378,7 @@ static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* v
       wi[u] = dot(q + i * q_step, as_floats(kh + u * D, D, key), D) * s;
       top[i] = std::max(top[i], wi[u]);
     }
-    exp_shifted(wi, T, top[i]);
-    const float total = lanes_sum(wi, T);
-    for (int64_t u = 0; u < T; ++u) wi[u] /= total;
+    softmax_of_scores(wi, T, top[i]);
   }
   weighted_values<HC>(w, w_step, vh, T, D, o);
 }
@@ -483,9 +488,7 @@ static void attend_each_head(const float* qp, int64_t q_stride, int64_t head_str
         w[t] = dot(qh, as_floats(kh + t * D, D, key.data()), D) * s;
         top = std::max(top, w[t]);
       }
-      exp_shifted(w.data(), T, top);
-      const float total = lanes_sum(w.data(), T);
-      for (int64_t t = 0; t < T; ++t) w[t] /= total;
+      softmax_of_scores(w.data(), T, top);
       one_head_values(w.data(), vh, T, D, op + bh * D);
     }
   });
