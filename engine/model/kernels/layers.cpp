@@ -322,10 +322,11 @@ static inline __m512 sums_of_16(__m512* v) {
 // For HC query heads over the same 16 keys (head i's query at q + i * q_step), w_i[j] = dot(q_i, keys + j * D, D) * s
 // bit for bit (head i's scores at w + i * w_step), and tops[i] their lane-wise maximum with what it held. Each key is
 // widened once for the HC heads; a head's key sums are dot()'s two registers of lanes (the slices of 16 taken in
-// turn) added together, then reduced by sums_of_16. D is a multiple of 16.
+// turn) added together, then reduced by sums_of_16. D is a multiple of 16. Only the keys in `lanes` are stored and
+// taken into tops (a last block that tail_block padded).
 template <int HC, typename E>
 static inline void scores16(const float* q, int64_t q_step, const E* keys, int64_t D, float s, float* w,
-                            int64_t w_step, __m512* tops) {
+                            int64_t w_step, __m512* tops, __mmask16 lanes = 0xffff) {
   __m512 v[HC][16];
   for (int j = 0; j < 16; ++j) {
     const E* key = keys + j * D;
@@ -347,18 +348,31 @@ static inline void scores16(const float* q, int64_t q_step, const E* keys, int64
   }
   for (int i = 0; i < HC; ++i) {
     const __m512 scores = _mm512_mul_ps(sums_of_16(v[i]), _mm512_set1_ps(s));
-    _mm512_storeu_ps(w + i * w_step, scores);
-    tops[i] = _mm512_max_ps(tops[i], scores);
+    _mm512_mask_storeu_ps(w + i * w_step, lanes, scores);
+    tops[i] = _mm512_mask_max_ps(tops[i], lanes, tops[i], scores);
   }
+}
+#endif
+
+#if defined(__AVX512F__)
+// The last n (< 16) of a head's keys copied to the start of `block` (room for 16 keys, made zeros, after which it
+// holds earlier keys: a lane's sum is its own key's alone, and only the lanes returned are kept): the last keys go
+// through the blocks' sums, the same as dot()'s, rather than dot() a key at a time, which widens each key into a
+// buffer and reduces its lanes alone.
+template <typename E>
+static inline __mmask16 tail_block(const E* keys, int64_t n, int64_t D, E* block) {
+  std::copy(keys, keys + n * D, block);
+  return static_cast<__mmask16>((1u << n) - 1);
 }
 #endif
 
 // HC query heads of one grouped-query group (head i's query at q + i * q_step, its output at o + i * D) over the
 // group's T cached keys and values: scores, softmax and the weighted values, each head's arithmetic the same
-// whichever heads are taken with it. w holds HC rows of at least T floats, w_step apart; key D floats.
+// whichever heads are taken with it. w holds HC rows of at least T floats, w_step apart; key D floats, block 16 * D
+// values.
 template <int HC, typename E>
 static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* vh, int64_t T, int64_t D, float s,
-                         float* w, int64_t w_step, float* key, float* o) {
+                         float* w, int64_t w_step, float* key, E* block, float* o) {
   float top[HC];
   std::fill(top, top + HC, -INFINITY);
   int64_t t = 0;
@@ -369,6 +383,11 @@ static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* v
     __m512 tops[HC];
     for (int i = 0; i < HC; ++i) tops[i] = _mm512_set1_ps(-INFINITY);
     for (; t + 16 <= T; t += 16) scores16<HC>(q, q_step, kh + t * D, D, s, w + t, w_step, tops);
+    if (t < T) {
+      const __mmask16 lanes = tail_block(kh + t * D, T - t, D, block);
+      scores16<HC>(q, q_step, block, D, s, w + t, w_step, tops, lanes);
+      t = T;
+    }
     for (int i = 0; i < HC; ++i) top[i] = _mm512_reduce_max_ps(tops[i]);
   }
 #endif
@@ -420,9 +439,9 @@ static void one_head_values(const float* p, const E* v, int64_t T, int64_t D, fl
 
 #if defined(__AVX512F__)
 // scores16 for one head, eight keys side by side (each load of q serving the eight): w[j] = dot(q, keys + j * D, D) * s
-// for 16 keys, bit for bit, returned as well.
+// for 16 keys, bit for bit, returned as well; where D is a multiple of 16, only the keys in `lanes` are stored.
 template <typename E>
-static __m512 one_head_scores16(const float* q, const E* keys, int64_t D, float s, float* w) {
+static __m512 one_head_scores16(const float* q, const E* keys, int64_t D, float s, float* w, __mmask16 lanes = 0xffff) {
   __m512 v[16];  // key j's in v[4 * (j % 4) + j / 4], which the steps below leave in lane j
 #pragma GCC unroll 2  // keeps v in registers
   for (int g = 0; g < 16; g += 8) {
@@ -444,7 +463,7 @@ static __m512 one_head_scores16(const float* q, const E* keys, int64_t D, float 
   const __m512 sums = sums_of_16(v);
   if (D % 16 == 0) {
     const __m512 scores = _mm512_mul_ps(sums, _mm512_set1_ps(s));
-    _mm512_storeu_ps(w, scores);
+    _mm512_mask_storeu_ps(w, lanes, scores);
     return scores;
   }
   float sum[16];  // then the last few products one by one, as dot() adds them
@@ -468,6 +487,7 @@ static void attend_each_head(const float* qp, int64_t q_stride, int64_t head_str
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(static_cast<size_t>(longest)), key(static_cast<size_t>(D));
+    std::vector<E> block(static_cast<size_t>(16 * D));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const CacheView& c = caches[b];
@@ -482,6 +502,11 @@ static void attend_each_head(const float* qp, int64_t q_stride, int64_t head_str
       // which give every output the same bits either way
       __m512 tops = _mm512_set1_ps(-INFINITY);
       for (; t + 16 <= T; t += 16) tops = _mm512_max_ps(tops, one_head_scores16(qh, kh + t * D, D, s, w.data() + t));
+      if (D % 16 == 0 && t < T) {
+        const __mmask16 lanes = tail_block(kh + t * D, T - t, D, block.data());
+        tops = _mm512_mask_max_ps(tops, lanes, tops, one_head_scores16(qh, block.data(), D, s, w.data() + t, lanes));
+        t = T;
+      }
       top = _mm512_reduce_max_ps(tops);
 #endif
       for (; t < T; ++t) {
@@ -515,6 +540,7 @@ static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, 
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (longest * D * heads));
   at::parallel_for(0, B * KV * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(static_cast<size_t>(heads * longest)), key(static_cast<size_t>(D));
+    std::vector<E> block(static_cast<size_t>(16 * D));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KV * chunks), g = item / chunks % KV;
       const CacheView& c = caches[b];
@@ -524,10 +550,10 @@ static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, 
       const float* q = qp + b * q_stride + h * head_stride;
       float* o = op + (b * H + h) * D;
       switch (std::min(heads, (g + 1) * group - h)) {
-        case 1: attend_heads<1>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
-        case 2: attend_heads<2>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
-        case 3: attend_heads<3>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
-        default: attend_heads<4>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), o); break;
+        case 1: attend_heads<1>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), block.data(), o); break;
+        case 2: attend_heads<2>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), block.data(), o); break;
+        case 3: attend_heads<3>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), block.data(), o); break;
+        default: attend_heads<4>(q, head_stride, kh, vh, c.T, D, s, w.data(), longest, key.data(), block.data(), o); break;
       }
     }
   });
