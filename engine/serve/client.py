@@ -19,7 +19,7 @@ from engine.serve import network
 from engine.serve import scrape as server_metrics
 from engine.serve import split as served_split
 from engine.serve import records as served_store
-from engine.measure.metrics import percentile
+from engine.measure.metrics import itl_percentiles
 from engine.paths import DEFAULT_MODEL_NAME
 from engine.spec import STALL_TIMEOUT_S, RunSpec
 from engine.serve.metrics import request_metrics
@@ -575,7 +575,7 @@ class ServedRun:
         return {
             "n_prompt_tokens": prompt_tokens, "n_new_tokens": n, "total_ms": e2e,
             "tokens_per_s": n / e2e * 1e3 if n and e2e else None, "decode_tokens_per_s": 1e3 / tpot if tpot else None,
-            "itl_p50_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90), "itl_p99_ms": percentile(itl, 99),
+            **itl_percentiles(itl),
             "distances_ms": totals if rows else {}, "server_work_ms": sum(r["server_work_ms"] for r in rows),
             "rtt_ms": self.network["send_ms"] + self.network["first_byte_ms"] if self.network else None,
             "server": server, "server_kind": self.server_kind,
