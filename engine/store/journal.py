@@ -13,9 +13,16 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
 
-# one encoder for every line: json.dumps makes one a call where it is given `default`
-_encode = json.JSONEncoder(default=str).encode
+
+# A line as orjson writes it, in a fifth of the json module's time (a step of many sequences writes a step row and
+# a token row for each). NaN and infinities become null, as the store keeps them (NULL); numpy numbers stay numbers.
+_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+
+
+def _line(row: dict) -> bytes:
+    return orjson.dumps(row, default=str, option=_OPTIONS)
 
 
 def journal_dir(db_path: Path) -> Path:
@@ -45,7 +52,7 @@ class Journal:
         # created and locked under a name recovery does not look at, then renamed: a file visible
         # under its final name is always locked, so no recovery can take it for a dead run's
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        self._file = open(temporary, "w", encoding="utf-8")
+        self._file = open(temporary, "wb")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(temporary, path)
@@ -55,7 +62,7 @@ class Journal:
             raise
 
     def write(self, kind: str, row: dict) -> None:
-        self._file.write(_encode({"record": kind, **row}) + "\n")
+        self._file.write(_line({"record": kind, **row}))
 
     def flush(self) -> None:
         self._file.flush()
