@@ -503,9 +503,10 @@ class BatchEngine:
                                   len(seq.token_ids) - len(events), seq.t_request, t_end)
         row.kind = kind or row.kind
         seq.steps.append(columns(row))
-        seq.tokens.extend(columns(r) for r in token_rows)
+        new_tokens = [columns(r) for r in token_rows]
+        seq.tokens.extend(new_tokens)
         if seq.recorder is not None:
-            seq.recorder.add(row, token_rows, text, flush=False)
+            seq.recorder.add(seq.steps[-1], new_tokens, text, flush=False)
             self.unflushed[seq.recorder] = None
         if seq.sink is not None and seq.stream:
             buckets = {b: getattr(token_rows[0], f"{b}_ms") for b in BUCKETS} if token_rows else {}

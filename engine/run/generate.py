@@ -192,9 +192,10 @@ class Generation:
                                       [(t, self.lm.tokenizer.decode([t])) for t, _ in events],
                                       len(self.token_ids) - len(events), t_request, t_end)
             self.steps.append(columns(row))
-            self.tokens.extend([columns(r) for r in token_rows])
+            new_tokens = [columns(r) for r in token_rows]
+            self.tokens.extend(new_tokens)
             if self.recorder is not None:
-                self.recorder.add(row, token_rows, text)
+                self.recorder.add(self.steps[-1], new_tokens, text)
             self.stop_reason = done
             buckets = {b: getattr(token_rows[0], f"{b}_ms") for b in BUCKETS} if token_rows else {}
             for i, (token, piece) in enumerate(events):

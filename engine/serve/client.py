@@ -486,7 +486,7 @@ class ServedRun:
 
     def _take(self, chunk: Chunk, t0: int) -> ChunkEvent:
         """One chunk into the run: its provisional rows go to the journal at once."""
-        from engine.store.rows import ServedStepRow, ServedTokenRow
+        from engine.store.rows import ServedStepRow, ServedTokenRow, columns
 
         ids = self.counter.count(chunk)
         t_ms = (chunk.t_ns - t0) / 1e6
@@ -505,7 +505,7 @@ class ServedRun:
                                      **{k: (v / len(ids) if v is not None else None) for k, v in provisional.items()})
                       for i, token in enumerate(ids)]
         if self.recorder is not None:
-            self.recorder.add(step_row, token_rows, chunk.text)
+            self.recorder.add(columns(step_row), [columns(r) for r in token_rows], chunk.text)
         self.live_tokens.extend(vars(r) for r in token_rows)
         return ChunkEvent(index=step, first_token=first, piece=chunk.text, token_ids=ids, t_ms=t_ms,
                           gap_ms=gap, buckets=provisional)

@@ -13,7 +13,6 @@ import torch
 
 from engine.measure.energy import EnergyMeter
 from engine.store.journal import Journal, journal_path
-from engine.store.rows import columns
 from engine.store.db import Store, StoreError, signals_deferred
 from engine.store.sql import start_row, utcnow
 
@@ -70,12 +69,12 @@ class Recorder:
             self.journal.flush()
         return run_id
 
-    def add(self, step_row, token_rows, text: str, flush: bool = True) -> None:
-        """One step's rows and the text it added, handed to the operating system at once (flush=False: at the
-        caller's flush())."""
-        self.journal.write("step", {**columns(step_row), "text": text})
-        for row in token_rows:
-            self.journal.write("token", columns(row))
+    def add(self, step: dict, tokens: list[dict], text: str, flush: bool = True) -> None:
+        """One step's rows (engine.store.rows.columns of each) and the text it added, handed to the operating system
+        at once (flush=False: at the caller's flush())."""
+        self.journal.write("step", {**step, "text": text})
+        for row in tokens:
+            self.journal.write("token", row)
         if flush:
             self.journal.flush()
 
