@@ -505,8 +505,10 @@ class LeanLlama(nn.Module):
         if (plan is not None and plan.forms is not None and not any(plan.hooks)
                 and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks):
             layers = [[cache.layers[i] for i in plan.layers] for cache in caches]
-            if all(type(c) is DynamicLayer and c.is_initialized and c.keys.dtype == (kv_dtype or torch.float32)
-                   for per_sequence in layers for c in per_sequence):
+            # a sequence's layers hold one type (the call checks it), so its first layer's says it
+            want = kv_dtype or torch.float32
+            if (all(type(c) is DynamicLayer and c.is_initialized for per_sequence in layers for c in per_sequence)
+                    and all(per_sequence[0].keys.dtype == want for per_sequence in layers)):
                 cos, sin, _ = self._rope_row(plan.embedding, max(positions))
                 flat = [c for per_sequence in layers for c in per_sequence]
                 logits, copied, read, written = kernel.decode_layers(
