@@ -10,7 +10,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine.store import db
+from engine.store import db, journal
 from engine.store.db import SCHEMA_VERSION, Store, StoreError
 from commands import run_python, start_python
 
@@ -229,6 +229,26 @@ while not (folder.parent / "stop").exists():
             taken += kept is not None
 print(taken)
 """
+
+
+def test_a_journal_keeps_what_orjson_refuses_and_ignores_a_line_cut_within_a_character(tmp_path):
+    """Rows orjson will not write (a lone surrogate, which a server's JSON can carry; an integer beyond 64 bits) go
+    through the json module; a last line cut short within a character of several bytes is ignored, as any line a
+    kill cut short is."""
+    path = tmp_path / "run-1.jsonl"
+    kept = journal.Journal(path)
+    kept.write("run", {"run_id": 1, "n_prompt_tokens": 3})
+    kept.write("token", {"idx": 0, "piece": "caf\u00e9", "token_id": 2 ** 70})
+    kept.write("token", {"idx": 1, "piece": "\ud83d", "token_id": 5})
+    kept.write("step", {"step": 0, "text": "\u00e9t\u00e9"})
+    kept.flush()
+    rows = journal.read(path)
+    assert [(t["piece"], t["token_id"]) for t in rows["tokens"]] == [("caf\u00e9", 2 ** 70), ("\ud83d", 5)]
+    assert rows["text"] == "\u00e9t\u00e9"
+    path.write_bytes(path.read_bytes()[:-4])  # the last line now ends within its last "\u00e9"
+    cut = journal.read(path)
+    assert len(cut["tokens"]) == 2 and cut["steps"] == [] and cut["text"] == ""
+    kept.close()
 
 
 def test_no_recovery_takes_a_journal_its_writer_is_creating(tmp_path):

@@ -19,10 +19,14 @@ import orjson
 # A line as orjson writes it, in a fifth of the json module's time (a step of many sequences writes a step row and
 # a token row for each). NaN and infinities become null, as the store keeps them (NULL); numpy numbers stay numbers.
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+_escaped = json.JSONEncoder(default=str).encode
 
 
 def _line(row: dict) -> bytes:
-    return orjson.dumps(row, default=str, option=_OPTIONS)
+    try:
+        return orjson.dumps(row, default=str, option=_OPTIONS)
+    except orjson.JSONEncodeError:  # what orjson refuses (a lone surrogate a server streamed, a 65-bit integer)
+        return (_escaped(row) + "\n").encode()
 
 
 def journal_dir(db_path: Path) -> Path:
@@ -91,7 +95,7 @@ def claimed(path: Path):
     until the block ends, when the file is removed; None when a live process holds it or it is gone
     (another recovery took it first). The block's rows are then this process's alone to fold."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except FileNotFoundError:
         yield None
         return
@@ -110,8 +114,8 @@ def claimed(path: Path):
 
 def read(path: Path) -> dict:
     """{"run": header, "steps": [...], "tokens": [...], "text": streamed text, "finish": record or None}, and a load
-    sweep's journal's "requests" too. A last line cut short by a kill is ignored."""
-    with open(path, encoding="utf-8") as f:
+    sweep's journal's "requests" too. A last line cut short by a kill (even within a character) is ignored."""
+    with open(path, "rb") as f:
         return _rows(f)
 
 
@@ -120,7 +124,7 @@ def _rows(lines) -> dict:
     for line in lines:
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # a line cut short: not JSON, or not UTF-8 where it ends within a character
             break
         kind = row.pop("record")
         if kind == "step":
