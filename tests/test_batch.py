@@ -445,6 +445,18 @@ def test_by_the_end_of_each_step_every_row_is_in_its_journal_and_every_token_in_
     assert all(got[-1] is None and len(got) == len(seq.token_ids) + 1 for seq, got in zip(seqs, streamed))
 
 
+def test_a_step_hands_over_every_token_before_it_ends_the_runs_it_finished(tiny_lm, calibration, store, monkeypatch):
+    """Ending a run (its summary, its rows handed to the writer) waits until the step has emitted every sequence's
+    token: a token's time is when it was handed over, not after the runs that ended before it in the step."""
+    engine = BatchEngine(tiny_lm, store=store, max_batch=4, calibration=calibration)
+    seqs = [engine.submit(sampled(p, 3, i)) for i, p in enumerate(PROMPTS)]
+    seen, end = [], engine._end
+    monkeypatch.setattr(engine, "_end", lambda seq, *a: (seen.append([len(s.token_ids) for s in seqs]), end(seq, *a)))
+    engine.run()
+    engine.write()
+    assert seen == [[3, 3, 3, 3]] * 4 and all(s.status == "ok" for s in seqs)
+
+
 def test_a_repeated_prompt_is_tokenized_once_and_the_machine_described_once(tiny_lm, store, monkeypatch):
     import engine.run.batch as batch
 

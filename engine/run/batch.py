@@ -183,6 +183,9 @@ class BatchEngine:
         self.queued: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
+        # sequences whose last token a step emitted, ended once all its tokens are (each token's time is when it was
+        # handed over, not after the runs that ended before it in the step were written)
+        self.done: list[tuple[Sequence, str]] = []
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
@@ -302,7 +305,9 @@ class BatchEngine:
             self._prefill([s for s in prefilling if s not in joining])
             if decoding or joining:
                 self._decode(decoding, joining)
-        except Exception as exc:  # the step failed for every sequence in it: each run ends with the error
+            self._end_done()
+        except Exception as exc:  # the step failed for every sequence in it not done: each run ends with the error
+            self._end_done()
             for seq in self.running + self.queued:
                 seq.error = f"{type(exc).__name__}: {exc}"
                 self._end(seq, "error", None)
@@ -516,7 +521,13 @@ class BatchEngine:
         seq.step += 1
         seq.t_last = t_end
         if done:
-            self._end(seq, "ok", done)
+            self.done.append((seq, done))
+
+    def _end_done(self) -> None:
+        """End the sequences the step finished, one at a time: those after one whose ending fails stay to end."""
+        while self.done:
+            seq, reason = self.done.pop(0)
+            self._end(seq, "ok", reason)
 
     def _end(self, seq: Sequence, status: str, reason: str | None) -> None:
         """Finish the sequence's run and free its slot and cache."""
