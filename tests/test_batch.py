@@ -421,6 +421,27 @@ def test_the_local_engine_streams_each_request_from_another_thread(tiny_lm, cali
         assert store.runs(20).set_index("run_id").loc[handle.result["run_id"], "status"] == "ok"
 
 
+def test_the_local_engine_spares_the_collector_what_was_alive_while_it_is_busy_and_lifts_it_when_idle(tiny_lm):
+    """While the engine's thread has requests, a collection walks only what was made since they came (a full one
+    in a process that keeps many results stalls a step); idle, it lifts the freeze, so that garbage goes too."""
+    import gc
+
+    engine = LocalEngine(tiny_lm, max_batch=2)
+    try:
+        handle = engine.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        next(iter(handle))
+        assert gc.get_freeze_count() > 1000  # the model's modules and tensors, the libraries
+        handle.wait()
+        deadline = time.monotonic() + 60
+        while gc.get_freeze_count() and time.monotonic() < deadline:  # the thread goes idle after the last step
+            time.sleep(0.01)
+        assert gc.get_freeze_count() == 0
+        engine.submit(PROMPTS[1], max_new_tokens=4, ignore_eos=True).wait()  # a later spell is spared again
+    finally:
+        engine.close()
+    assert gc.get_freeze_count() == 0
+
+
 def test_by_the_end_of_each_step_every_row_is_in_its_journal_and_every_token_in_its_stream(tiny_lm, calibration,
                                                                                            store):
     """A step hands its rows to the journals and its events to the streams together (before the next forward lets

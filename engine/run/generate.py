@@ -9,6 +9,7 @@ end-to-end time."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from engine.run.text import Output, prompt_ids
 
 
 _runs_sparing_the_collector = 0
+_sparing = threading.Lock()
 
 
 @contextmanager
@@ -43,17 +45,20 @@ def collector_spared():
     """Sets every object alive before a run (the model, its modules, the libraries: hundreds of
     thousands) aside from Python's cycle collector while runs decode, so a collection that a step's
     allocations trigger walks only what was made since (walking them all costs milliseconds of every
-    step). Runs that interleave share one freeze, lifted when the last ends."""
+    step, and a full collection in a process that has kept many results, hundreds). Runs that interleave,
+    in any thread, share one freeze, lifted when the last ends."""
     global _runs_sparing_the_collector
-    if _runs_sparing_the_collector == 0:
-        gc.freeze()
-    _runs_sparing_the_collector += 1
+    with _sparing:
+        if _runs_sparing_the_collector == 0:
+            gc.freeze()
+        _runs_sparing_the_collector += 1
     try:
         yield
     finally:
-        _runs_sparing_the_collector -= 1
-        if _runs_sparing_the_collector == 0:
-            gc.unfreeze()
+        with _sparing:
+            _runs_sparing_the_collector -= 1
+            if _runs_sparing_the_collector == 0:
+                gc.unfreeze()
 
 
 @dataclass

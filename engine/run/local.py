@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 from engine.measure import hardware
@@ -108,27 +109,38 @@ class LocalEngine:
         self.engine.write()
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                arrivals, self._inbox = self._inbox, []
-                closing = self._closing
-            for cfg, handle, t_request, tag in arrivals:
-                seq = self.engine.submit(cfg, tag=tag, t_request=t_request, sink=handle.events, stream=handle.stream)
-                handle.sequence = seq
-                if handle._cancel:
-                    seq.cancel()
-            if closing:
-                self.engine.end_all()
-                return
-            try:
-                busy = self.engine.step()
-            except Exception as exc:  # every run in the step ended with it; later requests still run
-                self.error, busy = exc, True
-            if not busy:
+        # from each idle spell's end to the next one's start, the cycle collector spares what was alive when it
+        # ended (collector_spared): in a process that keeps many results (a long sweep's), a full collection
+        # stalls a step for hundreds of milliseconds
+        with ExitStack() as busy_spell:
+            spared = False
+            while True:
                 with self._wake:
-                    if not self._inbox and not self._closing:
-                        release_threads()  # while idle, other engines' steps spin their threads
-                        self._wake.wait()
+                    arrivals, self._inbox = self._inbox, []
+                    closing = self._closing
+                for cfg, handle, t_request, tag in arrivals:
+                    seq = self.engine.submit(cfg, tag=tag, t_request=t_request, sink=handle.events,
+                                             stream=handle.stream)
+                    handle.sequence = seq
+                    if handle._cancel:
+                        seq.cancel()
+                if closing:
+                    self.engine.end_all()
+                    return
+                if not spared:
+                    busy_spell.enter_context(collector_spared())
+                    spared = True
+                try:
+                    busy = self.engine.step()
+                except Exception as exc:  # every run in the step ended with it; later requests still run
+                    self.error, busy = exc, True
+                if not busy:
+                    busy_spell.close()
+                    spared = False
+                    with self._wake:
+                        if not self._inbox and not self._closing:
+                            release_threads()  # while idle, other engines' steps spin their threads
+                            self._wake.wait()
 
 
 @dataclass
