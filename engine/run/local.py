@@ -113,7 +113,7 @@ class LocalEngine:
         # ended (collector_spared): in a process that keeps many results (a long sweep's), a full collection
         # stalls a step for hundreds of milliseconds
         with ExitStack() as busy_spell:
-            spared = False
+            busy_spell.enter_context(collector_spared())
             while True:
                 with self._wake:
                     arrivals, self._inbox = self._inbox, []
@@ -127,20 +127,17 @@ class LocalEngine:
                 if closing:
                     self.engine.end_all()
                     return
-                if not spared:
-                    busy_spell.enter_context(collector_spared())
-                    spared = True
                 try:
                     busy = self.engine.step()
                 except Exception as exc:  # every run in the step ended with it; later requests still run
                     self.error, busy = exc, True
                 if not busy:
                     busy_spell.close()
-                    spared = False
                     with self._wake:
                         if not self._inbox and not self._closing:
                             release_threads()  # while idle, other engines' steps spin their threads
                             self._wake.wait()
+                    busy_spell.enter_context(collector_spared())
 
 
 @dataclass
