@@ -13,16 +13,17 @@ and a part per sequence, printed beside the weights' trip at the calibrated band
 eight sequences, and the per-sequence share four times would take.
 
 Under load, the same identical request (the prompt, --tokens new tokens, greedy) goes out at each concurrency of
---load, --load-requests of them a level, through Tokenpath's own load tools (engine.serve.load.Sweep): to the local
-engine in process at each level of --levels (its batch cap --load's largest level, at most the engine's largest
-batch, beyond which requests wait in its queue), with --prefix-cache-mb also keeping prompts for reuse as vLLM does
-by default and --kv-dtype keeping its caches in another precision (bf16, as vLLM's CPU build keeps its own), and,
-with --peers, to vLLM's CPU build (started once, --threads OpenMP threads) and llama.cpp's server (llama-cpp-python,
-`make peers`) on the same model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time
-per output token within 100 ms (every request finished), over --load-rounds rounds that alternate the peers: the
-last level before the first that fails, where a level that fails is measured once more at once and counts as failing
-only when it fails again (one noisy level, a spike of other work on the shared cores, does not end a runner's search
-early); the levels beyond it are not measured.
+--load, --load-requests of them a level (at least the level's concurrency), through Tokenpath's own load tools
+(engine.serve.load.Sweep): to the local engine in process at each level of --levels (its batch cap --load's largest
+level, at most the engine's largest batch, beyond which requests wait in its queue), with --prefix-cache-mb also
+keeping prompts for reuse as vLLM does by default and --kv-dtype keeping its caches in another precision (bf16, as
+vLLM's CPU build keeps its own), and, with --peers, to vLLM's CPU build (started once, --threads OpenMP threads, the
+local engine's batch cap as its --max-num-seqs) and llama.cpp's server (llama-cpp-python, `make peers`) on the same
+model. For each, the highest concurrency whose p90 first token is within 1 s and p90 time per output token within
+100 ms (every request finished), over --load-rounds rounds that alternate the peers: the last level before the first
+that fails, where a level that fails is measured once more at once and counts as failing only when it fails again
+(one noisy level, a spike of other work on the shared cores, does not end a runner's search early); the levels
+beyond it are not measured.
 Beside it, the most requests a second each finished at a level measured, as the FLOP rate of the model's forwards
 that is, against this machine's calibrated rate of the arithmetic it multiplies with: how far from its compute roof
 each engine runs near the most load it holds, which bounds how far apart the concurrencies they hold can be.
@@ -126,7 +127,9 @@ def highest_load(levels, again) -> int:
 
 
 def load_config(args, endpoint: str | None, concurrency: list[int] | None = None) -> SweepConfig:
-    return SweepConfig(endpoint, concurrency=concurrency or args.load, requests=args.load_requests,
+    # a level below its concurrency in requests would never have that many in flight
+    concurrency = concurrency or args.load
+    return SweepConfig(endpoint, concurrency=concurrency, requests=max(args.load_requests, *concurrency),
                        prompts=[("story", PROMPT)], max_new_tokens=args.tokens, output_tokens=args.tokens, seed=1,
                        poll_s=0.5)
 
@@ -192,6 +195,11 @@ def at_most_line(levels: list[dict], gflop_of, arithmetic: str, calibration: dic
     return f"{line}, {rate / peak[1]:.0%} of this machine's calibrated {peak[0]} ({peak[1]:.0f} GFLOP/s)"
 
 
+def local_cap(args) -> int:
+    """The local engine's batch cap under load: --load's largest level, at most the engine's largest batch."""
+    return min(max(args.load), MAX_BATCH)
+
+
 def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     """{name: URL} of each requested peer that started (each started once, stopped when `stack` closes); a line
     says why for each that is not measured."""
@@ -203,12 +211,14 @@ def peer_urls(args, stack: contextlib.ExitStack) -> dict:
     for name, extra in blocks.items() if "vllm" in args.peers else ():
         try:
             vllm_python()
-            server = VLLMServer(dtype="bfloat16", threads=args.threads, extra_args=extra)
+            # the local engine's cap on the sequences a step takes, so that the two meet at the same most
+            server = VLLMServer(dtype="bfloat16", threads=args.threads, extra_args=extra,
+                                max_num_seqs=local_cap(args))
             t0 = time.monotonic()
             urls[name] = server.start()
             stack.callback(server.stop)
-            print(f"{name}: vLLM's CPU build ({args.threads} OpenMP threads{', ' if extra else ''}"
-                  f"{' '.join(extra)}) started in {time.monotonic() - t0:.0f} s; idle, it takes "
+            print(f"{name}: vLLM's CPU build ({args.threads} OpenMP threads, --max-num-seqs {server.max_num_seqs}"
+                  f"{', ' if extra else ''}{' '.join(extra)}) started in {time.monotonic() - t0:.0f} s; idle, it takes "
                   f"{idle_cpu_share(server.process.pid):.2f} cores (while the others are measured too)")
         except VLLMError as exc:
             print(f"{name} is not measured under load: {exc}")
@@ -239,7 +249,7 @@ def under_load(args, lm, calibration: dict) -> None:
         runners = {}
         for weights in args.levels.split(","):
             for prefix_cache in prefix_caches:
-                local = local_target(load_config(args, None), store, max_batch=min(max(args.load), MAX_BATCH),
+                local = local_target(load_config(args, None), store, max_batch=local_cap(args),
                                      weights=weights, prefix_cache_bytes=prefix_cache, kv_dtype=args.kv_dtype)
                 stack.callback(local.close)
                 name = (f"Tokenpath {weights}" + (f", {args.kv_dtype} KV cache" if args.kv_dtype != "auto" else "")
@@ -258,7 +268,7 @@ def under_load(args, lm, calibration: dict) -> None:
                 highest.setdefault(name, []).append(held)
                 most.setdefault(name, []).append(max(level["requests_per_s"] or 0 for level in tables[name]))
     print(f"\nunder load: identical requests ({args.tokens} new tokens, greedy), concurrency {args.load}, "
-          f"{args.load_requests} requests a level, {args.load_rounds} round(s); target: p90 first token within "
+          f"{args.load_requests} requests a level (at least its concurrency), {args.load_rounds} round(s); target: p90 first token within "
           f"{TTFT_MS:.0f} ms and p90 time per output token within {TPOT_MS:.0f} ms, every request finished; the "
           "highest level holding it is the last before the first that fails, a failing level measured once more "
           "and counted as failing only when it fails again, the levels beyond it not measured; a request's "

@@ -21,9 +21,10 @@ DEADLINE_PER_TOKEN_S = 1.0  # served: without --deadline a run may take the stal
 # Sequences a batch holds. A decode step in one kernel call keeps each row's arithmetic independent of the rows
 # beside it at any size, so a sequence decodes the tokens it decodes alone; the modules' path (another KV precision,
 # hooks on modules) runs float32 products above 24 rows in PyTorch's GEMM, whose rows may differ in the last bits.
-# The cap is vLLM's CPU server's default (engine/serve/vllm.py MAX_NUM_SEQS), so that a load sweep meets the two
-# engines at the same most sequences a step.
-MAX_BATCH = 128
+# The cap is twice vLLM's CPU server's default (engine/serve/vllm.py MAX_NUM_SEQS): at the integer levels a step of
+# the default model's 128 rows leaves room within a 100 ms time per token, so that default would end a load sweep
+# before the machine does. A sweep that sets the two side by side gives the server the same cap (bench/batching.py).
+MAX_BATCH = 256
 
 # What a served run cannot honour: the server decides these, so a served spec that sets them is refused
 # (field -> what the user asked for, in words). RunSpec.check reads it, for the command line and the pages.

@@ -699,8 +699,8 @@ def test_generate_with_users_records_one_run_per_sequence(tiny_folder, tmp_path)
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--users", "0"], "between 1 and 128"),
-    (["--users", "129"], "between 1 and 128"),
+    (["--users", "0"], "between 1 and 256"),
+    (["--users", "257"], "between 1 and 256"),
     (["--users", "2", "--kv-budget-mb", "0.0001"], "smaller than one sequence"),
     (["--users", "2", "--kv-budget-mb", "1e308"], "--kv-budget-mb"),
     (["--users", "2", "--kv-budget-mb", "0.1", "--max-new-tokens", "300"], "smaller than one sequence"),

@@ -104,8 +104,8 @@ def test_capacity_on_the_local_engine_stores_its_levels_and_every_request_as_a_r
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--local", "--max-batch", "0"], "1 to 128"),
-    (["--local", "--max-batch", "129"], "1 to 128"),
+    (["--local", "--max-batch", "0"], "1 to 256"),
+    (["--local", "--max-batch", "257"], "1 to 256"),
     (["--local", "--kv-budget-mb", "0"], "--kv-budget-mb"),
     (["--local", "--endpoint", "http://127.0.0.1:9"], "not both"),
     ([], "--local"),

@@ -58,8 +58,8 @@ def test_the_command_describes_the_specification_exactly(spec):
     (dict(sparsity=["mask-90"]), "Unknown sparsity 'mask-90'"), (dict(speculative=["psychic"]), "psychic"),
     (dict(workload="novel"), "Unknown workload 'novel'"), (dict(repeat=0), "1 to 10 times, not 0"),
     (dict(repeat=10**9), "not 1000000000"), (dict(new_tokens=3), "4 to 512 new tokens"),
-    (dict(weights=[]), "The grid is empty"), (dict(users=[0]), "1 to 128 users, not 0"),
-    (dict(users=[1, 129]), "not 129"), (dict(kv=["off"], users=[8]), "The grid is empty"), (dict(weights=["int8-dyn"], sparsity=["mask-50"]), "The grid is empty"),
+    (dict(weights=[]), "The grid is empty"), (dict(users=[0]), "1 to 256 users, not 0"),
+    (dict(users=[1, 257]), "not 257"), (dict(kv=["off"], users=[8]), "The grid is empty"), (dict(weights=["int8-dyn"], sparsity=["mask-50"]), "The grid is empty"),
 ])
 def test_bad_input_is_one_sentence_and_nothing_is_stored(store, change, words):
     with pytest.raises(SweepError, match=words) as caught:

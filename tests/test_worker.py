@@ -146,8 +146,8 @@ def test_a_spec_with_users_runs_as_one_batch_each_sequence_decoding_what_it_deco
 def test_a_batch_the_engine_cannot_run_is_refused_in_one_sentence_and_nothing_is_recorded(worker, tmp_path):
     db = tmp_path / "w.duckdb"
     for gen, users, says in [(GenConfig("Hi", speculative="prompt-lookup"), 2, "^Speculative decoding .* does not batch"),
-                             (GenConfig("Hi"), 0, "^users must be a whole number between 1 and 128"),
-                             (GenConfig("Hi"), 129, "^users must be a whole number between 1 and 128")]:
+                             (GenConfig("Hi"), 0, "^users must be a whole number between 1 and 256"),
+                             (GenConfig("Hi"), 257, "^users must be a whole number between 1 and 256")]:
         with pytest.raises(WorkerRefused, match=says):
             list(worker.generate({"db": str(db), "spec": RunSpec(gen=gen, users=users).to_dict()}, every_s=0.05))
     sparse = RunSpec(gen=GenConfig("Hi"), users=2, sparsity=0.5)

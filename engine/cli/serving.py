@@ -299,6 +299,7 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     """The options load and capacity share: the server or the local engine, the requests' lengths, arrivals,
     SLO, store."""
     from engine.dtypes import KV_CHOICES
+    from engine.spec import MAX_BATCH
 
     p.add_argument("--endpoint", help="the server, e.g. http://127.0.0.1:8000 (or --local)")
     p.add_argument("--local", action="store_true", help="send the requests straight into this machine's "
@@ -306,7 +307,8 @@ def _sweep_options(p, duration: float | None = None, slo_required: bool = False)
     p.add_argument("--model", default="default", help="with --local: 'default', a Hugging Face id or a local folder")
     p.add_argument("--weights", help="with --local: the weight level the whole batch runs at (default fp32; "
                                      "int8-dyn, int4-dyn, ...: `generate --help` lists them)")
-    p.add_argument("--max-batch", type=int, default=8, help="with --local: sequences decoded together (1-128)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help=f"with --local: sequences decoded together (1-{MAX_BATCH})")
     p.add_argument("--kv-dtype", choices=KV_CHOICES, help="with --local: the precision every sequence's KV cache is "
                    "kept in (default auto: the weights' compute precision); bf16 or fp16 halve its bytes")
     p.add_argument("--kv-budget-mb", type=float, help="with --local: KV-cache memory the batch may reserve; "

@@ -72,7 +72,7 @@ class VLLMServer:
 
     def __init__(self, port: int | None = None, dtype: str = "bfloat16", threads: int = 1,
                  max_model_len: int = 2048, log_path: str | Path | None = None, extra_args: list[str] | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_num_seqs: int = MAX_NUM_SEQS):
         if dtype not in DTYPES:
             raise VLLMError(f"Unknown dtype '{dtype}' for vLLM: use one of {', '.join(DTYPES)}.")
         if port is not None and not 1 <= port <= 65535:
@@ -81,6 +81,7 @@ class VLLMServer:
             raise VLLMError(f"--threads must be a whole number from 1 to {MAX_THREADS}, not {threads}.")
         self.port = port or free_port()
         self.dtype, self.threads, self.max_model_len = dtype, threads, max_model_len
+        self.max_num_seqs = max_num_seqs  # sequences a step takes at most
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/tokenpath-vllm-{self.port}.log")
         self.extra_args = list(extra_args or [])
         self.api_key = api_key  # handed over in the environment, so it never shows in the process list
@@ -96,7 +97,7 @@ class VLLMServer:
         return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
                 "--served-model-name", self.model_name, "--host", HOST, "--port", str(self.port),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+                "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
                 "--disable-uvicorn-access-log", *self.extra_args]
 
     def start(self, timeout_s: float = START_TIMEOUT_S, on_wait=None) -> str:
