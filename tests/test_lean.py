@@ -522,13 +522,6 @@ def test_with_rooms_copies_each_prompt_into_storage_of_its_own_with_room_to_grow
     assert len({v.untyped_storage().data_ptr() for v in made}) == len(lengths)
     with pytest.raises(RuntimeError, match="rooms shorter"):
         kernel.with_rooms(keys, [5, 130, 1], [128, 128, 128])
-    # the openings of several caches at once, as a kept prompt starts a new cache
-    kept = [keys[:, :, :130].clone(), keys[:, :, 5:135].clone()]
-    for view, own in zip(kernel.openings_with_room(kept, 129, 256), kept):
-        assert view.shape == (1, kv_heads, 129, dim) and torch.equal(view, own[:, :, :129])
-        assert view.untyped_storage().nbytes() == kv_heads * 256 * dim * view.element_size()
-    with pytest.raises(RuntimeError, match="past the positions"):
-        kernel.openings_with_room(kept, 131, 256)
 
 
 def test_new_cache_is_the_cache_the_config_makes_for_full_and_sliding_window_layers():

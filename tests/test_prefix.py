@@ -1,15 +1,17 @@
-"""Prompt prefixes kept for reuse in the batch engine: a later request that opens with a kept prompt's tokens starts
-from a copy of its cache, prefills only the rest, and gets the tokens it gets alone; the kept prompts stay within
-their bytes and make way for a KV budget; load --local takes the switch and refuses it where it cannot apply."""
+"""Prompt prefixes kept for reuse in the batch engine: a later request that opens with a kept prompt's tokens reads
+its keys and values where they are kept, prefills only the rest, and gets the tokens it gets alone; the kept prompts
+stay within their bytes and make way for a KV budget; load --local takes the switch and refuses it where it cannot
+apply."""
 import json
 import random
 
 import pytest
+import torch
 
 from engine.model.cpu_kernels import optional_kernel
-from engine.model.lean import CACHE_ROOM
+from engine.model.lean import CACHE_ROOM, OpeningLayer, cache_layer_kinds, new_cache, room_for, unshare
 from engine.run.batch import BatchEngine
-from engine.run.prefix import BLOCK
+from engine.run.prefix import BLOCK, Prefixes
 from engine.spec import GenConfig
 from engine.store.db import Store
 from engine.switches.quant import quantize
@@ -95,6 +97,69 @@ def test_an_arrival_that_finds_its_prompt_kept_joins_the_running_decode_s_forwar
         assert sum(seq.result["distances_ms"].values()) == pytest.approx(total, rel=1e-6, abs=1e-3)
 
 
+@pytest.mark.parametrize("level,kv", [("int8-dyn", torch.bfloat16), ("fp32", None), ("int4-dyn", torch.float16)])
+@pytest.mark.parametrize("opening,batch", [(31, 1), (30, 2), (31, 5)])
+def test_a_step_over_a_kept_opening_read_where_it_is_gives_the_logits_of_a_copy_to_the_bit(tiny_lm, level, kv, opening,
+                                                                                          batch):
+    """decode_batch over caches that read a kept prompt's positions where the store keeps them gives, step after step,
+    the logits of caches that hold a copy: one or two sequences and several (the kernels' two ways through attention),
+    an odd opening and an even one (the values' sums take positions in pairs, one pair across from the opening to the
+    sequence's own), past the room a sequence's own positions start with. A forward other than the decode step takes
+    such a cache whole first, and continues as the copy does."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    lm = tiny_lm if level == "fp32" else quantize(tiny_lm, level)
+    ids = lm.tokenizer(OPENING)["input_ids"]
+    kinds = cache_layer_kinds(lm.config)
+    kept = new_cache(kinds)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([ids[:opening]]), cache=kept, use_cache=True, kv_dtype=kv)
+    prefixes = Prefixes(64 * MIB, 1)
+    prefixes.keep(ids[:opening], kept)
+    shared, copied = [new_cache(kinds) for _ in range(batch)], [new_cache(kinds) for _ in range(batch)]
+    for b, (one, other) in enumerate(zip(shared, copied)):
+        assert prefixes.reuse(ids[:opening + 1 + b], one) == prefixes.reuse(ids[:opening + 1 + b], other) == opening
+        unshare(other)
+    assert all(type(layer) is OpeningLayer for layer in shared[0].layers)
+    assert not any(type(layer) is OpeningLayer for layer in copied[0].layers)
+    tokens, positions = [ids[opening + b] for b in range(batch)], [opening] * batch
+    for step in range(room_for(opening + 1) - opening + 3):  # past the room its own positions start with
+        out = lm.model.decode_batch(tokens, positions, shared, kv)
+        assert torch.equal(out.logits, lm.model.decode_batch(tokens, positions, copied, kv).logits), step
+        tokens, positions = out.logits.argmax(-1).tolist(), [p + 1 for p in positions]
+    with torch.inference_mode():
+        ahead = [lm.model(input_ids=torch.tensor([tokens[:1] * 3]), cache=cache[0], use_cache=True, kv_dtype=kv).logits
+                 for cache in (shared, copied)]
+    assert torch.equal(*ahead) and type(shared[0].layers[0]) is not OpeningLayer
+    with pytest.raises(RuntimeError, match="unshared"):
+        OpeningLayer(*prefixes.entries[tuple(ids[:opening])][0]).update(None, None)
+
+
+def test_sequences_that_open_with_a_kept_prompt_read_it_where_it_is_kept_and_never_write_into_it(int8_dyn,
+                                                                                                 calibration):
+    """Every running sequence that reuses a kept prompt attends over the store's own keys and values, not a copy each,
+    and holds only its own positions; the kept entry is left as it was, and each sequence's tokens are the ones it
+    gets alone."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    engine = BatchEngine(int8_dyn, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB)
+    first = one_by_one(engine, [sampled(OPENING)])[0]
+    (entry,) = engine.prefixes.entries.values()
+    before = [(keys.clone(), values.clone()) for keys, values in entry]
+    three = [engine.submit(sampled(OPENING)) for _ in range(3)]
+    engine.step()  # admitted, their last prompt tokens through one decode forward
+    for seq in three:
+        assert seq.reused == len(seq.prompt_ids) - 1
+        for layer, (keys, values) in zip(seq.cache.layers, entry):
+            assert type(layer) is OpeningLayer and layer.get_seq_length() == len(seq.prompt_ids)
+            assert (layer.shared_keys.data_ptr(), layer.shared_values.data_ptr()) == (keys.data_ptr(),
+                                                                                    values.data_ptr())
+            assert layer.keys.shape[2] == layer.values.shape[2] == 1
+    engine.run()
+    assert all(seq.status == "ok" and seq.token_ids == first.token_ids for seq in three)
+    assert all(torch.equal(keys, k) and torch.equal(values, v) for (keys, values), (k, v) in zip(entry, before))
+
+
 def test_a_prompt_whose_chunks_leave_its_last_token_finishes_its_prefill_in_a_decode_forward(int8_dyn, calibration):
     if optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
@@ -163,6 +228,8 @@ def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(defau
     first = one_by_one(engine, [sampled(prompt, tokens=16)])[0]
     # three at once find it kept: their last prompt tokens go through one decode forward, then decode together
     three = [engine.submit(sampled(prompt, seed=7, tokens=16)) for _ in range(3)]
+    engine.step()
+    assert all(type(s.cache.layers[0]) is OpeningLayer for s in three)  # each reads the kept prompt where it is
     engine.run()
     assert all(s.reused == len(s.prompt_ids) - 1 and s.token_ids == first.token_ids for s in three)
     for seq in three:

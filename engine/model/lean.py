@@ -409,6 +409,7 @@ class LeanLlama(nn.Module):
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, position_ids=None,
                 attention_mask=None, kv_dtype=None):
         cache = cache if use_cache else None
+        unshare(cache)
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
         if length == 1 and attention_mask is None and position_ids is None and cache is not None:
@@ -482,7 +483,7 @@ class LeanLlama(nn.Module):
             return None
         cos, sin, row = self._rope_row(plan.embedding, past)
         logits, copied, read, written = kernel.decode_layers(
-            input_ids, plan.forms, cos, sin, [row], [c.keys for c in caches], [c.values for c in caches],
+            input_ids, plan.forms, cos, sin, [row], [c.keys for c in caches], [c.values for c in caches], [], [],
             *plan.attention)
         for i, keys, values in copied:  # the others grew in place
             caches[i].keys, caches[i].values = keys, values
@@ -493,7 +494,8 @@ class LeanLlama(nn.Module):
         """The logits [B, vocabulary] of one new token for each of B sequences, each at its own position
         with its own DynamicCache (lengths free to differ): every product takes the B rows at once, so
         each weight is read once for all of them, and each sequence attends over its own cache, grown
-        in place (room for 128 positions at a time). Through the kernels' decode_layers where it applies,
+        in place (room for 128 positions at a time); a cache that opens with a kept prompt (OpeningLayer) reads
+        that prompt's positions where they are kept. Through the kernels' decode_layers where it applies,
         whose rows are the same to the bit as each sequence decoded alone; else through the modules, the
         products batched, attention and a rotary embedding that changes with the length per sequence (a KV
         precision the kernels do not read, a part the call does not read, such an embedding)."""
@@ -507,16 +509,21 @@ class LeanLlama(nn.Module):
             layers = [[cache.layers[i] for i in plan.layers] for cache in caches]
             # a sequence's layers hold one type (the call checks it), so its first layer's says it
             want = kv_dtype or torch.float32
-            if (all(type(c) is DynamicLayer and c.is_initialized for per_sequence in layers for c in per_sequence)
+            if (all(type(c) in DECODE_LAYERS and c.is_initialized for per_sequence in layers for c in per_sequence)
                     and all(per_sequence[0].keys.dtype == want for per_sequence in layers)):
                 cos, sin, _ = self._rope_row(plan.embedding, max(positions))
                 flat = [c for per_sequence in layers for c in per_sequence]
+                opening = any(type(per_sequence[0]) is OpeningLayer for per_sequence in layers)
+                shared = [[getattr(c, name, None) for c in flat] if opening else []
+                          for name in ("shared_keys", "shared_values")]
                 logits, copied, read, written = kernel.decode_layers(
-                    ids, plan.forms, cos, sin, positions, [c.keys for c in flat], [c.values for c in flat],
+                    ids, plan.forms, cos, sin, positions, [c.keys for c in flat], [c.values for c in flat], *shared,
                     *plan.attention)
                 for i, keys, values in copied:  # the others grew in place
                     flat[i].keys, flat[i].values = keys, values
                 return LeanOutput(logits=logits[:, 0], kv_bytes=(read, written))
+        for cache in caches:
+            unshare(cache)
         return self._decode_batch_modules(ids, positions, caches, kv_dtype)
 
     def prefills_side_by_side(self) -> bool:
@@ -537,6 +544,8 @@ class LeanLlama(nn.Module):
         over its own cache. A row's products, norms and attention are those of its chunk run alone, so where the
         products do not depend on how many rows share them (the project's kernels) the logits are the same."""
         device = self.model.embed_tokens.weight.device
+        for cache in caches:
+            unshare(cache)
         pasts = [cache.get_seq_length() for cache in caches]
         x = self.model.embed_tokens(torch.tensor([[t for chunk in chunks for t in chunk]], device=device))
         positions = torch.tensor([[past + i for chunk, past in zip(chunks, pasts) for i in range(len(chunk))]],
@@ -639,12 +648,14 @@ def room_for(positions: int) -> int:
     return -(-positions // CACHE_ROOM) * CACHE_ROOM
 
 
-def with_room(old: torch.Tensor, length: int, dtype) -> torch.Tensor:
+def with_room(old: torch.Tensor, length: int, dtype, opening: torch.Tensor | None = None) -> torch.Tensor:
     """A [batch, kv_heads, length, head_dim] view of new storage with room for room_for(length) positions, holding
-    old's positions at its start."""
-    capacity = room_for(length)
-    store = torch.empty(old.shape[0], old.shape[1], capacity, old.shape[3], dtype=dtype, device=old.device)
-    store[:, :, :old.shape[2]] = old
+    opening's positions (where given) then old's at its start."""
+    store = torch.empty(old.shape[0], old.shape[1], room_for(length), old.shape[3], dtype=dtype, device=old.device)
+    at = 0
+    for part in (opening, old) if opening is not None else (old,):
+        store[:, :, at:at + part.shape[2]] = part
+        at += part.shape[2]
     return store[:, :, :length]
 
 
@@ -677,20 +688,59 @@ def start_with_room(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tenso
     start_layer(layer, *(with_room(t, t.shape[2], t.dtype) for t in (keys, values)))
 
 
-def start_layers_with_room(layers: list[DynamicLayer], pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                           length: int) -> None:
-    """Empty DynamicLayers, each started as start_with_room starts one with the first `length` positions of its
-    (keys, values): in one call to the kernels where they are built, as a kept prompt starts a new cache (a copy
-    each from Python cost several times the copy)."""
-    tensors = [t for pair in pairs for t in pair]
-    kernel = optional_kernel() if tensors and tensors[0].is_cpu else None
-    if kernel is None:
-        for layer, (keys, values) in zip(layers, pairs):
-            start_with_room(layer, keys[:, :, :length], values[:, :, :length])
-        return
-    copies = kernel.openings_with_room(tensors, length, room_for(length))
-    for layer, keys, values in zip(layers, copies[0::2], copies[1::2]):
-        start_layer(layer, keys, values)
+class OpeningLayer(DynamicLayer):
+    """A cache layer that opens with a kept prompt's keys and values, read where the prompt store keeps them: every
+    sequence opening with that prompt attends over the same positions, where a copy each would be read once per
+    sequence on every decode step. Its own positions follow in keys and values, storage with room that a decode
+    grows into. The kernels' decode step reads it as it is; every other path makes it a DynamicLayer holding all its
+    positions first (unshare)."""
+
+    def __init__(self, shared_keys: torch.Tensor, shared_values: torch.Tensor):
+        super().__init__()
+        self.shared_keys, self.shared_values = shared_keys, shared_values
+        length = shared_keys.shape[2]
+        own = room_for(length + 1) - length  # the room a copy of the opening would have kept after it
+        start_layer(self, *(t.new_empty(t.shape[0], t.shape[1], own, t.shape[3])[:, :, :0]
+                            for t in (shared_keys, shared_values)))
+
+    def get_seq_length(self) -> int:
+        return self.shared_keys.shape[2] + self.keys.shape[2]
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("a cache that opens with a kept prompt is unshared before a forward other than the "
+                           "kernels' decode step adds to it")
+
+
+# the cache layers the kernels' decode step reads
+DECODE_LAYERS = (DynamicLayer, OpeningLayer)
+
+
+def open_with(cache, pairs: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+    """Each layer of the empty cache an OpeningLayer over the first `length` positions of its (keys, values), a kept
+    prompt's, which it reads where they are."""
+    for i, (keys, values) in enumerate(pairs):
+        cache.layers[i] = OpeningLayer(keys[:, :, :length], values[:, :, :length])
+
+
+def unshare(cache) -> None:
+    """Each OpeningLayer of the cache made a DynamicLayer holding its opening's positions then its own (copied into
+    storage with room)."""
+    layers = getattr(cache, "layers", ())
+    for i, layer in enumerate(layers):
+        if type(layer) is OpeningLayer:
+            layers[i] = DynamicLayer()
+            start_layer(layers[i], *(with_room(own, shared.shape[2] + own.shape[2], own.dtype, opening=shared)
+                                     for shared, own in ((layer.shared_keys, layer.keys),
+                                                         (layer.shared_values, layer.values))))
+
+
+def first_positions(layer: DynamicLayer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the cache layer's first `length` keys and values (an OpeningLayer's opening's, then its own)."""
+    if type(layer) is not OpeningLayer:
+        return layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()
+    shared = layer.shared_keys.shape[2]
+    return tuple(torch.cat([opening[:, :, :length], own[:, :, :max(0, length - shared)]], dim=2)
+                 for opening, own in ((layer.shared_keys, layer.keys), (layer.shared_values, layer.values)))
 
 
 def start_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

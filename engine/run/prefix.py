@@ -1,10 +1,13 @@
 """Prompt openings kept for reuse: the keys and values of prompts the batch engine prefilled, so that a later request
-that opens with the same tokens starts from a copy of them and prefills only the rest, as vLLM's automatic prefix
-caching and SGLang's radix cache do. A request that repeats a kept prompt whole computes only its last prompt token,
-whose logits give its first output token, as one more row of the running decode (engine.run.batch). The entries are
-copies (a sequence's own cache grows and is freed as it runs), kept least recently used first out, within a number
-of bytes; an opening that a later entry shared and took in the index is found again only through that entry while
-it is kept.
+that opens with the same tokens starts from them and prefills only the rest, as vLLM's automatic prefix caching and
+SGLang's radix cache do. A request that repeats a kept prompt whole computes only its last prompt token, whose logits
+give its first output token, as one more row of the running decode (engine.run.batch). The entries are copies of the
+prefilled caches (a sequence's own cache grows and is freed as it runs), kept least recently used first out, within a
+number of bytes; an opening that a later entry shared and took in the index is found again only through that entry
+while it is kept. A cache that reuses one reads its positions where the entry keeps them (engine.model.lean's
+OpeningLayer): every sequence decoding after the same prompt attends over one set of them, which stays in the
+processor's caches, instead of a copy each from memory; a forward other than the kernels' decode step copies them
+into the sequence's own cache first.
 
 Each position's keys and values are those of the tokens before it, whichever sequence computed them, so a reused
 opening is the one the request would compute alone, to the bit where the products do not depend on the rows beside
@@ -16,7 +19,7 @@ from collections import OrderedDict
 
 from transformers.cache_utils import DynamicLayer
 
-from engine.model.lean import start_layers_with_room
+from engine.model.lean import first_positions, open_with
 
 # openings are looked up a block of tokens at a time, then extended token by token: a kept prompt shorter than a
 # block is found only when a request repeats it whole
@@ -62,15 +65,15 @@ class Prefixes:
         return best, shared
 
     def reuse(self, ids: list[int], cache) -> int:
-        """Start the empty cache with the longest kept opening of ids, leaving at least its last token to compute
-        (its logits give the next token); the positions it holds now."""
+        """Open the empty cache with the longest kept opening of ids, read where it is kept, leaving at least its last
+        token to compute (its logits give the next token); the positions it holds now."""
         entry, shared = self.longest(ids)
         shared = min(shared, len(ids) - 1)
         self.queried_tokens += len(ids)
         if shared <= 0:
             return 0
         self.entries.move_to_end(entry)
-        start_layers_with_room(cache.layers, self.entries[entry], shared)
+        open_with(cache, self.entries[entry], shared)
         self.hits += 1
         self.reused_tokens += shared
         return shared
@@ -87,8 +90,7 @@ class Prefixes:
             return
         while self.entries and self.bytes + need > limit:
             self.evict()
-        self.entries[key] = [(layer.keys[:, :, :len(key)].clone(), layer.values[:, :, :len(key)].clone())
-                             for layer in cache.layers]
+        self.entries[key] = [first_positions(layer, len(key)) for layer in cache.layers]
         self.positions += len(key)
         for opening in self._openings(key):
             self.index[opening] = key

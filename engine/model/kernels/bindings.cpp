@@ -19,8 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, unlocked, "attention of one new token (float32) over every cached position (float32, bfloat16 or float16)");
   m.def("prompt_attention", &prompt_attention, unlocked, "causal attention of fresh prompts side by side, each row as alone");
   m.def("with_rooms", &with_rooms, unlocked, "fresh prompts' keys or values, each copied into storage with room to grow");
-  m.def("openings_with_room", &openings_with_room, unlocked,
-        "the first positions of several caches' keys or values, each copied into storage with room to grow");
   m.def("silu_mul", &silu_mul, unlocked, "silu(gate) * up of a fused gate/up output, float32");
   m.def("int8_wo_linear", &int8_wo_linear, unlocked, "x w^T with int8 weights and one scale per row, float32 x");
   m.def("int4_dyn_linear", &int4_dyn_linear, unlocked, "x w^T with int4 weights in blocks (Q4_1 arithmetic) for N outputs, x quantized to int8 per block of 32");

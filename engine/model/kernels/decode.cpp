@@ -107,6 +107,11 @@ static bool has_room(const at::Tensor& cache, int64_t KV, int64_t D) {
          cache.storage().nbytes() >= static_cast<size_t>(KV * head * cache.element_size());
 }
 
+// Where a cache's first value lies, or would lie in one that holds no position yet (whose data_ptr() is null).
+static void* start_of(const at::Tensor& cache) {
+  return static_cast<char*>(cache.storage().mutable_data()) + cache.storage_offset() * cache.element_size();
+}
+
 // Head g's new row, from row + g * D, written at position T of the cache of E whose heads start stride apart,
 // rounded to nearest even where E is narrower (as a tensor's conversion rounds).
 template <typename E>
@@ -129,7 +134,10 @@ static void write_position(void* cache, at::ScalarType type, int64_t stride, int
 // every Llama decoder layer, then the last norm and the output head; sequence b's cos and sin are row
 // rows[b] of the rotary tables [1, rows, head_dim], and its caches are keys and values [b * layers + i]
 // (each [1, kv_heads, T_b, head_dim], the lengths free to differ; all float32, or all bfloat16 or float16, which
-// attention widens to float32 as it reads them and the new positions are rounded to). Every product takes the B rows at
+// attention widens to float32 as it reads them and the new positions are rounded to). Where shared_keys and
+// shared_values are given (one entry a cache, None or [1, kv_heads, P, head_dim] of the same type, rows contiguous), a
+// cache's sequence attends over the P positions there first, a kept prompt's that other sequences read too without a
+// copy each, and over its own after them. Every product takes the B rows at
 // once, so each weight is read once for all of them; attention runs per sequence over its own caches.
 // The same row functions, in the same order, as the lean forward's modules run one by one, and a row's
 // result does not depend on the rows beside it, so each sequence's logits are the same to the bit as
@@ -140,14 +148,17 @@ static void write_position(void* cache, at::ScalarType type, int64_t stride, int
 // caches' growth moved, all sequences together.
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
     at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table,
-    std::vector<int64_t> rows, std::vector<at::Tensor> keys, std::vector<at::Tensor> values, int64_t heads,
-    int64_t kv_heads, int64_t head_dim, double scaling) {
+    std::vector<int64_t> rows, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+    std::vector<c10::optional<at::Tensor>> shared_keys, std::vector<c10::optional<at::Tensor>> shared_values,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
   const auto& layers = forms.layers;
   const auto& embedding = forms.embedding;
   const int64_t B = static_cast<int64_t>(rows.size()), L = static_cast<int64_t>(layers.size());
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == B && B > 0, "decode_layers takes one token id per row");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == B * L && static_cast<int64_t>(values.size()) == B * L,
               "one cache per sequence and layer");
+  TORCH_CHECK(shared_keys.size() == shared_values.size() && (shared_keys.empty() || shared_keys.size() == keys.size()),
+              "a shared opening or None for each cache, or none at all");
   for (const auto* table : {&cos_table, &sin_table})
     for (int64_t row : rows)
       TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 3 &&
@@ -183,8 +194,18 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
                     values[c].scalar_type() == cache_type,
                 "a cache is not [1, kv_heads, T, head_dim] of the first one's type");
     const int64_t T = keys[c].size(2);
+    const bool shares = !shared_keys.empty() && shared_keys[c].has_value();
+    TORCH_CHECK(shares == (!shared_values.empty() && shared_values[c].has_value()),
+                "a shared opening has keys and values");
+    const int64_t P = shares ? shared_keys[c]->size(2) : 0;
+    if (shares)
+      for (const at::Tensor* opening : {&*shared_keys[c], &*shared_values[c]})
+        TORCH_CHECK(opening->dim() == 4 && opening->size(0) == 1 && opening->size(1) == KV && opening->size(2) == P &&
+                        opening->size(3) == D && opening->stride(3) == 1 && opening->stride(2) == D &&
+                        opening->scalar_type() == cache_type,
+                    "a shared opening is not [1, kv_heads, P, head_dim] of the caches' type, its rows contiguous");
     for (at::Tensor* cache : {&keys[c], &values[c]}) {
-      cache_read += (T + 1) * position_bytes;  // attention reads the grown cache
+      cache_read += (P + T + 1) * position_bytes;  // attention reads the grown cache
       cache_written += position_bytes;
       if (has_room(*cache, KV, D)) continue;
       cache_read += T * position_bytes;  // and a cache without room is copied first
@@ -193,7 +214,11 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       *cache = copied_with_room(*cache, 0, T, (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom);
       moved[c] = 1;
     }
-    caches[c] = {keys[c].data_ptr(), values[c].data_ptr(), T, keys[c].stride(1), values[c].stride(1)};
+    caches[c] = {start_of(keys[c]), start_of(values[c]), P + T, keys[c].stride(1), values[c].stride(1)};
+    if (shares)
+      caches[c] = {caches[c].keys, caches[c].values, P + T, caches[c].k_stride, caches[c].v_stride,
+                   shared_keys[c]->data_ptr(), shared_values[c]->data_ptr(), P, shared_keys[c]->stride(1),
+                   shared_values[c]->stride(1)};
   }
   std::vector<CacheView> views(static_cast<size_t>(B));  // each sequence's caches of the layer, attended all together
   // The work row by row between the products, shared by the threads where there are rows enough: with fewer,
@@ -233,10 +258,11 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       float* rot = rotated.data() + b * rotated_heads * D;
       const float* row = fused.data() + b * width;
       rotary_row(row, cos + rows[b] * D, sin + rows[b] * D, rotated_heads, D, rot, D);
-      write_position(const_cast<void*>(cache.keys), cache_type, cache.k_stride, cache.T, rot + heads * D, KV, D);
-      write_position(const_cast<void*>(cache.values), cache_type, cache.v_stride, cache.T, row + rotated_heads * D, KV,
-                     D);
-      views[b] = {cache.keys, cache.values, cache.T + 1, cache.k_stride, cache.v_stride};
+      const int64_t own = cache.T - cache.P;  // the new position's index among the cache's own
+      write_position(const_cast<void*>(cache.keys), cache_type, cache.k_stride, own, rot + heads * D, KV, D);
+      write_position(const_cast<void*>(cache.values), cache_type, cache.v_stride, own, row + rotated_heads * D, KV, D);
+      views[b] = cache;
+      views[b].T += 1;
     });
     attend(rotated.data(), rotated_heads * D, D, views, heads, KV, D, static_cast<float>(scaling), attended.data(),
            cache_type);

@@ -470,11 +470,15 @@ void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, i
 void rotary_row(const float* v, const float* c, const float* s, int64_t heads, int64_t D, float* out, int64_t stride);
 void silu_mul_rows(const float* xp, int64_t rows, int64_t I, float* op, int64_t op_stride = 0);
 // One sequence's cache: key head g's T positions at keys + g * k_stride (values + g * v_stride), D values each, of
-// the type attend is given.
+// the type attend is given; where P > 0, its first P positions are at shared_keys + g * sk_stride (shared_values +
+// g * sv_stride), a kept prompt's that other sequences read too, and keys and values hold the T - P after them.
 struct CacheView {
   const void* keys;
   const void* values;
   int64_t T, k_stride, v_stride;
+  const void* shared_keys = nullptr;
+  const void* shared_values = nullptr;
+  int64_t P = 0, sk_stride = 0, sv_stride = 0;
 };
 // Query head h of sequence b at qp + b * q_stride + h * head_stride; the caches hold float32, bfloat16 or float16
 // (cache_type), widened to float32 as they are read.
@@ -506,13 +510,13 @@ at::Tensor silu_mul(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale);
 at::Tensor prompt_attention(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<int64_t> lengths, double scale);
 std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, std::vector<int64_t> rooms);
-std::vector<at::Tensor> openings_with_room(std::vector<at::Tensor> ts, int64_t length, int64_t room);
 int64_t argmax(at::Tensor x);
 void release_threads();  // decode.cpp
 std::vector<int64_t> argmax_rows(at::Tensor x);
 std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>, int64_t, int64_t> decode_layers(
     at::Tensor ids, const DecodeForms& forms, at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> rows,
-    std::vector<at::Tensor> keys, std::vector<at::Tensor> values, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    std::vector<at::Tensor> keys, std::vector<at::Tensor> values, std::vector<c10::optional<at::Tensor>> shared_keys,
+    std::vector<c10::optional<at::Tensor>> shared_values, int64_t heads, int64_t kv_heads, int64_t head_dim,
     double scaling);  // decode.cpp
 
 }  // namespace tokenpath

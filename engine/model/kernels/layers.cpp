@@ -216,6 +216,40 @@ static inline __m512 widen16(const at::Half* p) {
 }
 #endif
 
+// A head's cached rows of D values (keys or values): the first P at `shared` (a kept prompt's, which other sequences
+// read too), the rest at `own`.
+template <typename E>
+struct HeadRows {
+  const E* shared;
+  const E* own;
+  int64_t P, D;
+  const E* at(int64_t t) const { return t < P ? shared + t * D : own + (t - P) * D; }
+};
+
+// pair(row t, row t + 1, t) for t = 0, 2, 4, ... while t + 1 < T, then single(row t, t) for the last where T is odd:
+// the rows in order, each run's walked with plain pointers (a row's address chosen per position slowed the values'
+// sums of a cache that shares nothing).
+template <typename E, typename Pair, typename Single>
+static inline void in_pairs(const HeadRows<E>& v, int64_t T, Pair&& pair, Single&& single) {
+  const int64_t P = std::min(v.P, T), D = v.D;
+  int64_t t = 0;
+  for (; t + 2 <= P; t += 2) pair(v.shared + t * D, v.shared + (t + 1) * D, t);
+  if (t < P) {  // an odd opening: its last row pairs with the first of the sequence's own
+    if (t + 1 < T) pair(v.shared + t * D, v.own, t);
+    else single(v.shared + t * D, t);
+    t += 2;
+  }
+  for (; t + 2 <= T; t += 2) pair(v.own + (t - P) * D, v.own + (t + 1 - P) * D, t);
+  if (t < T) single(v.own + (t - P) * D, t);
+}
+
+// Head g's keys (or values, with `values`) of a cache.
+template <typename E>
+static HeadRows<E> head_rows(const CacheView& c, int64_t g, int64_t D, bool values) {
+  return {static_cast<const E*>(values ? c.shared_values : c.shared_keys) + g * (values ? c.sv_stride : c.sk_stride),
+          static_cast<const E*>(values ? c.values : c.keys) + g * (values ? c.v_stride : c.k_stride), c.P, D};
+}
+
 // o_i[d] = the sum over t of p_i[t] * v[t * D + d] for HC heads over the same values (head i's weights at
 // p + i * p_step, its outputs at o + i * D): in each slice of 64 outputs, the even positions' sum and the odd
 // positions' sum, each added in the order of t, then added together; outputs past the last full slice in one sum in
@@ -223,7 +257,7 @@ static inline __m512 widen16(const at::Half* p) {
 // head's sums stay in registers, two sets of chains side by side: each add waits for the one before in its chain.
 // A head's sums are the same whichever heads are taken with it.
 template <int HC, typename E>
-static void weighted_values(const float* p, int64_t p_step, const E* v, int64_t T, int64_t D, float* o) {
+static void weighted_values(const float* p, int64_t p_step, HeadRows<E> v, int64_t T, int64_t D, float* o) {
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
@@ -231,26 +265,27 @@ static void weighted_values(const float* p, int64_t p_step, const E* v, int64_t 
     for (int64_t half = d0; half < d0 + kSlice; half += 32) {
       __m512 even[HC][2], odd[HC][2];
       for (int i = 0; i < HC; ++i) even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm512_setzero_ps();
-      int64_t t = 0;
-      for (; t + 2 <= T; t += 2) {
-        const E* a = v + t * D + half;
-        const __m512 a0 = widen16(a), a1 = widen16(a + 16), b0 = widen16(a + D), b1 = widen16(a + D + 16);
-        for (int i = 0; i < HC; ++i) {
-          const __m512 we = _mm512_set1_ps(p[i * p_step + t]), wo = _mm512_set1_ps(p[i * p_step + t + 1]);
-          even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
-          even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
-          odd[i][0] = _mm512_fmadd_ps(wo, b0, odd[i][0]);
-          odd[i][1] = _mm512_fmadd_ps(wo, b1, odd[i][1]);
-        }
-      }
-      if (t < T) {
-        const __m512 a0 = widen16(v + t * D + half), a1 = widen16(v + t * D + half + 16);
-        for (int i = 0; i < HC; ++i) {
-          const __m512 we = _mm512_set1_ps(p[i * p_step + t]);
-          even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
-          even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
-        }
-      }
+      in_pairs(
+          v, T,
+          [&](const E* a, const E* b, int64_t t) {
+            const __m512 a0 = widen16(a + half), a1 = widen16(a + half + 16), b0 = widen16(b + half),
+                         b1 = widen16(b + half + 16);
+            for (int i = 0; i < HC; ++i) {
+              const __m512 we = _mm512_set1_ps(p[i * p_step + t]), wo = _mm512_set1_ps(p[i * p_step + t + 1]);
+              even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
+              even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
+              odd[i][0] = _mm512_fmadd_ps(wo, b0, odd[i][0]);
+              odd[i][1] = _mm512_fmadd_ps(wo, b1, odd[i][1]);
+            }
+          },
+          [&](const E* a, int64_t t) {
+            const __m512 a0 = widen16(a + half), a1 = widen16(a + half + 16);
+            for (int i = 0; i < HC; ++i) {
+              const __m512 we = _mm512_set1_ps(p[i * p_step + t]);
+              even[i][0] = _mm512_fmadd_ps(we, a0, even[i][0]);
+              even[i][1] = _mm512_fmadd_ps(we, a1, even[i][1]);
+            }
+          });
       for (int i = 0; i < HC; ++i) {
         _mm512_storeu_ps(o + i * D + half, _mm512_add_ps(even[i][0], odd[i][0]));
         _mm512_storeu_ps(o + i * D + half + 16, _mm512_add_ps(even[i][1], odd[i][1]));
@@ -263,11 +298,11 @@ static void weighted_values(const float* p, int64_t p_step, const E* v, int64_t 
       int64_t t = 0;
       for (; t + 2 <= T; t += 2)
         for (int64_t j = 0; j < kSlice; ++j) {
-          even[j] += w[t] * widen(v[t * D + d0 + j]);
-          odd[j] += w[t + 1] * widen(v[(t + 1) * D + d0 + j]);
+          even[j] += w[t] * widen(v.at(t)[d0 + j]);
+          odd[j] += w[t + 1] * widen(v.at(t + 1)[d0 + j]);
         }
       if (t < T)
-        for (int64_t j = 0; j < kSlice; ++j) even[j] += w[t] * widen(v[t * D + d0 + j]);
+        for (int64_t j = 0; j < kSlice; ++j) even[j] += w[t] * widen(v.at(t)[d0 + j]);
       for (int64_t j = 0; j < kSlice; ++j) o[i * D + d0 + j] = even[j] + odd[j];
     }
 #endif
@@ -276,7 +311,7 @@ static void weighted_values(const float* p, int64_t p_step, const E* v, int64_t 
     float* out = o + i * D;
     std::fill(out + d0, out + D, 0.f);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = d0; d < D; ++d) out[d] += p[i * p_step + t] * widen(v[t * D + d]);
+      for (int64_t d = d0; d < D; ++d) out[d] += p[i * p_step + t] * widen(v.at(t)[d]);
   }
 }
 
@@ -366,13 +401,24 @@ static inline __mmask16 tail_block(const E* keys, int64_t n, int64_t D, E* block
 }
 #endif
 
+#if defined(__AVX512F__)
+// scores16 over n keys in a row (w[j] for key j), in blocks of 16, the last few through tail_block.
+template <int HC, typename E>
+static inline void scores_of_run(const float* q, int64_t q_step, const E* keys, int64_t n, int64_t D, float s, float* w,
+                                 int64_t w_step, __m512* tops, E* block) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) scores16<HC>(q, q_step, keys + t * D, D, s, w + t, w_step, tops);
+  if (t < n) scores16<HC>(q, q_step, block, D, s, w + t, w_step, tops, tail_block(keys + t * D, n - t, D, block));
+}
+#endif
+
 // HC query heads of one grouped-query group (head i's query at q + i * q_step, its output at o + i * D) over the
 // group's T cached keys and values: scores, softmax and the weighted values, each head's arithmetic the same
-// whichever heads are taken with it. w holds HC rows of at least T floats, w_step apart; key D floats, block 16 * D
-// values.
+// whichever heads are taken with it and wherever the rows lie. w holds HC rows of at least T floats, w_step apart;
+// key D floats, block 16 * D values.
 template <int HC, typename E>
-static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* vh, int64_t T, int64_t D, float s,
-                         float* w, int64_t w_step, float* key, E* block, float* o) {
+static void attend_heads(const float* q, int64_t q_step, HeadRows<E> kh, HeadRows<E> vh, int64_t T, int64_t D,
+                         float s, float* w, int64_t w_step, float* key, E* block, float* o) {
   float top[HC];
   std::fill(top, top + HC, -INFINITY);
   int64_t t = 0;
@@ -382,19 +428,17 @@ static void attend_heads(const float* q, int64_t q_step, const E* kh, const E* v
     // which give every output the same bits either way
     __m512 tops[HC];
     for (int i = 0; i < HC; ++i) tops[i] = _mm512_set1_ps(-INFINITY);
-    for (; t + 16 <= T; t += 16) scores16<HC>(q, q_step, kh + t * D, D, s, w + t, w_step, tops);
-    if (t < T) {
-      const __mmask16 lanes = tail_block(kh + t * D, T - t, D, block);
-      scores16<HC>(q, q_step, block, D, s, w + t, w_step, tops, lanes);
-      t = T;
-    }
+    // the shared rows, then the sequence's own: each block of 16 keys lies in one of them
+    scores_of_run<HC>(q, q_step, kh.shared, kh.P, D, s, w, w_step, tops, block);
+    scores_of_run<HC>(q, q_step, kh.own, T - kh.P, D, s, w + kh.P, w_step, tops, block);
+    t = T;
     for (int i = 0; i < HC; ++i) top[i] = _mm512_reduce_max_ps(tops[i]);
   }
 #endif
   for (int i = 0; i < HC; ++i) {
     float* wi = w + i * w_step;
     for (int64_t u = t; u < T; ++u) {
-      wi[u] = dot(q + i * q_step, as_floats(kh + u * D, D, key), D) * s;
+      wi[u] = dot(q + i * q_step, as_floats(kh.at(u), D, key), D) * s;
       top[i] = std::max(top[i], wi[u]);
     }
     softmax_of_scores(wi, T, top[i]);
@@ -414,24 +458,25 @@ static inline void add_weighted_slice(__m512* sums, float weight, const E* v) {
 // weighted_values for one head, a whole slice of 64 at a time: o[d] = the sum over t of p[t] * v[t * D + d], the
 // same sums in the same order.
 template <typename E>
-static void one_head_values(const float* p, const E* v, int64_t T, int64_t D, float* o) {
+static void one_head_values(const float* p, HeadRows<E> v, int64_t T, int64_t D, float* o) {
 #if defined(__AVX512F__)  // the lanes written out: a compiler leaves a narrow type's widening to a loop of its own
   constexpr int64_t kSlice = 64;
   int64_t d0 = 0;
   for (; d0 + kSlice <= D; d0 += kSlice) {
-    int64_t t = 0;
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
-    for (; t + 2 <= T; t += 2) {
-      add_weighted_slice(even, p[t], v + t * D + d0);
-      add_weighted_slice(odd, p[t + 1], v + (t + 1) * D + d0);
-    }
-    if (t < T) add_weighted_slice(even, p[t], v + t * D + d0);
+    in_pairs(
+        v, T,
+        [&](const E* a, const E* b, int64_t t) {
+          add_weighted_slice(even, p[t], a + d0);
+          add_weighted_slice(odd, p[t + 1], b + d0);
+        },
+        [&](const E* a, int64_t t) { add_weighted_slice(even, p[t], a + d0); });
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + d0 + 16 * j, _mm512_add_ps(even[j], odd[j]));
   }
   std::fill(o + d0, o + D, 0.f);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v[t * D + d]);
+    for (int64_t d = d0; d < D; ++d) o[d] += p[t] * widen(v.at(t)[d]);
 #else
   weighted_values<1>(p, 0, v, T, D, o);
 #endif
@@ -493,25 +538,29 @@ static void attend_each_head(const float* qp, int64_t q_stride, int64_t head_str
       const CacheView& c = caches[b];
       const int64_t T = c.T;
       const float* qh = qp + b * q_stride + h * head_stride;
-      const E* kh = static_cast<const E*>(c.keys) + h / group * c.k_stride;
-      const E* vh = static_cast<const E*>(c.values) + h / group * c.v_stride;
+      const HeadRows<E> kh = head_rows<E>(c, h / group, D, false), vh = head_rows<E>(c, h / group, D, true);
       float top = -INFINITY;
-      int64_t t = 0;
+      // the shared rows, then the sequence's own: each block of 16 keys lies in one of them
+      const std::tuple<const E*, int64_t, int64_t> runs[] = {{kh.shared, 0, kh.P}, {kh.own, kh.P, T - kh.P}};
+      for (const auto& [keys, from, n] : runs) {
+        float* wr = w.data() + from;
+        int64_t t = 0;
 #if defined(__AVX512F__)
-      // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
-      // which give every output the same bits either way
-      __m512 tops = _mm512_set1_ps(-INFINITY);
-      for (; t + 16 <= T; t += 16) tops = _mm512_max_ps(tops, one_head_scores16(qh, kh + t * D, D, s, w.data() + t));
-      if (D % 16 == 0 && t < T) {
-        const __mmask16 lanes = tail_block(kh + t * D, T - t, D, block.data());
-        tops = _mm512_mask_max_ps(tops, lanes, tops, one_head_scores16(qh, block.data(), D, s, w.data() + t, lanes));
-        t = T;
-      }
-      top = _mm512_reduce_max_ps(tops);
+        // the largest score, lane by lane then across: std::max's one by one but for NaN and the sign of a zero,
+        // which give every output the same bits either way
+        __m512 tops = _mm512_set1_ps(-INFINITY);
+        for (; t + 16 <= n; t += 16) tops = _mm512_max_ps(tops, one_head_scores16(qh, keys + t * D, D, s, wr + t));
+        if (D % 16 == 0 && t < n) {
+          const __mmask16 lanes = tail_block(keys + t * D, n - t, D, block.data());
+          tops = _mm512_mask_max_ps(tops, lanes, tops, one_head_scores16(qh, block.data(), D, s, wr + t, lanes));
+          t = n;
+        }
+        top = std::max(top, _mm512_reduce_max_ps(tops));
 #endif
-      for (; t < T; ++t) {
-        w[t] = dot(qh, as_floats(kh + t * D, D, key.data()), D) * s;
-        top = std::max(top, w[t]);
+        for (; t < n; ++t) {
+          wr[t] = dot(qh, as_floats(keys + t * D, D, key.data()), D) * s;
+          top = std::max(top, wr[t]);
+        }
       }
       softmax_of_scores(w.data(), T, top);
       one_head_values(w.data(), vh, T, D, op + bh * D);
@@ -544,8 +593,7 @@ static void attend_over(const float* qp, int64_t q_stride, int64_t head_stride, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KV * chunks), g = item / chunks % KV;
       const CacheView& c = caches[b];
-      const E* kh = static_cast<const E*>(c.keys) + g * c.k_stride;
-      const E* vh = static_cast<const E*>(c.values) + g * c.v_stride;
+      const HeadRows<E> kh = head_rows<E>(c, g, D, false), vh = head_rows<E>(c, g, D, true);
       const int64_t h = g * group + item % chunks * heads;
       const float* q = qp + b * q_stride + h * head_stride;
       float* o = op + (b * H + h) * D;
@@ -669,21 +717,6 @@ std::vector<at::Tensor> with_rooms(at::Tensor t, std::vector<int64_t> lengths, s
                 "with_rooms: lengths past the positions, or rooms shorter than them");
     out.push_back(copied_with_room(t, start, lengths[i], rooms[i]));
     start += lengths[i];
-  }
-  return out;
-}
-
-// The first `length` positions of each of ts (each [1, KV, P, D], rows contiguous) copied into storage of its own
-// with room for `room` positions (copied_with_room): a kept prompt's keys and values of every layer starting a new
-// cache, in one call where a copy each from Python cost several times the copy.
-std::vector<at::Tensor> openings_with_room(std::vector<at::Tensor> ts, int64_t length, int64_t room) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) {
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.stride(3) == 1, "openings_with_room: [1, KV, P, D] tensors, "
-                "rows contiguous");
-    TORCH_CHECK(length > 0 && length <= t.size(2) && room >= length,
-                "openings_with_room: a length past the positions, or a room shorter than it");
-    out.push_back(copied_with_room(t, 0, length, room));
   }
   return out;
 }
