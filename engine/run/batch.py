@@ -4,7 +4,8 @@ BatchEngine keeps arrivals in a queue and up to max_batch sequences running. Und
 each running sequence's cache takes: the room the decode grows it by, 128 positions at a time
 (LeanLlama.decode_batch, engine.model.lean.room_for), reserved for its prompt when it is admitted (a prefill takes
 no more: a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate; a cache
-that grows is copied once, so for that moment its old storage is held too). A step first makes room for the running
+that grows is copied once, so for that moment its old storage is held too; one that opens with a kept prompt, read
+where the prompt is kept, is counted as holding those positions too). A step first makes room for the running
 sequences' next positions: when the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing
 its cache and putting it back at the front of the queue, to be recomputed (one prefill of its prompt and the tokens
 it has so far, which gives its next token) when memory allows. Then, unless it preempted, it admits the arrivals
@@ -115,7 +116,7 @@ class Sequence:
         self.held = 0  # positions of room its cache takes, or that are reserved for the prefill under way
         self.filled = 0  # prompt tokens (after a preemption: prompt and output tokens) in the cache
         self.prefill_forward_ns = 0
-        self.reused = 0  # positions of its cache copied from a kept prompt's (engine.run.prefix)
+        self.reused = 0  # positions of its cache a kept prompt supplied (engine.run.prefix)
         self.past = 0  # positions in the cache
         self.step = 0
         self.t_request = t_request
