@@ -30,6 +30,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -186,7 +187,7 @@ class BatchEngine:
         self.finished: list[Sequence] = []
         # sequences whose last token a step emitted, ended once all its tokens are (each token's time is when it was
         # handed over, not after the runs that ended before it in the step were written)
-        self.done: list[tuple[Sequence, str]] = []
+        self.done: deque[tuple[Sequence, str]] = deque()
         self.batch_sizes: list[int] = []  # sequences in each batched decode so far
         self.preemptions = 0
         self.pieces: dict[int, str] = {}  # each token's own text, as its row stores it
@@ -527,7 +528,7 @@ class BatchEngine:
     def _end_done(self) -> None:
         """End the sequences the step finished, one at a time: those after one whose ending fails stay to end."""
         while self.done:
-            seq, reason = self.done.pop(0)
+            seq, reason = self.done.popleft()
             self._end(seq, "ok", reason)
 
     def _end(self, seq: Sequence, status: str, reason: str | None) -> None:

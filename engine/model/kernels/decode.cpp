@@ -215,10 +215,13 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       moved[c] = 1;
     }
     caches[c] = {start_of(keys[c]), start_of(values[c]), P + T, keys[c].stride(1), values[c].stride(1)};
-    if (shares)
-      caches[c] = {caches[c].keys, caches[c].values, P + T, caches[c].k_stride, caches[c].v_stride,
-                   shared_keys[c]->data_ptr(), shared_values[c]->data_ptr(), P, shared_keys[c]->stride(1),
-                   shared_values[c]->stride(1)};
+    if (shares) {
+      caches[c].shared_keys = shared_keys[c]->data_ptr();
+      caches[c].shared_values = shared_values[c]->data_ptr();
+      caches[c].P = P;
+      caches[c].sk_stride = shared_keys[c]->stride(1);
+      caches[c].sv_stride = shared_values[c]->stride(1);
+    }
   }
   std::vector<CacheView> views(static_cast<size_t>(B));  // each sequence's caches of the layer, attended all together
   // The work row by row between the products, shared by the threads where there are rows enough: with fewer,
