@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model.cpu_kernels import optional_kernel
-from engine.model.lean import CACHE_ROOM, OpeningLayer, cache_layer_kinds, new_cache, room_for, unshare
+from engine.model.lean import CACHE_ROOM, OpeningLayer, cache_layer_kinds, new_cache, room_for
 from engine.run.batch import BatchEngine
 from engine.run.prefix import BLOCK, Prefixes
 from engine.spec import GenConfig
@@ -118,8 +118,8 @@ def test_a_step_over_a_kept_opening_read_where_it_is_gives_the_logits_of_a_copy_
     prefixes.keep(ids[:opening], kept)
     shared, copied = [new_cache(kinds) for _ in range(batch)], [new_cache(kinds) for _ in range(batch)]
     for b, (one, other) in enumerate(zip(shared, copied)):
-        assert prefixes.reuse(ids[:opening + 1 + b], one) == prefixes.reuse(ids[:opening + 1 + b], other) == opening
-        unshare(other)
+        assert prefixes.reuse(ids[:opening + 1 + b], one) == (tuple(ids[:opening]), opening)
+        assert prefixes.reuse(ids[:opening + 1 + b], other, share=False) == (None, opening)
     assert all(type(layer) is OpeningLayer for layer in shared[0].layers)
     assert not any(type(layer) is OpeningLayer for layer in copied[0].layers)
     tokens, positions = [ids[opening + b] for b in range(batch)], [opening] * batch
@@ -219,6 +219,62 @@ def test_kept_prompts_make_way_for_running_sequences_under_a_kv_budget(int8_dyn,
     assert len(engine.prefixes) == 0 and engine.prefixes.bytes == 0
 
 
+def cache_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_sequences_reading_a_kept_prompt_count_it_once_under_a_kv_budget(int8_dyn, calibration):
+    """Four repeats of a kept prompt, decoding past their first room, in a budget that holds the prompt once and each
+    one's own room: counting it in every sequence, only three would fit. They run together to the end, each cache's
+    own storage what the count says and every tensor of the caches and the kept prompts within the budget, and decode
+    as the prompt did alone."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    per_position = BatchEngine(int8_dyn, calibration=calibration).shape.kv_bytes_per_token
+    n = len(BatchEngine(int8_dyn, calibration=calibration).check(sampled(OPENING)))
+    tokens = CACHE_ROOM + 10 - n  # each grows its room once
+    budget = (n + 4 * (2 * CACHE_ROOM - (n - 1))) * per_position  # each reads all but the prompt's last position
+    assert 3 * 2 * CACHE_ROOM * per_position <= budget < 4 * 2 * CACHE_ROOM * per_position
+    engine = BatchEngine(int8_dyn, max_batch=4, calibration=calibration, prefix_cache_bytes=64 * MIB,
+                         kv_budget_bytes=budget)
+    first = one_by_one(engine, [sampled(OPENING, tokens=tokens)])[0]
+    kept = list(engine.prefixes.entries)
+    repeats = [engine.submit(sampled(OPENING, tokens=tokens)) for _ in range(4)]
+    while engine.step():
+        assert list(engine.prefixes.entries) == kept and engine.reserved_bytes + engine.prefixes.bytes <= budget
+        for seq in engine.running:
+            layers = seq.cache.layers
+            assert seq.opening == kept[0] and all(type(layer) is OpeningLayer for layer in layers)
+            assert cache_bytes(t for layer in layers for t in (layer.keys, layer.values)) == \
+                (seq.held - seq.reused) * per_position
+        assert kv_memory(engine) <= budget
+    assert all(s.result["batch_max"] == 4 and s.reused == n - 1 and s.preemptions == 0 for s in repeats)
+    assert all(s.token_ids == first.token_ids for s in repeats)
+
+
+def prefilled(lm, ids: list[int]):
+    cache = new_cache(cache_layer_kinds(lm.config))
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache
+
+
+def test_a_kept_prompt_that_caches_read_is_not_let_go(int8_dyn):
+    prefixes = Prefixes(3 * BLOCK, 1)
+    for start in (0, BLOCK):
+        ids = list(range(100 + start, 100 + start + BLOCK))
+        prefixes.keep(ids, prefilled(int8_dyn, ids))
+    older, newer = list(prefixes.entries)
+    assert prefixes.evict({older}) and list(prefixes.entries) == [older]
+    assert not prefixes.evict({older}) and list(prefixes.entries) == [older]
+    # a prompt that fits only if the one read made way is not kept
+    ids = list(range(500, 500 + 3 * BLOCK))
+    prefixes.keep(ids, prefilled(int8_dyn, ids), in_use={older})
+    assert list(prefixes.entries) == [older] and prefixes.bytes == BLOCK
+    prefixes.keep(ids, prefilled(int8_dyn, ids))
+    assert list(prefixes.entries) == [tuple(ids)]
+
+
 def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(default_lm, calibration):
     if optional_kernel() is None:
         pytest.skip("the C++ extension cannot be built here")
@@ -312,9 +368,17 @@ def random_requests(rng) -> list[GenConfig]:
     return cfgs
 
 
+def kv_memory(engine: BatchEngine) -> int:
+    """The bytes the running sequences' caches and the kept prompts' tensors occupy."""
+    caches = [layer for s in engine.running if s.cache is not None for layer in s.cache.layers if layer.is_initialized]
+    return (cache_bytes(t for layer in caches for t in (layer.keys, layer.values))
+            + cache_bytes(t for pairs in engine.prefixes.entries.values() for pair in pairs for t in pair))
+
+
 def mixed_run(lm, calibration, seed: int):
     """Arrivals at random steps with the prefix cache, a KV budget, prompts in chunks and cancellations; the kept and
-    reserved bytes checked against the budget after every step. (engine, sequences, cancelled ones)."""
+    reserved bytes, and the bytes the caches' tensors occupy, checked against the budget after every step. (engine,
+    sequences, cancelled ones)."""
     rng = random.Random(seed)
     per_position = BatchEngine(lm, calibration=calibration).shape.kv_bytes_per_token
     budget = rng.choice([3, 4]) * CACHE_ROOM * per_position
@@ -329,6 +393,7 @@ def mixed_run(lm, calibration, seed: int):
             cancelled[-1].cancel()
         stepped = engine.step()
         assert engine.reserved_bytes + engine.prefixes.bytes <= budget
+        assert kv_memory(engine) <= budget
         if not stepped and not waiting:
             return engine, seqs, cancelled
 

@@ -500,12 +500,8 @@ class LeanLlama(nn.Module):
         products batched, attention and a rotary embedding that changes with the length per sequence (a KV
         precision the kernels do not read, a part the call does not read, such an embedding)."""
         ids = torch.tensor(token_ids, device=self.model.embed_tokens.weight.device)
-        # a rotary embedding that changes with the length takes one table per sequence: through the modules
-        fused = FUSED_DECODE and ids.is_cpu and kernel_reads(kv_dtype) and not self._rope_varies()
-        kernel = optional_kernel() if fused else None
-        plan = self._decode_plan(kernel) if kernel is not None else None
-        if (plan is not None and plan.forms is not None and not any(plan.hooks)
-                and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks):
+        kernel, plan = self._batch_plan(kv_dtype)
+        if plan is not None:
             layers = [[cache.layers[i] for i in plan.layers] for cache in caches]
             # a sequence's layers hold one type (the call checks it), so its first layer's says it
             want = kv_dtype or torch.float32
@@ -525,6 +521,24 @@ class LeanLlama(nn.Module):
         for cache in caches:
             unshare(cache)
         return self._decode_batch_modules(ids, positions, caches, kv_dtype)
+
+    def _batch_plan(self, kv_dtype) -> tuple:
+        """The kernels and the decode plan decode_batch runs its rows through, or (None, None) where it runs them
+        through the modules."""
+        # a rotary embedding that changes with the length takes one table per sequence: through the modules
+        fused = (FUSED_DECODE and self.model.embed_tokens.weight.is_cpu and kernel_reads(kv_dtype)
+                 and not self._rope_varies())
+        kernel = optional_kernel() if fused else None
+        plan = self._decode_plan(kernel) if kernel is not None else None
+        if (plan is None or plan.forms is None or any(plan.hooks) or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks):
+            return None, None
+        return kernel, plan
+
+    def reads_openings(self, kv_dtype=None) -> bool:
+        """Whether decode_batch reads a cache's kept opening (OpeningLayer) where it is kept, keeping only the
+        sequence's own positions in the cache; else it copies the opening into the cache first."""
+        return self._batch_plan(kv_dtype)[1] is not None
 
     def prefills_side_by_side(self) -> bool:
         """Whether chunks prefilled side by side (prefill_batch) get the logits each gets alone, to the bit: every
@@ -692,8 +706,9 @@ class OpeningLayer(DynamicLayer):
     """A cache layer that opens with a kept prompt's keys and values, read where the prompt store keeps them: every
     sequence opening with that prompt attends over the same positions, where a copy each would be read once per
     sequence on every decode step. Its own positions follow in keys and values, storage with room that a decode
-    grows into. The kernels' decode step reads it as it is; every other path makes it a DynamicLayer holding all its
-    positions first (unshare)."""
+    grows into: up to the next multiple of CACHE_ROOM positions counting the opening's, as a copy would have. The
+    kernels' decode step reads it as it is; every other path makes it a DynamicLayer holding all its positions first
+    (unshare)."""
 
     def __init__(self, shared_keys: torch.Tensor, shared_values: torch.Tensor):
         super().__init__()

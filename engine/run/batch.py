@@ -5,7 +5,8 @@ each running sequence's cache takes: the room the decode grows it by, 128 positi
 (LeanLlama.decode_batch, engine.model.lean.room_for), reserved for its prompt when it is admitted (a prefill takes
 no more: a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate; a cache
 that grows is copied once, so for that moment its old storage is held too; one that opens with a kept prompt, read
-where the prompt is kept, is counted as holding those positions too). A step first makes room for the running
+where the prompt is kept, counts only its own positions' room, the prompt counting once among the kept prompts,
+which are let go to make room only while no cache reads them). A step first makes room for the running
 sequences' next positions: when the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing
 its cache and putting it back at the front of the queue, to be recomputed (one prefill of its prompt and the tokens
 it has so far, which gives its next token) when memory allows. Then, unless it preempted, it admits the arrivals
@@ -118,6 +119,7 @@ class Sequence:
         self.filled = 0  # prompt tokens (after a preemption: prompt and output tokens) in the cache
         self.prefill_forward_ns = 0
         self.reused = 0  # positions of its cache a kept prompt supplied (engine.run.prefix)
+        self.opening: tuple[int, ...] | None = None  # the kept prompt its cache reads where it is kept
         self.past = 0  # positions in the cache
         self.step = 0
         self.t_request = t_request
@@ -201,17 +203,25 @@ class BatchEngine:
 
     @property
     def reserved_bytes(self) -> int:
-        """KV bytes the running sequences' caches take, or that are reserved for the prefills under way."""
-        return sum(s.held for s in self.running) * self.shape.kv_bytes_per_token
+        """KV bytes the running sequences' caches take, or that are reserved for the prefills under way: a kept
+        prompt's positions that a cache reads where they are kept count among the kept prompts' bytes instead."""
+        return sum(s.held - s.reused if s.opening is not None else s.held
+                   for s in self.running) * self.shape.kv_bytes_per_token
 
-    def _fits(self, extra_positions: int) -> bool:
-        """Whether the budget has room for extra_positions more, the kept prompts making way first."""
+    def _in_use(self) -> set[tuple[int, ...]]:
+        """The kept prompts the running sequences' caches read where they are kept."""
+        return {s.opening for s in self.running if s.opening is not None}
+
+    def _fits(self, extra_positions: int, keep: tuple[int, ...] | None = None) -> bool:
+        """Whether the budget has room for extra_positions more, the kept prompts that no cache reads (nor keep, the
+        one a sequence being admitted is to read) making way first."""
         if self.kv_budget_bytes is None:
             return True
         need = self.reserved_bytes + extra_positions * self.shape.kv_bytes_per_token
-        while (self.prefixes is not None and need <= self.kv_budget_bytes < need + self.prefixes.bytes
-               and self.prefixes.evict()):
-            pass
+        if self.prefixes is not None and need <= self.kv_budget_bytes < need + self.prefixes.bytes:
+            in_use = self._in_use() | {keep}
+            while need <= self.kv_budget_bytes < need + self.prefixes.bytes and self.prefixes.evict(in_use):
+                pass
         return need + (self.prefixes.bytes if self.prefixes is not None else 0) <= self.kv_budget_bytes
 
     def check(self, cfg: GenConfig) -> list[int]:
@@ -362,6 +372,8 @@ class BatchEngine:
             if seq.phase != "decode" or seq not in self.running:
                 continue
             grown = max(seq.held, room_for(seq.past + 1))
+            if grown == seq.held:
+                continue
             while not self._fits(grown - seq.held) and seq in self.running:
                 self._preempt(self.running[-1])
                 preempted = True
@@ -374,7 +386,7 @@ class BatchEngine:
         self.running.remove(seq)
         self.queued.insert(0, seq)
         seq.phase = seq.status = "queued"
-        seq.cache, seq.held, seq.filled, seq.reused, seq.prefill_forward_ns = None, 0, 0, 0, 0
+        seq.cache, seq.opening, seq.held, seq.filled, seq.reused, seq.prefill_forward_ns = None, None, 0, 0, 0, 0
         seq.preemptions += 1
         seq.t_preempted = time.perf_counter_ns()
         self.preemptions += 1
@@ -382,7 +394,12 @@ class BatchEngine:
     def _admit(self) -> None:
         while self.queued and len(self.running) < self.max_batch:
             seq = self.queued[0]
-            if not self._fits(room_for(len(seq.fill_ids))):
+            entry, shared = self.prefixes.opening(seq.fill_ids) if self.prefixes is not None else (None, 0)
+            # a cache whose first forward is the decode step's, which reads a kept prompt where it is kept, holds only
+            # its own positions; any other forward would copy the prompt into it (engine.run.prefix)
+            share = 0 < shared == len(seq.fill_ids) - 1 and self.lm.model.reads_openings(self.kv_dtype)
+            if not (self._fits(room_for(len(seq.fill_ids)) - shared, keep=entry) if share
+                    else self._fits(room_for(len(seq.fill_ids)))):
                 return  # it waits for a running sequence to finish and free its cache
             self.queued.pop(0)
             seq.phase = seq.status = "prefill"
@@ -394,7 +411,8 @@ class BatchEngine:
             seq.held = room_for(len(seq.fill_ids))
             seq.cache = new_cache(self.cache_layers)
             if self.prefixes is not None:
-                seq.filled = seq.reused = self.prefixes.reuse(seq.fill_ids, seq.cache)
+                seq.opening, seq.reused = self.prefixes.reuse(seq.fill_ids, seq.cache, share)
+                seq.filled = seq.reused
             self.running.append(seq)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -445,7 +463,7 @@ class BatchEngine:
         """A fresh prompt's cache, prefilled, kept for the prompts that open as it does."""
         if self.prefixes is not None and not seq.token_ids:
             room = None if self.kv_budget_bytes is None else self.kv_budget_bytes - self.reserved_bytes
-            self.prefixes.keep(seq.prompt_ids, seq.cache, room)
+            self.prefixes.keep(seq.prompt_ids, seq.cache, room, self._in_use())
 
     def _prefill_ended(self, seq: Sequence, token: int, t_sync: int, t_host: int, kv_bytes, batch: int) -> None:
         """The prefill's row and first token (after a preemption, the next). Its forwards are one phase, which
@@ -536,7 +554,7 @@ class BatchEngine:
         for pool in (self.queued, self.running):
             if seq in pool:
                 pool.remove(seq)
-        seq.phase, seq.status, seq.stop_reason, seq.cache = "done", status, reason, None
+        seq.phase, seq.status, seq.stop_reason, seq.cache, seq.opening = "done", status, reason, None, None
         metrics = self._summary(seq)
         seq.result = {"run_id": seq.run_id, "status": status, "error": seq.error, "text": seq.text,
                       "token_ids": list(seq.token_ids), **metrics}

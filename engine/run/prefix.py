@@ -4,10 +4,11 @@ SGLang's radix cache do. A request that repeats a kept prompt whole computes onl
 give its first output token, as one more row of the running decode (engine.run.batch). The entries are copies of the
 prefilled caches (a sequence's own cache grows and is freed as it runs), kept least recently used first out, within a
 number of bytes; an opening that a later entry shared and took in the index is found again only through that entry
-while it is kept. A cache that reuses one reads its positions where the entry keeps them (engine.model.lean's
-OpeningLayer): every sequence decoding after the same prompt attends over one set of them, which stays in the
-processor's caches, instead of a copy each from memory; a forward other than the kernels' decode step copies them
-into the sequence's own cache first.
+while it is kept. A cache whose next forward is the kernels' decode step (the request repeats a kept prompt whole)
+reads its positions where the entry keeps them (engine.model.lean's OpeningLayer): every sequence decoding after the
+same prompt attends over one set of them, which stays in the processor's caches, instead of a copy each from memory,
+and the entry is not let go while a cache reads it; any other forward would copy them into the sequence's own cache,
+so such a cache is given a copy from the start.
 
 Each position's keys and values are those of the tokens before it, whichever sequence computed them, so a reused
 opening is the one the request would compute alone, to the bit where the products do not depend on the rows beside
@@ -16,10 +17,11 @@ row, which attends with the sums of the prompt's own last row)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from transformers.cache_utils import DynamicLayer
 
-from engine.model.lean import first_positions, open_with
+from engine.model.lean import first_positions, open_with, unshare
 
 # openings are looked up a block of tokens at a time, then extended token by token: a kept prompt shorter than a
 # block is found only when a request repeats it whole
@@ -64,23 +66,33 @@ class Prefixes:
             shared += 1
         return best, shared
 
-    def reuse(self, ids: list[int], cache) -> int:
-        """Open the empty cache with the longest kept opening of ids, read where it is kept, leaving at least its last
-        token to compute (its logits give the next token); the positions it holds now."""
+    def opening(self, ids: list[int]) -> tuple[tuple[int, ...] | None, int]:
+        """The kept entry a request of ids would open with and how many positions it would take from it: all it
+        shares but the last token of ids, whose logits give the next token ((None, 0): none)."""
         entry, shared = self.longest(ids)
         shared = min(shared, len(ids) - 1)
+        return (entry, shared) if shared > 0 else (None, 0)
+
+    def reuse(self, ids: list[int], cache, share: bool = True) -> tuple[tuple[int, ...] | None, int]:
+        """Open the empty cache with the longest kept opening of ids (opening()): read where it is kept where share
+        is true, else copied into the cache. The entry the cache reads (None where it reads none) and the positions
+        the cache holds now."""
+        entry, shared = self.opening(ids)
         self.queried_tokens += len(ids)
-        if shared <= 0:
-            return 0
+        if entry is None:
+            return None, 0
         self.entries.move_to_end(entry)
         open_with(cache, self.entries[entry], shared)
+        if not share:
+            unshare(cache)
         self.hits += 1
         self.reused_tokens += shared
-        return shared
+        return (entry if share else None), shared
 
-    def keep(self, ids: list[int], cache, room_bytes: int | None = None) -> None:
+    def keep(self, ids: list[int], cache, room_bytes: int | None = None, in_use: Collection = ()) -> None:
         """Keep a copy of the prefilled cache's first len(ids) positions, unless a kept entry holds them already;
-        the least recently used entries make way, within the capacity and room_bytes (what a KV budget leaves)."""
+        the least recently used entries but those in_use (caches read them) make way, within the capacity and
+        room_bytes (what a KV budget leaves)."""
         key = tuple(ids)
         if self.longest(ids)[1] == len(key):
             return
@@ -88,18 +100,21 @@ class Prefixes:
         need = len(key) * self.per_position
         if need > limit:
             return
-        while self.entries and self.bytes + need > limit:
-            self.evict()
+        while self.bytes + need > limit:
+            if not self.evict(in_use):
+                return
         self.entries[key] = [first_positions(layer, len(key)) for layer in cache.layers]
         self.positions += len(key)
         for opening in self._openings(key):
             self.index[opening] = key
 
-    def evict(self) -> bool:
-        """Drop the least recently used entry; False when none is kept."""
-        if not self.entries:
+    def evict(self, in_use: Collection = ()) -> bool:
+        """Drop the least recently used entry that no cache reads (none of in_use): letting one go that a cache
+        reads would free no memory. False when there is none."""
+        key = next((key for key in self.entries if key not in in_use), None)
+        if key is None:
             return False
-        key, _ = self.entries.popitem(last=False)
+        del self.entries[key]
         self.positions -= len(key)
         for opening in self._openings(key):
             if self.index.get(opening) is key:  # else a later entry holds it too

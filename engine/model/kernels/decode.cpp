@@ -210,8 +210,9 @@ std::tuple<at::Tensor, std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>,
       if (has_room(*cache, KV, D)) continue;
       cache_read += T * position_bytes;  // and a cache without room is copied first
       cache_written += T * position_bytes;
-      // copied into new storage with room for kCacheRoom more positions after its last
-      *cache = copied_with_room(*cache, 0, T, (T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom);
+      // copied into new storage with room up to the next multiple of kCacheRoom positions, counting a shared
+      // opening's (the room a copy of the opening would have, which the batch engine's KV budget counts)
+      *cache = copied_with_room(*cache, 0, T, (P + T + 1 + kCacheRoom - 1) / kCacheRoom * kCacheRoom - P);
       moved[c] = 1;
     }
     caches[c] = {start_of(keys[c]), start_of(values[c]), P + T, keys[c].stride(1), values[c].stride(1)};
