@@ -118,8 +118,9 @@ def test_a_step_over_a_kept_opening_read_where_it_is_gives_the_logits_of_a_copy_
     prefixes.keep(ids[:opening], kept)
     shared, copied = [new_cache(kinds) for _ in range(batch)], [new_cache(kinds) for _ in range(batch)]
     for b, (one, other) in enumerate(zip(shared, copied)):
-        assert prefixes.reuse(ids[:opening + 1 + b], one) == (tuple(ids[:opening]), opening)
-        assert prefixes.reuse(ids[:opening + 1 + b], other, share=False) == (None, opening)
+        found = prefixes.opening(ids[:opening + 1 + b])
+        assert prefixes.reuse(ids[:opening + 1 + b], one, found) == found == (tuple(ids[:opening]), opening)
+        assert prefixes.reuse(ids[:opening + 1 + b], other) == (None, opening)
     assert all(type(layer) is OpeningLayer for layer in shared[0].layers)
     assert not any(type(layer) is OpeningLayer for layer in copied[0].layers)
     tokens, positions = [ids[opening + b] for b in range(batch)], [opening] * batch
@@ -273,6 +274,39 @@ def test_a_kept_prompt_that_caches_read_is_not_let_go(int8_dyn):
     assert list(prefixes.entries) == [older] and prefixes.bytes == BLOCK
     prefixes.keep(ids, prefilled(int8_dyn, ids))
     assert list(prefixes.entries) == [tuple(ids)]
+
+
+def test_a_kept_prompt_kept_again_once_a_longer_one_that_took_its_openings_has_gone_is_found_and_counted_once(
+        int8_dyn):
+    prefixes = Prefixes(64 * MIB, 1)
+    short = list(range(100, 100 + BLOCK))
+    long = short + list(range(300, 300 + BLOCK))
+    for ids in (short, long):
+        prefixes.keep(ids, prefilled(int8_dyn, ids))
+    assert prefixes.evict({tuple(short)}) and prefixes.opening(short + [7]) == (None, 0)  # the longer one held them
+    prefixes.keep(short, prefilled(int8_dyn, short))
+    assert prefixes.bytes == BLOCK and prefixes.opening(short + [7]) == (tuple(short), BLOCK)
+
+
+def test_a_repeat_whose_whole_life_and_the_kept_prompt_outgrow_the_budget_copies_it_and_finishes(int8_dyn,
+                                                                                                  calibration):
+    """A budget of exactly one sequence's most room: reading the kept prompt where it is kept, the repeat could not
+    let it go as it grows, and would not fit alone; so it takes a copy, and the prompt makes way for its growth."""
+    if optional_kernel() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    per_position = BatchEngine(int8_dyn, calibration=calibration).shape.kv_bytes_per_token
+    n = len(BatchEngine(int8_dyn, calibration=calibration).check(sampled(OPENING)))
+    tokens = CACHE_ROOM + 10 - n
+    engine = BatchEngine(int8_dyn, max_batch=2, calibration=calibration, prefix_cache_bytes=64 * MIB,
+                         kv_budget_bytes=2 * CACHE_ROOM * per_position)
+    first = one_by_one(engine, [sampled(OPENING, tokens=4)])[0]  # short: growing, it would let the prompt go
+    assert len(engine.prefixes) == 1
+    again = engine.submit(sampled(OPENING, tokens=tokens))
+    engine.step()
+    assert again.opening is None and again.reused == n - 1
+    engine.run()
+    assert again.status == "ok" and again.preemptions == 0 and again.token_ids[:4] == first.token_ids
+    assert len(engine.prefixes) == 0
 
 
 def test_the_default_model_reuses_a_repeated_prompt_through_its_fast_paths(default_lm, calibration):

@@ -6,7 +6,8 @@ each running sequence's cache takes: the room the decode grows it by, 128 positi
 no more: a fresh prompt prefilled beside others gets that room at once, a long prompt's chunks concatenate; a cache
 that grows is copied once, so for that moment its old storage is held too; one that opens with a kept prompt, read
 where the prompt is kept, counts only its own positions' room, the prompt counting once among the kept prompts,
-which are let go to make room only while no cache reads them). A step first makes room for the running
+which are let go to make room only while no cache reads them, so a sequence reads one so only where the budget
+holds it beside the sequence's whole life). A step first makes room for the running
 sequences' next positions: when the budget runs out it preempts the newest-admitted sequence, as vLLM does, freeing
 its cache and putting it back at the front of the queue, to be recomputed (one prefill of its prompt and the tokens
 it has so far, which gives its next token) when memory allows. Then, unless it preempted, it admits the arrivals
@@ -395,11 +396,9 @@ class BatchEngine:
         while self.queued and len(self.running) < self.max_batch:
             seq = self.queued[0]
             entry, shared = self.prefixes.opening(seq.fill_ids) if self.prefixes is not None else (None, 0)
-            # a cache whose first forward is the decode step's, which reads a kept prompt where it is kept, holds only
-            # its own positions; any other forward would copy the prompt into it (engine.run.prefix)
-            share = 0 < shared == len(seq.fill_ids) - 1 and self.lm.model.reads_openings(self.kv_dtype)
-            if not (self._fits(room_for(len(seq.fill_ids)) - shared, keep=entry) if share
-                    else self._fits(room_for(len(seq.fill_ids)))):
+            share = self._reads_kept(seq, entry, shared)
+            room = room_for(len(seq.fill_ids))
+            if not (self._fits(room - shared, keep=entry) if share else self._fits(room)):
                 return  # it waits for a running sequence to finish and free its cache
             self.queued.pop(0)
             seq.phase = seq.status = "prefill"
@@ -411,9 +410,22 @@ class BatchEngine:
             seq.held = room_for(len(seq.fill_ids))
             seq.cache = new_cache(self.cache_layers)
             if self.prefixes is not None:
-                seq.opening, seq.reused = self.prefixes.reuse(seq.fill_ids, seq.cache, share)
+                # the prompt found kept, which the room made kept too; a copy is looked up again, as making room may
+                # have let go what was found
+                found = (entry, shared) if share else None
+                seq.opening, seq.reused = self.prefixes.reuse(seq.fill_ids, seq.cache, found)
                 seq.filled = seq.reused
             self.running.append(seq)
+
+    def _reads_kept(self, seq: Sequence, entry: tuple[int, ...] | None, shared: int) -> bool:
+        """Whether the sequence's cache is to read the kept prompt entry's first `shared` positions where they are
+        kept: only where its first forward is the decode step's, which reads them so (one prompt token left; any
+        other forward would copy them in, engine.run.prefix), and where the budget holds the entry beside the
+        sequence's whole life, so that it alone always fits (a running sequence cannot let go what it reads)."""
+        if not 0 < shared == len(seq.fill_ids) - 1 or not self.lm.model.reads_openings(self.kv_dtype):
+            return False
+        most = most_positions(len(seq.prompt_ids), seq.cfg.max_new_tokens) - shared + len(entry)
+        return self.kv_budget_bytes is None or most * self.shape.kv_bytes_per_token <= self.kv_budget_bytes
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Up to prefill_chunk tokens of the prompts in their prefill (oldest first; after a preemption, a

@@ -73,27 +73,33 @@ class Prefixes:
         shared = min(shared, len(ids) - 1)
         return (entry, shared) if shared > 0 else (None, 0)
 
-    def reuse(self, ids: list[int], cache, share: bool = True) -> tuple[tuple[int, ...] | None, int]:
-        """Open the empty cache with the longest kept opening of ids (opening()): read where it is kept where share
-        is true, else copied into the cache. The entry the cache reads (None where it reads none) and the positions
-        the cache holds now."""
-        entry, shared = self.opening(ids)
+    def reuse(self, ids: list[int], cache, found: tuple[tuple[int, ...], int] | None = None
+              ) -> tuple[tuple[int, ...] | None, int]:
+        """Open the empty cache with a kept opening of ids: found (a kept entry and its positions, from opening()),
+        read where it is kept, or where none is given the longest one kept, copied into the cache. The entry the cache
+        reads (None where it reads none) and the positions the cache holds now."""
+        entry, shared = found or self.opening(ids)
         self.queried_tokens += len(ids)
         if entry is None:
             return None, 0
         self.entries.move_to_end(entry)
         open_with(cache, self.entries[entry], shared)
-        if not share:
+        if found is None:
             unshare(cache)
         self.hits += 1
         self.reused_tokens += shared
-        return (entry if share else None), shared
+        return (entry if found is not None else None), shared
 
     def keep(self, ids: list[int], cache, room_bytes: int | None = None, in_use: Collection = ()) -> None:
         """Keep a copy of the prefilled cache's first len(ids) positions, unless a kept entry holds them already;
         the least recently used entries but those in_use (caches read them) make way, within the capacity and
         room_bytes (what a KV budget leaves)."""
         key = tuple(ids)
+        if key in self.entries:  # kept, though a later entry that took its openings in the index may have gone
+            self.entries.move_to_end(key)
+            for opening in self._openings(key):
+                self.index[opening] = key
+            return
         if self.longest(ids)[1] == len(key):
             return
         limit = self.capacity if room_bytes is None else min(self.capacity, room_bytes)
@@ -117,7 +123,7 @@ class Prefixes:
         del self.entries[key]
         self.positions -= len(key)
         for opening in self._openings(key):
-            if self.index.get(opening) is key:  # else a later entry holds it too
+            if self.index.get(opening) == key:  # else a later entry holds it too
                 del self.index[opening]
         return True
 
