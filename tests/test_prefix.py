@@ -270,7 +270,7 @@ def test_a_kept_prompt_that_caches_read_is_not_let_go(int8_dyn):
     assert not prefixes.evict({older}) and list(prefixes.entries) == [older]
     # a prompt that fits only if the one read made way is not kept
     ids = list(range(500, 500 + 3 * BLOCK))
-    prefixes.keep(ids, prefilled(int8_dyn, ids), in_use={older})
+    prefixes.keep(ids, prefilled(int8_dyn, ids), in_use=lambda: {older})
     assert list(prefixes.entries) == [older] and prefixes.bytes == BLOCK
     prefixes.keep(ids, prefilled(int8_dyn, ids))
     assert list(prefixes.entries) == [tuple(ids)]

@@ -407,7 +407,7 @@ class BatchEngine:
             if seq.t_preempted is not None:
                 seq.preempted_ns += now - seq.t_preempted
                 seq.t_preempted = None
-            seq.held = room_for(len(seq.fill_ids))
+            seq.held = room
             seq.cache = new_cache(self.cache_layers)
             if self.prefixes is not None:
                 # the prompt found kept, which the room made kept too; a copy is looked up again, as making room may
@@ -475,7 +475,7 @@ class BatchEngine:
         """A fresh prompt's cache, prefilled, kept for the prompts that open as it does."""
         if self.prefixes is not None and not seq.token_ids:
             room = None if self.kv_budget_bytes is None else self.kv_budget_bytes - self.reserved_bytes
-            self.prefixes.keep(seq.prompt_ids, seq.cache, room, self._in_use())
+            self.prefixes.keep(seq.prompt_ids, seq.cache, room, self._in_use)
 
     def _prefill_ended(self, seq: Sequence, token: int, t_sync: int, t_host: int, kv_bytes, batch: int) -> None:
         """The prefill's row and first token (after a preemption, the next). Its forwards are one phase, which

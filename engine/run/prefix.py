@@ -17,7 +17,7 @@ row, which attends with the sums of the prompt's own last row)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from transformers.cache_utils import DynamicLayer
 
@@ -90,15 +90,15 @@ class Prefixes:
         self.reused_tokens += shared
         return (entry if found is not None else None), shared
 
-    def keep(self, ids: list[int], cache, room_bytes: int | None = None, in_use: Collection = ()) -> None:
+    def keep(self, ids: list[int], cache, room_bytes: int | None = None,
+             in_use: Callable[[], Collection] = tuple) -> None:
         """Keep a copy of the prefilled cache's first len(ids) positions, unless a kept entry holds them already;
-        the least recently used entries but those in_use (caches read them) make way, within the capacity and
-        room_bytes (what a KV budget leaves)."""
+        the least recently used entries but those in_use() gives (caches read them; asked only where entries must
+        make way) make way, within the capacity and room_bytes (what a KV budget leaves)."""
         key = tuple(ids)
         if key in self.entries:  # kept, though a later entry that took its openings in the index may have gone
-            self.entries.move_to_end(key)
             for opening in self._openings(key):
-                self.index[opening] = key
+                self.index.setdefault(opening, key)
             return
         if self.longest(ids)[1] == len(key):
             return
@@ -106,9 +106,11 @@ class Prefixes:
         need = len(key) * self.per_position
         if need > limit:
             return
-        while self.bytes + need > limit:
-            if not self.evict(in_use):
-                return
+        if self.bytes + need > limit:
+            reading = in_use()
+            while self.bytes + need > limit:
+                if not self.evict(reading):
+                    return
         self.entries[key] = [first_positions(layer, len(key)) for layer in cache.layers]
         self.positions += len(key)
         for opening in self._openings(key):
